@@ -1,0 +1,1 @@
+"""Deployment side: ONNX export and an ONNX Runtime translator."""

@@ -1,0 +1,36 @@
+"""keras-transformer: the Transformer of "Attention Is All You Need" for Keras 3."""
+
+from keras_transformer.config import PRESETS, TransformerConfig
+from keras_transformer.layers import (
+    DecoderLayer,
+    EncoderLayer,
+    FeedForward,
+    MultiHeadAttention,
+    PositionalEmbedding,
+)
+from keras_transformer.model import TransformerParts, build_transformer, transformer_parts
+from keras_transformer.training import (
+    LabelSmoothedCrossEntropy,
+    MaskedAccuracy,
+    TransformerSchedule,
+    transformer_optimizer,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "PRESETS",
+    "DecoderLayer",
+    "EncoderLayer",
+    "FeedForward",
+    "LabelSmoothedCrossEntropy",
+    "MaskedAccuracy",
+    "MultiHeadAttention",
+    "PositionalEmbedding",
+    "TransformerConfig",
+    "TransformerParts",
+    "TransformerSchedule",
+    "build_transformer",
+    "transformer_optimizer",
+    "transformer_parts",
+]

@@ -1,0 +1,116 @@
+"""Model configuration: one dataclass and the named presets."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+PRESETS: dict[str, dict[str, Any]] = {
+    # Table 3 of the paper, "base" row.
+    "paper-base": dict(
+        num_layers=6, hidden_dim=512, intermediate_dim=2048, num_heads=8, dropout=0.1
+    ),
+    # Table 3 of the paper, "big" row (dropout 0.3 as used for EN-DE).
+    "paper-big": dict(
+        num_layers=6, hidden_dim=1024, intermediate_dim=4096, num_heads=16, dropout=0.3
+    ),
+    # Sized for Multi30k (~30k sentence pairs) on a small CPU machine.
+    "small": dict(
+        num_layers=3,
+        hidden_dim=256,
+        intermediate_dim=1024,
+        num_heads=4,
+        dropout=0.2,
+        vocabulary_size=8000,
+        max_length=128,
+    ),
+    # Unit tests and the built-in demo.
+    "tiny": dict(
+        num_layers=2,
+        hidden_dim=64,
+        intermediate_dim=256,
+        num_heads=4,
+        dropout=0.0,
+        vocabulary_size=64,
+        max_length=48,
+    ),
+}
+
+
+@dataclasses.dataclass
+class TransformerConfig:
+    """Hyper-parameters of an encoder-decoder Transformer.
+
+    Build one with `TransformerConfig.from_preset(name, **overrides)` or
+    directly with keyword arguments.
+    """
+
+    # Size of the joint (source and target) vocabulary; id 0 is padding.
+    vocabulary_size: int = 37000
+    # Number of encoder layers and of decoder layers (N in the paper).
+    num_layers: int = 6
+    # Model width d_model: embeddings, attention and residual stream.
+    hidden_dim: int = 512
+    # Inner width d_ff of the position-wise feed-forward network.
+    intermediate_dim: int = 2048
+    # Number of attention heads h; hidden_dim must be divisible by it.
+    num_heads: int = 8
+    # Dropout rate P_drop on embeddings, sublayer outputs and attention weights.
+    dropout: float = 0.1
+    # Longest sequence (in tokens, BOS/EOS included) the positional table covers.
+    max_length: int = 256
+    # Share one embedding between source, target and the output projection (section 3.4).
+    tie_embeddings: bool = True
+    # False: post-norm as in the paper; True: pre-norm (LayerNorm before each sublayer).
+    normalize_first: bool = False
+    # Epsilon of every LayerNormalization.
+    layer_norm_epsilon: float = 1e-6
+
+    def __post_init__(self):
+        for name in (
+            "vocabulary_size",
+            "num_layers",
+            "hidden_dim",
+            "intermediate_dim",
+            "num_heads",
+            "max_length",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(
+                    f"{name} must be a positive integer. Received: {name}={value!r}"
+                )
+        if self.hidden_dim % self.num_heads:
+            raise ValueError(
+                "hidden_dim must be divisible by num_heads. Received: "
+                f"hidden_dim={self.hidden_dim}, num_heads={self.num_heads}"
+            )
+        if not 0.0 <= float(self.dropout) < 1.0:
+            raise ValueError(f"dropout must be in [0, 1). Received: dropout={self.dropout!r}")
+
+    @classmethod
+    def from_preset(cls, name: str, **overrides: Any) -> TransformerConfig:
+        """Returns the preset `name` with `overrides` applied."""
+        if name not in PRESETS:
+            raise ValueError(
+                f"Unknown preset {name!r}. Available presets: {', '.join(sorted(PRESETS))}"
+            )
+        unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"Unknown config fields: {', '.join(sorted(unknown))}")
+        return cls(**{**PRESETS[name], **overrides})
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> TransformerConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(values) - known
+        if unknown:
+            raise ValueError(f"Unknown config fields: {', '.join(sorted(unknown))}")
+        return cls(**values)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)

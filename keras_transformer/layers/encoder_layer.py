@@ -1,0 +1,162 @@
+"""One encoder block: self-attention and feed-forward, each with residual and LayerNorm."""
+
+from __future__ import annotations
+
+import keras
+
+from keras_transformer.layers.feed_forward import FeedForward, clone_initializer
+from keras_transformer.layers.multi_head_attention import (
+    MultiHeadAttention,
+    _check_positive_int,
+    _check_rate,
+)
+
+
+class ResidualBlockMixin:
+    """Residual wiring shared by the encoder and decoder layers.
+
+    Post-norm (the paper): x = LayerNorm(x + Dropout(sublayer(x))).
+    Pre-norm: x = x + Dropout(sublayer(LayerNorm(x))).
+    """
+
+    def _residual(self, x, norm, dropout, sublayer, training):
+        y = norm(x) if self.normalize_first else x
+        y = dropout(sublayer(y), training=training)
+        x = x + y
+        return x if self.normalize_first else norm(x)
+
+    def _norm(self, name):
+        return keras.layers.LayerNormalization(
+            epsilon=self.layer_norm_epsilon, dtype=self.dtype_policy, name=name
+        )
+
+    def _dropout(self, name):
+        return keras.layers.Dropout(self.dropout, dtype=self.dtype_policy, name=name)
+
+    def _validate(self, hidden_dim, intermediate_dim, num_heads, dropout):
+        _check_positive_int("hidden_dim", hidden_dim)
+        _check_positive_int("intermediate_dim", intermediate_dim)
+        _check_positive_int("num_heads", num_heads)
+        _check_rate("dropout", dropout)
+        if hidden_dim % num_heads:
+            raise ValueError(
+                "hidden_dim must be divisible by num_heads. Received: "
+                f"hidden_dim={hidden_dim}, num_heads={num_heads}"
+            )
+
+    def _block_config(self):
+        return {
+            "hidden_dim": self.hidden_dim,
+            "intermediate_dim": self.intermediate_dim,
+            "num_heads": self.num_heads,
+            "dropout": self.dropout,
+            "normalize_first": self.normalize_first,
+            "layer_norm_epsilon": self.layer_norm_epsilon,
+            "kernel_initializer": keras.initializers.serialize(self.kernel_initializer),
+        }
+
+
+@keras.saving.register_keras_serializable(package="keras_transformer")
+class EncoderLayer(ResidualBlockMixin, keras.layers.Layer):
+    """A Transformer encoder layer (section 3.1).
+
+    Args:
+        hidden_dim: int. Model width (d_model).
+        intermediate_dim: int. Feed-forward inner width (d_ff).
+        num_heads: int. Attention heads.
+        dropout: float. Dropout on sublayer outputs and attention weights.
+        normalize_first: bool. Pre-norm if True; post-norm (the paper) if False.
+        layer_norm_epsilon: float. Epsilon of the LayerNorms.
+        kernel_initializer: initializer of every kernel.
+
+    Call arguments:
+        inputs: `(batch_size, seq_len, hidden_dim)`.
+        padding_mask: bool/int `(batch_size, seq_len)`; 1 = real token.
+        attention_mask: bool/int `(batch_size, seq_len, seq_len)`; 1 = attend.
+        training: bool. Whether dropout is active.
+
+    Returns:
+        `(batch_size, seq_len, hidden_dim)`.
+
+    Example:
+
+    >>> layer = EncoderLayer(hidden_dim=8, intermediate_dim=16, num_heads=2)
+    >>> layer(np.zeros((2, 5, 8), "float32"), padding_mask=np.ones((2, 5))).shape
+    (2, 5, 8)
+    """
+
+    def __init__(
+        self,
+        hidden_dim,
+        intermediate_dim,
+        num_heads,
+        dropout=0.0,
+        normalize_first=False,
+        layer_norm_epsilon=1e-6,
+        kernel_initializer="glorot_uniform",
+        **kwargs,
+    ):
+        super().__init__(**kwargs)
+        self._validate(hidden_dim, intermediate_dim, num_heads, dropout)
+        self.hidden_dim = hidden_dim
+        self.intermediate_dim = intermediate_dim
+        self.num_heads = num_heads
+        self.dropout = float(dropout)
+        self.normalize_first = bool(normalize_first)
+        self.layer_norm_epsilon = float(layer_norm_epsilon)
+        self.kernel_initializer = keras.initializers.get(kernel_initializer)
+
+        self.self_attention = MultiHeadAttention(
+            num_heads,
+            hidden_dim,
+            dropout=dropout,
+            kernel_initializer=clone_initializer(self.kernel_initializer),
+            dtype=self.dtype_policy,
+            name="self_attention",
+        )
+        self.self_attention_norm = self._norm("self_attention_norm")
+        self.self_attention_dropout = self._dropout("self_attention_dropout")
+        self.feed_forward = FeedForward(
+            hidden_dim,
+            intermediate_dim,
+            kernel_initializer=clone_initializer(self.kernel_initializer),
+            dtype=self.dtype_policy,
+            name="feed_forward",
+        )
+        self.feed_forward_norm = self._norm("feed_forward_norm")
+        self.feed_forward_dropout = self._dropout("feed_forward_dropout")
+
+    def build(self, inputs_shape):
+        self.self_attention.build(inputs_shape)
+        self.self_attention_norm.build(inputs_shape)
+        self.feed_forward.build(inputs_shape)
+        self.feed_forward_norm.build(inputs_shape)
+        self.built = True
+
+    def call(self, inputs, padding_mask=None, attention_mask=None, training=None):
+        def attend(x):
+            return self.self_attention(
+                x,
+                key_padding_mask=padding_mask,
+                attention_mask=attention_mask,
+                training=training,
+            )
+
+        x = self._residual(
+            inputs, self.self_attention_norm, self.self_attention_dropout, attend, training
+        )
+        return self._residual(
+            x,
+            self.feed_forward_norm,
+            self.feed_forward_dropout,
+            lambda y: self.feed_forward(y, training=training),
+            training,
+        )
+
+    def compute_output_shape(self, inputs_shape):
+        return inputs_shape
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(self._block_config())
+        return config

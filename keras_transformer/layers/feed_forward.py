@@ -1,0 +1,99 @@
+"""The position-wise feed-forward network of section 3.3."""
+
+from __future__ import annotations
+
+import keras
+
+from keras_transformer.layers.multi_head_attention import _check_positive_int, _check_rate
+
+
+def clone_initializer(initializer):
+    """A fresh initializer with the same config, so sublayers do not share seeds."""
+    return keras.initializers.get(keras.initializers.serialize(initializer))
+
+
+@keras.saving.register_keras_serializable(package="keras_transformer")
+class FeedForward(keras.layers.Layer):
+    """FFN(x) = max(0, x W1 + b1) W2 + b2, applied to every position alike.
+
+    Args:
+        hidden_dim: int. Width of the input and output (d_model).
+        intermediate_dim: int. Inner width (d_ff).
+        dropout: float. Dropout rate after the ReLU (0 in the paper).
+        activation: activation of the inner layer, ReLU as in the paper.
+        kernel_initializer: initializer of both kernels.
+
+    Call arguments:
+        inputs: `(batch_size, seq_len, hidden_dim)`.
+        training: bool. Whether dropout is active.
+
+    Returns:
+        `(batch_size, seq_len, hidden_dim)`.
+
+    Example:
+
+    >>> ffn = FeedForward(hidden_dim=8, intermediate_dim=32)
+    >>> ffn(np.zeros((2, 3, 8), "float32")).shape
+    (2, 3, 8)
+    """
+
+    def __init__(
+        self,
+        hidden_dim,
+        intermediate_dim,
+        dropout=0.0,
+        activation="relu",
+        kernel_initializer="glorot_uniform",
+        **kwargs,
+    ):
+        super().__init__(**kwargs)
+        _check_positive_int("hidden_dim", hidden_dim)
+        _check_positive_int("intermediate_dim", intermediate_dim)
+        _check_rate("dropout", dropout)
+        self.hidden_dim = hidden_dim
+        self.intermediate_dim = intermediate_dim
+        self.dropout = float(dropout)
+        self.activation = keras.activations.get(activation)
+        self.kernel_initializer = keras.initializers.get(kernel_initializer)
+        self.intermediate_dense = keras.layers.Dense(
+            intermediate_dim,
+            activation=self.activation,
+            kernel_initializer=clone_initializer(self.kernel_initializer),
+            dtype=self.dtype_policy,
+            name="intermediate_dense",
+        )
+        self.dropout_layer = keras.layers.Dropout(
+            self.dropout, dtype=self.dtype_policy, name="dropout_layer"
+        )
+        self.output_dense = keras.layers.Dense(
+            hidden_dim,
+            kernel_initializer=clone_initializer(self.kernel_initializer),
+            dtype=self.dtype_policy,
+            name="output_dense",
+        )
+
+    def build(self, inputs_shape):
+        self.intermediate_dense.build(inputs_shape)
+        self.output_dense.build(tuple(inputs_shape[:-1]) + (self.intermediate_dim,))
+        self.built = True
+
+    def call(self, inputs, training=None):
+        x = self.intermediate_dense(inputs)
+        x = self.dropout_layer(x, training=training)
+        return self.output_dense(x)
+
+    def compute_output_shape(self, inputs_shape):
+        return tuple(inputs_shape[:-1]) + (self.hidden_dim,)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(
+            {
+                "hidden_dim": self.hidden_dim,
+                "intermediate_dim": self.intermediate_dim,
+                "dropout": self.dropout,
+                "activation": keras.activations.serialize(self.activation),
+                "kernel_initializer": keras.initializers.serialize(self.kernel_initializer),
+            }
+        )
+        return config

@@ -1,0 +1,144 @@
+"""Token embedding plus the fixed sinusoidal position table of the paper."""
+
+from __future__ import annotations
+
+import math
+
+import keras
+import numpy as np
+from keras import ops
+
+
+def sinusoid_table(max_length: int, hidden_dim: int) -> np.ndarray:
+    """Returns the `(max_length, hidden_dim)` float32 table of section 3.5.
+
+    PE[pos, 2i] = sin(pos / 10000^(2i / d)) and PE[pos, 2i + 1] = cos(pos / 10000^(2i / d)).
+    """
+    positions = np.arange(max_length, dtype=np.float64)[:, None]
+    even = np.arange(0, hidden_dim, 2, dtype=np.float64)
+    angles = positions / np.power(10000.0, even / hidden_dim)  # (L, ceil(d / 2))
+    table = np.zeros((max_length, hidden_dim), dtype=np.float64)
+    table[:, 0::2] = np.sin(angles)
+    table[:, 1::2] = np.cos(angles[:, : hidden_dim // 2])
+    return table.astype(np.float32)
+
+
+@keras.saving.register_keras_serializable(package="keras_transformer")
+class PositionalEmbedding(keras.layers.Layer):
+    """Scaled token embedding plus sinusoidal positions, then dropout.
+
+    The embedding matrix is scaled by `sqrt(hidden_dim)` on the way in
+    (section 3.4) and can be reused as the output projection with
+    `reverse=True`, which gives the tied softmax weights of the paper.
+
+    Args:
+        vocabulary_size: int. Number of token ids; id 0 is padding.
+        hidden_dim: int. Width of the embedding (d_model).
+        max_length: int. Longest sequence the position table covers.
+        dropout: float. Dropout rate applied to the summed embedding.
+        embeddings_initializer: initializer of the embedding matrix.
+
+    Call arguments:
+        inputs: int tensor `(batch_size, seq_len)` of token ids, or, with
+            `reverse=True`, a float tensor `(batch_size, seq_len, hidden_dim)`.
+        start_index: int or scalar tensor. Absolute position of the first
+            token, used when decoding one step at a time. Defaults to 0.
+        reverse: bool. If True, project hidden states onto the vocabulary with
+            the transposed embedding matrix and return float32 logits.
+        training: bool. Whether dropout is active.
+
+    Returns:
+        `(batch_size, seq_len, hidden_dim)` in the compute dtype, or float32
+        logits `(batch_size, seq_len, vocabulary_size)` with `reverse=True`.
+
+    Example:
+
+    >>> layer = PositionalEmbedding(vocabulary_size=100, hidden_dim=16, max_length=32)
+    >>> layer(np.array([[5, 7, 0]])).shape
+    (1, 3, 16)
+    """
+
+    def __init__(
+        self,
+        vocabulary_size,
+        hidden_dim,
+        max_length,
+        dropout=0.0,
+        embeddings_initializer="glorot_uniform",
+        **kwargs,
+    ):
+        super().__init__(**kwargs)
+        for name, value in (
+            ("vocabulary_size", vocabulary_size),
+            ("hidden_dim", hidden_dim),
+            ("max_length", max_length),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer. Received: {name}={value!r}")
+        if not 0.0 <= float(dropout) < 1.0:
+            raise ValueError(f"dropout must be in [0, 1). Received: dropout={dropout!r}")
+        self.vocabulary_size = vocabulary_size
+        self.hidden_dim = hidden_dim
+        self.max_length = max_length
+        self.dropout = float(dropout)
+        self.embeddings_initializer = keras.initializers.get(embeddings_initializer)
+        self._table = sinusoid_table(max_length, hidden_dim)
+        self._scale = math.sqrt(hidden_dim)
+        self.dropout_layer = keras.layers.Dropout(
+            self.dropout, dtype=self.dtype_policy, name="dropout_layer"
+        )
+
+    def build(self, input_shape=None):
+        self._embeddings = self.add_weight(
+            shape=(self.vocabulary_size, self.hidden_dim),
+            initializer=self.embeddings_initializer,
+            name="embeddings",
+        )
+        self.built = True
+
+    @property
+    def embeddings(self):
+        """The `(vocabulary_size, hidden_dim)` embedding matrix (a variable)."""
+        return self._embeddings
+
+    def _check_length(self, seq_len, start_index):
+        if isinstance(seq_len, int) and isinstance(start_index, int):
+            if start_index + seq_len > self.max_length:
+                raise ValueError(
+                    f"Sequence too long for {self.name}: positions {start_index}.."
+                    f"{start_index + seq_len - 1} requested, but max_length={self.max_length} "
+                    "covers positions 0.."
+                    f"{self.max_length - 1}. Shorten or drop the input, or build the "
+                    "model with a larger max_length."
+                )
+
+    def call(self, inputs, start_index=0, reverse=False, training=None):
+        if reverse:
+            kernel = ops.cast(ops.transpose(self._embeddings), self.compute_dtype)
+            logits = ops.matmul(ops.cast(inputs, self.compute_dtype), kernel)
+            return ops.cast(logits, "float32")
+        seq_len = inputs.shape[1]
+        self._check_length(seq_len, start_index)
+        if seq_len is None:
+            seq_len = ops.shape(inputs)[1]
+        x = ops.take(self._embeddings, ops.cast(inputs, "int32"), axis=0)  # (B, T, D)
+        x = ops.cast(x, self.compute_dtype) * ops.cast(self._scale, self.compute_dtype)
+        table = ops.convert_to_tensor(self._table)  # float32, exact
+        positions = ops.slice(table, (start_index, 0), (seq_len, self.hidden_dim))  # (T, D)
+        x = x + ops.cast(positions, self.compute_dtype)[None]
+        return self.dropout_layer(x, training=training)
+
+    def get_config(self):
+        config = super().get_config()
+        config.update(
+            {
+                "vocabulary_size": self.vocabulary_size,
+                "hidden_dim": self.hidden_dim,
+                "max_length": self.max_length,
+                "dropout": self.dropout,
+                "embeddings_initializer": keras.initializers.serialize(
+                    self.embeddings_initializer
+                ),
+            }
+        )
+        return config

@@ -1,0 +1,191 @@
+"""The encoder-decoder Transformer assembled with the functional API."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import keras
+from keras import ops
+
+from keras_transformer.config import TransformerConfig
+from keras_transformer.layers import DecoderLayer, EncoderLayer, PaddingMask, PositionalEmbedding
+
+
+def build_transformer(config: TransformerConfig, name: str = "transformer") -> keras.Model:
+    """Builds the paper's encoder-decoder Transformer as a functional `keras.Model`.
+
+    Inputs are a dict `{"source_ids": (batch_size, source_len) int32,
+    "target_ids": (batch_size, target_len) int32}` with padding id 0;
+    `target_ids` is the decoder input (BOS + target). The output is float32
+    logits `(batch_size, target_len, vocabulary_size)`.
+
+    The layers take the global dtype policy, so call
+    `keras.mixed_precision.set_global_policy(...)` first for mixed precision.
+
+    Example:
+
+    >>> config = TransformerConfig.from_preset("tiny")
+    >>> model = build_transformer(config)
+    >>> logits = model({"source_ids": np.array([[5, 6, 2]]), "target_ids": np.array([[1, 7]])})
+    >>> logits.shape
+    (1, 2, 64)
+    """
+    if not isinstance(config, TransformerConfig):
+        raise TypeError(
+            f"config must be a TransformerConfig. Received: {type(config).__name__}"
+        )
+    source_ids = keras.Input(shape=(None,), dtype="int32", name="source_ids")
+    target_ids = keras.Input(shape=(None,), dtype="int32", name="target_ids")
+    source_mask = PaddingMask(name="source_padding_mask")(source_ids)
+    target_mask = PaddingMask(name="target_padding_mask")(target_ids)
+
+    def embedding(layer_name):
+        return PositionalEmbedding(
+            config.vocabulary_size,
+            config.hidden_dim,
+            config.max_length,
+            dropout=config.dropout,
+            name=layer_name,
+        )
+
+    if config.tie_embeddings:
+        source_embedding = target_embedding = embedding("token_embedding")
+    else:
+        source_embedding = embedding("source_embedding")
+        target_embedding = embedding("target_embedding")
+
+    block = dict(
+        hidden_dim=config.hidden_dim,
+        intermediate_dim=config.intermediate_dim,
+        num_heads=config.num_heads,
+        dropout=config.dropout,
+        normalize_first=config.normalize_first,
+        layer_norm_epsilon=config.layer_norm_epsilon,
+    )
+    x = source_embedding(source_ids)
+    for i in range(config.num_layers):
+        x = EncoderLayer(**block, name=f"encoder_layer_{i}")(x, padding_mask=source_mask)
+    if config.normalize_first:
+        x = _final_norm(config, "encoder_final_norm")(x)
+
+    y = target_embedding(target_ids)
+    for i in range(config.num_layers):
+        y = DecoderLayer(**block, name=f"decoder_layer_{i}")(
+            y, x, decoder_padding_mask=target_mask, encoder_padding_mask=source_mask
+        )
+    if config.normalize_first:
+        y = _final_norm(config, "decoder_final_norm")(y)
+
+    if config.tie_embeddings:
+        logits = target_embedding(y, reverse=True)
+    else:
+        projected = keras.layers.Dense(config.vocabulary_size, name="output_projection")(y)
+        logits = keras.layers.Activation("linear", dtype="float32", name="logits")(projected)
+    return keras.Model({"source_ids": source_ids, "target_ids": target_ids}, logits, name=name)
+
+
+def _final_norm(config, name):
+    return keras.layers.LayerNormalization(epsilon=config.layer_norm_epsilon, name=name)
+
+
+@dataclasses.dataclass
+class TransformerParts:
+    """The layers of a model from `build_transformer`, found by name.
+
+    Works on a freshly built model and on one loaded from a `.keras` file, so
+    decoding and export need nothing but the model.
+    """
+
+    config: TransformerConfig
+    source_embedding: PositionalEmbedding
+    target_embedding: PositionalEmbedding
+    encoder_layers: list
+    decoder_layers: list
+    encoder_final_norm: keras.layers.Layer | None
+    decoder_final_norm: keras.layers.Layer | None
+    output_projection: keras.layers.Layer | None  # None when tied to the embedding
+
+    def encode(self, source_ids, training=False):
+        """Returns `(encoder_output, source_padding_mask)`."""
+        source_ids = ops.convert_to_tensor(source_ids, "int32")
+        mask = ops.not_equal(source_ids, 0)
+        x = self.source_embedding(source_ids, training=training)
+        for layer in self.encoder_layers:
+            x = layer(x, padding_mask=mask, training=training)
+        if self.encoder_final_norm is not None:
+            x = self.encoder_final_norm(x)
+        return x, mask
+
+    def project(self, hidden):
+        """Final norm (pre-norm models) and output projection: float32 logits."""
+        if self.decoder_final_norm is not None:
+            hidden = self.decoder_final_norm(hidden)
+        if self.output_projection is None:
+            return self.target_embedding(hidden, reverse=True)
+        return ops.cast(self.output_projection(hidden), "float32")
+
+    def decode(self, target_ids, encoder_output, source_mask, training=False):
+        """Full (uncached) decoder pass: float32 logits for every target position."""
+        target_ids = ops.convert_to_tensor(target_ids, "int32")
+        target_mask = ops.not_equal(target_ids, 0)
+        y = self.target_embedding(target_ids, training=training)
+        for layer in self.decoder_layers:
+            y = layer(
+                y,
+                encoder_output,
+                decoder_padding_mask=target_mask,
+                encoder_padding_mask=source_mask,
+                training=training,
+            )
+        return self.project(y)
+
+
+def transformer_parts(model: keras.Model) -> TransformerParts:
+    """Finds the layers of a `build_transformer` model and recovers its config."""
+    names = {layer.name: layer for layer in model.layers}
+    if "token_embedding" in names:
+        source_embedding = target_embedding = names["token_embedding"]
+        output_projection = None
+    elif "source_embedding" in names and "target_embedding" in names:
+        source_embedding = names["source_embedding"]
+        target_embedding = names["target_embedding"]
+        output_projection = names.get("output_projection")
+    else:
+        raise ValueError(
+            f"Model {model.name!r} was not built by build_transformer: it has no "
+            "'token_embedding' (or 'source_embedding'/'target_embedding') layer."
+        )
+    def stack(kind):
+        found = [layer for layer in model.layers if isinstance(layer, kind)]
+        return sorted(found, key=lambda layer: int(layer.name.rsplit("_", 1)[-1]))
+
+    encoder_layers = stack(EncoderLayer)
+    decoder_layers = stack(DecoderLayer)
+    if not encoder_layers or len(encoder_layers) != len(decoder_layers):
+        raise ValueError(
+            f"Model {model.name!r} has {len(encoder_layers)} encoder and "
+            f"{len(decoder_layers)} decoder layers; expected the same positive number."
+        )
+    first = encoder_layers[0]
+    config = TransformerConfig(
+        vocabulary_size=source_embedding.vocabulary_size,
+        num_layers=len(encoder_layers),
+        hidden_dim=first.hidden_dim,
+        intermediate_dim=first.intermediate_dim,
+        num_heads=first.num_heads,
+        dropout=first.dropout,
+        max_length=source_embedding.max_length,
+        tie_embeddings=output_projection is None,
+        normalize_first=first.normalize_first,
+        layer_norm_epsilon=first.layer_norm_epsilon,
+    )
+    return TransformerParts(
+        config=config,
+        source_embedding=source_embedding,
+        target_embedding=target_embedding,
+        encoder_layers=encoder_layers,
+        decoder_layers=decoder_layers,
+        encoder_final_norm=names.get("encoder_final_norm"),
+        decoder_final_norm=names.get("decoder_final_norm"),
+        output_projection=output_projection,
+    )

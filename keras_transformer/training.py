@@ -1,0 +1,176 @@
+"""The paper's training recipe: schedule, optimizer, label-smoothed loss, accuracy."""
+
+from __future__ import annotations
+
+import keras
+from keras import ops
+
+from keras_transformer.layers.masks import PAD_ID
+
+
+@keras.saving.register_keras_serializable(package="keras_transformer")
+class TransformerSchedule(keras.optimizers.schedules.LearningRateSchedule):
+    """Warm-up then inverse square root decay (equation 3 of the paper).
+
+    lr(step) = scale * hidden_dim^-0.5 * min(step^-0.5, step * warmup_steps^-1.5)
+
+    Steps count from 1. Keras passes the optimizer's iteration counter, which
+    starts at 0; step 0 is treated as step 1 so that the first update does not
+    get a learning rate of zero. The maximum is reached at `warmup_steps`.
+
+    Args:
+        hidden_dim: int. Model width d_model.
+        warmup_steps: int. Length of the linear warm-up.
+        scale: float. Multiplier on the whole curve.
+
+    Example:
+
+    >>> schedule = TransformerSchedule(hidden_dim=512, warmup_steps=4000)
+    >>> float(schedule(4000))  # 512**-0.5 * 4000**-0.5
+    0.000698771...
+    """
+
+    def __init__(self, hidden_dim, warmup_steps=4000, scale=1.0):
+        if isinstance(hidden_dim, bool) or not isinstance(hidden_dim, int) or hidden_dim <= 0:
+            raise ValueError(
+                f"hidden_dim must be a positive integer. Received: hidden_dim={hidden_dim!r}"
+            )
+        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps <= 0:
+            raise ValueError(
+                f"warmup_steps must be a positive integer. Received: warmup_steps={warmup_steps!r}"
+            )
+        if not isinstance(scale, (int, float)) or scale <= 0:
+            raise ValueError(f"scale must be a positive number. Received: scale={scale!r}")
+        self.hidden_dim = hidden_dim
+        self.warmup_steps = warmup_steps
+        self.scale = float(scale)
+
+    def __call__(self, step):
+        step = ops.maximum(ops.cast(step, "float32"), 1.0)
+        warmup = ops.cast(self.warmup_steps, "float32")
+        rate = ops.minimum(ops.rsqrt(step), step * warmup**-1.5)
+        return self.scale * self.hidden_dim**-0.5 * rate
+
+    def get_config(self):
+        return {
+            "hidden_dim": self.hidden_dim,
+            "warmup_steps": self.warmup_steps,
+            "scale": self.scale,
+        }
+
+
+def transformer_optimizer(hidden_dim, warmup_steps=4000, scale=1.0, **kwargs):
+    """Adam as in section 5.3 (beta_1=0.9, beta_2=0.98, epsilon=1e-9) on `TransformerSchedule`.
+
+    Extra keyword arguments (e.g. `clipnorm`) go to `keras.optimizers.Adam`.
+    """
+    return keras.optimizers.Adam(
+        learning_rate=TransformerSchedule(hidden_dim, warmup_steps, scale),
+        beta_1=0.9,
+        beta_2=0.98,
+        epsilon=1e-9,
+        **kwargs,
+    )
+
+
+def _real_token_mask(y_true):
+    return ops.cast(ops.not_equal(ops.cast(y_true, "int32"), PAD_ID), "float32")
+
+
+def label_smoothed_token_losses(y_true, logits, label_smoothing):
+    """Per-token label-smoothed cross-entropy, float32, shape of `y_true`.
+
+    The smoothed target puts `1 - label_smoothing` on the true token and
+    spreads `label_smoothing` uniformly over the whole vocabulary.
+    """
+    log_probs = ops.log_softmax(ops.cast(logits, "float32"), axis=-1)  # (B, T, V)
+    labels = ops.expand_dims(ops.cast(y_true, "int32"), -1)
+    nll = -ops.squeeze(ops.take_along_axis(log_probs, labels, axis=-1), -1)  # (B, T)
+    if not label_smoothing:
+        return nll
+    uniform = -ops.mean(log_probs, axis=-1)  # (B, T)
+    return (1.0 - label_smoothing) * nll + label_smoothing * uniform
+
+
+@keras.saving.register_keras_serializable(package="keras_transformer")
+class LabelSmoothedCrossEntropy(keras.losses.Loss):
+    """Label-smoothed cross-entropy over logits that ignores padding labels (id 0).
+
+    The result is the mean over real (non-padding) target tokens, computed in
+    float32. A batch with no real token gives 0. `sample_weight`, when given,
+    weights each token `(batch_size, target_len)` or sentence `(batch_size,)`
+    on top of the padding mask.
+
+    Args:
+        label_smoothing: float in [0, 1). 0.1 in the paper (section 5.4).
+
+    Example:
+
+    >>> loss = LabelSmoothedCrossEntropy(0.1)
+    >>> loss(np.array([[3, 0]]), np.zeros((1, 2, 8), "float32"))  # log(8) on one token
+    """
+
+    def __init__(self, label_smoothing=0.1, name="label_smoothed_cross_entropy", **kwargs):
+        if not isinstance(label_smoothing, (int, float)) or not 0.0 <= label_smoothing < 1.0:
+            raise ValueError(
+                "label_smoothing must be a float in [0, 1). Received: "
+                f"label_smoothing={label_smoothing!r}"
+            )
+        kwargs.pop("reduction", None)
+        super().__init__(name=name, reduction="sum", dtype="float32", **kwargs)
+        self.label_smoothing = float(label_smoothing)
+
+    def __call__(self, y_true, y_pred, sample_weight=None):
+        mask = _real_token_mask(y_true)
+        if sample_weight is not None:
+            sample_weight = ops.cast(sample_weight, "float32")
+            if len(sample_weight.shape) == 1:
+                sample_weight = ops.expand_dims(sample_weight, -1)
+            mask = mask * sample_weight
+        losses = label_smoothed_token_losses(y_true, y_pred, self.label_smoothing)
+        return ops.divide_no_nan(ops.sum(losses * mask), ops.sum(mask))
+
+    def call(self, y_true, y_pred):
+        # Unreduced per-token losses (padding zeroed), for callers that want them.
+        return label_smoothed_token_losses(y_true, y_pred, self.label_smoothing) * (
+            _real_token_mask(y_true)
+        )
+
+    def get_config(self):
+        return {"label_smoothing": self.label_smoothing, "name": self.name}
+
+
+@keras.saving.register_keras_serializable(package="keras_transformer")
+class MaskedAccuracy(keras.metrics.Metric):
+    """Token accuracy over real (non-padding) target tokens.
+
+    Example:
+
+    >>> metric = MaskedAccuracy()
+    >>> metric.update_state(np.array([[2, 3, 0]]), logits)  # argmax over the last axis
+    """
+
+    def __init__(self, name="masked_accuracy", **kwargs):
+        super().__init__(name=name, **kwargs)
+        self.correct = self.add_variable(shape=(), initializer="zeros", name="correct")
+        self.total = self.add_variable(shape=(), initializer="zeros", name="total")
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        y_true = ops.cast(y_true, "int32")
+        mask = _real_token_mask(y_true)
+        if sample_weight is not None:
+            sample_weight = ops.cast(sample_weight, "float32")
+            if len(sample_weight.shape) == 1:
+                sample_weight = ops.expand_dims(sample_weight, -1)
+            mask = mask * sample_weight
+        predicted = ops.cast(ops.argmax(y_pred, axis=-1), "int32")
+        hits = ops.cast(ops.equal(predicted, y_true), "float32") * mask
+        self.correct.assign_add(ops.sum(hits))
+        self.total.assign_add(ops.sum(mask))
+
+    def result(self):
+        return ops.divide_no_nan(self.correct, self.total)
+
+    def reset_state(self):
+        self.correct.assign(0.0)
+        self.total.assign(0.0)
