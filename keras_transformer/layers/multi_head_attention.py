@@ -190,7 +190,10 @@ class MultiHeadAttention(keras.layers.Layer):
         if mask is not None:
             mask = ops.expand_dims(mask, 1)  # (B, 1, T, S)
             scores = ops.where(mask, scores, MASKED_SCORE)
-        weights = ops.softmax(scores, axis=-1)
+        # Written out rather than ops.softmax, which warns on a length-1 key axis
+        # (the first decoding step).
+        weights = ops.exp(scores - ops.max(scores, axis=-1, keepdims=True))
+        weights = weights / ops.sum(weights, axis=-1, keepdims=True)
         if mask is not None:
             # A fully masked row has uniform weights here; zero it.
             weights = weights * ops.cast(mask, "float32")

@@ -1,0 +1,1 @@
+"""Data: the built-in toy corpus, tokenizers and tf.data pipelines."""
