@@ -49,16 +49,17 @@ def greedy_decode_simple(model, source_ids, max_new_tokens, bos_id=1, eos_id=2, 
 def run_demo(
     out_dir: str = "runs/demo",
     preset: str = "tiny",
-    epochs: int = 12,
+    epochs: int = 10,
     num_train: int = 20000,
     num_test: int = 500,
+    max_words: int = 8,
     batch_size: int = 64,
     warmup_steps: int = 1000,
     label_smoothing: float = 0.1,
     seed: int = 0,
     num_examples: int = 5,
     verbose: int = 1,
-    jit_compile="auto",
+    jit_compile=True,
     **config_overrides,
 ) -> dict:
     """Trains `preset` on the toy corpus with `model.fit`, decodes the test split greedily.
@@ -66,7 +67,9 @@ def run_demo(
     Writes `model.keras` and `metrics.json` into `out_dir` and returns the metrics.
     """
     keras.utils.set_random_seed(seed)
-    corpus = generate_toy_corpus(num_train=num_train, num_valid=num_test, num_test=num_test, seed=seed)
+    corpus = generate_toy_corpus(
+        num_train=num_train, num_valid=num_test, num_test=num_test, max_words=max_words, seed=seed
+    )
     vocabulary = WordVocabulary.from_corpus(corpus)
     config = TransformerConfig.from_preset(preset, **config_overrides)
     if config.vocabulary_size < len(vocabulary):

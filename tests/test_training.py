@@ -1,0 +1,123 @@
+import math
+
+import keras
+import numpy as np
+import pytest
+
+from keras_transformer import (
+    LabelSmoothedCrossEntropy,
+    MaskedAccuracy,
+    TransformerSchedule,
+    transformer_optimizer,
+)
+from tests.helpers import to_numpy
+
+
+def formula(step, d, warmup):
+    return d**-0.5 * min(step**-0.5, step * warmup**-1.5)
+
+
+@pytest.mark.parametrize("step", [1, 4000, 40000, 123, 9999])
+def test_schedule_matches_paper_formula(step):
+    schedule = TransformerSchedule(hidden_dim=512, warmup_steps=4000)
+    assert float(to_numpy(schedule(step))) == pytest.approx(formula(step, 512, 4000), rel=1e-6)
+
+
+def test_schedule_peaks_at_warmup_and_scales():
+    schedule = TransformerSchedule(hidden_dim=256, warmup_steps=100, scale=2.0)
+    values = [float(to_numpy(schedule(s))) for s in range(1, 1001)]
+    assert int(np.argmax(values)) + 1 == 100
+    assert values[99] == pytest.approx(2.0 * formula(100, 256, 100), rel=1e-6)
+    # Keras' iteration counter starts at 0: treated as step 1, never a zero rate.
+    assert float(to_numpy(schedule(0))) == pytest.approx(values[0], rel=1e-6)
+
+
+def test_schedule_serializes():
+    schedule = TransformerSchedule(hidden_dim=128, warmup_steps=50, scale=0.5)
+    restored = keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(schedule))
+    assert isinstance(restored, TransformerSchedule)
+    assert restored.get_config() == schedule.get_config()
+    assert float(to_numpy(restored(70))) == pytest.approx(float(to_numpy(schedule(70))))
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [(dict(hidden_dim=0), "hidden_dim"), (dict(hidden_dim=8, warmup_steps=0), "warmup_steps")],
+)
+def test_schedule_bad_arguments(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        TransformerSchedule(**kwargs)
+
+
+def test_optimizer_is_the_papers_adam():
+    optimizer = transformer_optimizer(512, warmup_steps=4000)
+    assert isinstance(optimizer, keras.optimizers.Adam)
+    assert (optimizer.beta_1, optimizer.beta_2, optimizer.epsilon) == (0.9, 0.98, 1e-9)
+    assert isinstance(optimizer._learning_rate, TransformerSchedule)
+
+
+def _hand_loss(labels, logits, eps):
+    total, count = 0.0, 0
+    for b in range(labels.shape[0]):
+        for t in range(labels.shape[1]):
+            if labels[b, t] == 0:
+                continue
+            z = logits[b, t].astype(np.float64)
+            log_p = z - (z.max() + math.log(np.exp(z - z.max()).sum()))
+            vocab = len(z)
+            target = np.full(vocab, eps / vocab)
+            target[labels[b, t]] += 1.0 - eps
+            total += -(target * log_p).sum()
+            count += 1
+    return total / count
+
+
+@pytest.mark.parametrize("eps", [0.0, 0.1])
+def test_loss_equals_hand_computation(eps):
+    rng = np.random.default_rng(0)
+    labels = np.array([[3, 1, 4, 0, 0], [2, 2, 0, 0, 0]], "int32")
+    logits = rng.normal(size=(2, 5, 6)).astype("float32")
+    loss = float(to_numpy(LabelSmoothedCrossEntropy(eps)(labels, logits)))
+    assert loss == pytest.approx(_hand_loss(labels, logits, eps), rel=1e-5)
+
+
+def test_padded_positions_contribute_nothing():
+    rng = np.random.default_rng(1)
+    labels = np.array([[3, 1, 0, 0]], "int32")
+    logits = rng.normal(size=(1, 4, 6)).astype("float32")
+    changed = logits.copy()
+    changed[:, 2:] = rng.normal(size=(1, 2, 6)) * 100
+    loss = LabelSmoothedCrossEntropy(0.1)
+    assert float(to_numpy(loss(labels, logits))) == float(to_numpy(loss(labels, changed)))
+    # All padding: zero, not NaN.
+    assert float(to_numpy(loss(np.zeros((1, 4), "int32"), logits))) == 0.0
+
+
+def test_loss_is_float32_under_float16_logits():
+    labels = np.array([[3, 1]], "int32")
+    logits = np.random.default_rng(2).normal(size=(1, 2, 6)).astype("float16")
+    value = LabelSmoothedCrossEntropy(0.1)(labels, logits)
+    assert keras.backend.standardize_dtype(value.dtype) == "float32"
+    assert float(to_numpy(value)) == pytest.approx(
+        _hand_loss(labels, logits.astype("float32"), 0.1), rel=1e-4
+    )
+
+
+def test_loss_serializes_and_validates():
+    loss = LabelSmoothedCrossEntropy(0.2)
+    restored = keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(loss))
+    assert restored.label_smoothing == 0.2
+    with pytest.raises(ValueError, match="label_smoothing"):
+        LabelSmoothedCrossEntropy(1.0)
+
+
+def test_masked_accuracy_counts_real_tokens_only():
+    metric = MaskedAccuracy()
+    labels = np.array([[3, 1, 0], [2, 0, 0]], "int32")
+    logits = np.zeros((2, 3, 5), "float32")
+    logits[0, 0, 3] = logits[0, 1, 4] = logits[1, 0, 2] = 1.0  # 2 of 3 right
+    logits[0, 2, 0] = logits[1, 1, 0] = logits[1, 2, 0] = 1.0  # "right" on padding
+    metric.update_state(labels, logits)
+    assert float(to_numpy(metric.result())) == pytest.approx(2 / 3)
+    metric.reset_state()
+    assert float(to_numpy(metric.result())) == 0.0
