@@ -78,9 +78,7 @@ class TransformerConfig:
         ):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(
-                    f"{name} must be a positive integer. Received: {name}={value!r}"
-                )
+                raise ValueError(f"{name} must be a positive integer. Received: {name}={value!r}")
         if self.hidden_dim % self.num_heads:
             raise ValueError(
                 "hidden_dim must be divisible by num_heads. Received: "

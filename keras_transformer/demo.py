@@ -112,11 +112,13 @@ def run_demo(
 
     if verbose:
         print()
-        for source, reference, hypothesis in list(zip(sources, references, hypotheses, strict=True))[
-            :num_examples
-        ]:
+        for source, reference, hypothesis in list(
+            zip(sources, references, hypotheses, strict=True)
+        )[:num_examples]:
             mark = "ok " if hypothesis == reference else "BAD"
-            print(f"[{mark}] source:    {source}\n      reference: {reference}\n      output:    {hypothesis}")
+            print(
+                f"[{mark}] source:    {source}\n      reference: {reference}\n      output:    {hypothesis}"
+            )
         print(f"\nExact match on {len(references)} held-out test sentences: {exact:.4f}")
         print(f"Training: {train_seconds:.1f} s; greedy decoding: {decode_seconds:.1f} s")
 

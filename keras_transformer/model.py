@@ -31,9 +31,7 @@ def build_transformer(config: TransformerConfig, name: str = "transformer") -> k
     (1, 2, 64)
     """
     if not isinstance(config, TransformerConfig):
-        raise TypeError(
-            f"config must be a TransformerConfig. Received: {type(config).__name__}"
-        )
+        raise TypeError(f"config must be a TransformerConfig. Received: {type(config).__name__}")
     source_ids = keras.Input(shape=(None,), dtype="int32", name="source_ids")
     target_ids = keras.Input(shape=(None,), dtype="int32", name="target_ids")
     source_mask = PaddingMask(name="source_padding_mask")(source_ids)
@@ -155,6 +153,7 @@ def transformer_parts(model: keras.Model) -> TransformerParts:
             f"Model {model.name!r} was not built by build_transformer: it has no "
             "'token_embedding' (or 'source_embedding'/'target_embedding') layer."
         )
+
     def stack(kind):
         found = [layer for layer in model.layers if isinstance(layer, kind)]
         return sorted(found, key=lambda layer: int(layer.name.rsplit("_", 1)[-1]))

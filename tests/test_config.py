@@ -6,11 +6,19 @@ from keras_transformer import TransformerConfig
 def test_presets():
     base = TransformerConfig.from_preset("paper-base")
     assert (base.num_layers, base.hidden_dim, base.intermediate_dim, base.num_heads) == (
-        6, 512, 2048, 8)
+        6,
+        512,
+        2048,
+        8,
+    )
     assert base.dropout == 0.1
     big = TransformerConfig.from_preset("paper-big")
     assert (big.hidden_dim, big.intermediate_dim, big.num_heads, big.dropout) == (
-        1024, 4096, 16, 0.3)
+        1024,
+        4096,
+        16,
+        0.3,
+    )
     assert TransformerConfig.from_preset("tiny", hidden_dim=32).hidden_dim == 32
 
 

@@ -20,8 +20,7 @@ import numpy as np
 from keras_transformer.io_utils import atomic_write_text
 
 SOURCE_WORDS = (
-    "ka ko ku li lo mina nor pel ris sa ti tel vu wen yor zam "
-    "bel dun fap gor hik jul"
+    "ka ko ku li lo mina nor pel ris sa ti tel vu wen yor zam bel dun fap gor hik jul"
 ).split()
 # Words whose translation is two target words.
 COMPOUND_EVERY = 4

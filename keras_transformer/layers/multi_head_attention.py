@@ -119,9 +119,7 @@ class MultiHeadAttention(keras.layers.Layer):
         self.query_dense = projection("query_dense", "btd,dnh->btnh", heads, "nh")
         self.key_dense = projection("key_dense", "btd,dnh->btnh", heads, "nh")
         self.value_dense = projection("value_dense", "btd,dnh->btnh", heads, "nh")
-        self.output_dense = projection(
-            "output_dense", "btnh,nhd->btd", (None, hidden_dim), "d"
-        )
+        self.output_dense = projection("output_dense", "btnh,nhd->btd", (None, hidden_dim), "d")
         self.dropout_layer = keras.layers.Dropout(
             self.dropout, dtype=self.dtype_policy, name="dropout_layer"
         )

@@ -117,15 +117,12 @@ class PositionalEmbedding(keras.layers.Layer):
             kernel = ops.cast(ops.transpose(self._embeddings), self.compute_dtype)
             logits = ops.matmul(ops.cast(inputs, self.compute_dtype), kernel)
             return ops.cast(logits, "float32")
-        seq_len = inputs.shape[1]
-        self._check_length(seq_len, start_index)
-        if seq_len is None:
-            seq_len = ops.shape(inputs)[1]
+        self._check_length(inputs.shape[1], start_index)
         x = ops.take(self._embeddings, ops.cast(inputs, "int32"), axis=0)  # (B, T, D)
         x = ops.cast(x, self.compute_dtype) * ops.cast(self._scale, self.compute_dtype)
         table = ops.convert_to_tensor(self._table)  # float32, exact
-        positions = ops.slice(table, (start_index, 0), (seq_len, self.hidden_dim))  # (T, D)
-        x = x + ops.cast(positions, self.compute_dtype)[None]
+        positions = ops.arange(ops.shape(inputs)[1], dtype="int32") + start_index  # (T,)
+        x = x + ops.cast(ops.take(table, positions, axis=0), self.compute_dtype)[None]
         return self.dropout_layer(x, training=training)
 
     def get_config(self):
@@ -136,9 +133,7 @@ class PositionalEmbedding(keras.layers.Layer):
                 "hidden_dim": self.hidden_dim,
                 "max_length": self.max_length,
                 "dropout": self.dropout,
-                "embeddings_initializer": keras.initializers.serialize(
-                    self.embeddings_initializer
-                ),
+                "embeddings_initializer": keras.initializers.serialize(self.embeddings_initializer),
             }
         )
         return config

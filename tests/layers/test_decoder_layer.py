@@ -16,8 +16,13 @@ X_MASK = np.array([[1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]], "bool")
 def test_layer_contract(normalize_first):
     run_layer_test(
         DecoderLayer,
-        dict(hidden_dim=8, intermediate_dim=16, num_heads=2, dropout=0.1,
-             normalize_first=normalize_first),
+        dict(
+            hidden_dim=8,
+            intermediate_dim=16,
+            num_heads=2,
+            dropout=0.1,
+            normalize_first=normalize_first,
+        ),
         dict(
             decoder_sequence=Y,
             encoder_sequence=X,
@@ -48,8 +53,9 @@ def test_encoder_padding_is_ignored():
 
 @pytest.mark.parametrize("normalize_first", [False, True])
 def test_token_by_token_with_cache_equals_full_pass(normalize_first):
-    layer = DecoderLayer(hidden_dim=8, intermediate_dim=16, num_heads=2,
-                         normalize_first=normalize_first)
+    layer = DecoderLayer(
+        hidden_dim=8, intermediate_dim=16, num_heads=2, normalize_first=normalize_first
+    )
     full = to_numpy(layer(Y, X, encoder_padding_mask=X_MASK))
     self_cache = ops.zeros((2, 2, 6, 2, 4))
     cross_cache = None

@@ -12,8 +12,13 @@ MASK = np.array([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], "bool")
 def test_layer_contract(normalize_first):
     run_layer_test(
         EncoderLayer,
-        dict(hidden_dim=8, intermediate_dim=16, num_heads=2, dropout=0.1,
-             normalize_first=normalize_first),
+        dict(
+            hidden_dim=8,
+            intermediate_dim=16,
+            num_heads=2,
+            dropout=0.1,
+            normalize_first=normalize_first,
+        ),
         dict(inputs=X, padding_mask=MASK),
         expected_output_shape=(2, 5, 8),
     )

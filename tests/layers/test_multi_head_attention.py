@@ -102,7 +102,9 @@ def test_cached_steps_equal_full_causal_pass():
     full = to_numpy(layer(x, use_causal_mask=True))
     cache = ops.zeros((2, 2, 7, 2, 4))  # room for more than the 5 steps
     for t in range(5):
-        step, cache = layer(x[:, t : t + 1], use_causal_mask=True, cache=cache, cache_update_index=t)
+        step, cache = layer(
+            x[:, t : t + 1], use_causal_mask=True, cache=cache, cache_update_index=t
+        )
         np.testing.assert_allclose(to_numpy(step)[:, 0], full[:, t], rtol=1e-5, atol=1e-5)
 
 
@@ -119,7 +121,10 @@ def test_read_only_cache_equals_cross_attention():
 @pytest.mark.parametrize(
     "kwargs,message",
     [
-        (dict(num_heads=0, hidden_dim=8), "num_heads must be a positive integer. Received: num_heads=0"),
+        (
+            dict(num_heads=0, hidden_dim=8),
+            "num_heads must be a positive integer. Received: num_heads=0",
+        ),
         (dict(num_heads=3, hidden_dim=8), "divisible"),
         (dict(num_heads=2, hidden_dim=8, dropout=-0.1), "dropout"),
     ],

@@ -1,7 +1,6 @@
 import math
 
 import keras
-
 import numpy as np
 import pytest
 
