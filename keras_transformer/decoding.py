@@ -1,0 +1,389 @@
+"""Greedy and beam search over a model from `build_transformer`, with a key/value cache.
+
+The decoder runs one position at a time. Each decoder layer keeps a
+self-attention cache of keys and values, preallocated at the longest output of
+the call; the cross-attention keys and values of the encoder output are
+computed once per sentence. The step is compiled (`tf.function` on
+TensorFlow, `jax.jit` on JAX) and traced once per batch shape.
+
+`use_cache=False` re-runs the whole decoder over the growing output at every
+step. It is the reference the cached search is tested against.
+
+Conventions: padding id 0, BOS 1, EOS 2. Returned token ids exclude BOS and
+stop before EOS. A source longer than the model's `max_length` raises a
+`ValueError` (it is never truncated). An empty source (no non-padding token)
+gives an empty output with score 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import keras
+import numpy as np
+from keras import ops
+
+from keras_transformer.model import TransformerParts, transformer_parts
+
+PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
+EXTRA_OUTPUT_TOKENS = 50  # default maximum output length = source length + 50
+
+
+def length_penalty_factor(length, alpha=0.6):
+    """((5 + length) / 6) ** alpha, the length normalisation of Wu et al. (2016)."""
+    return ((5.0 + np.asarray(length, np.float64)) / 6.0) ** alpha
+
+
+# --------------------------------------------------------------------------- input checks
+
+
+def _as_source_array(source_ids, model_max_length):
+    """Pads a list of id lists (or checks an array) into an int32 `(batch, len)` array."""
+    if isinstance(source_ids, np.ndarray) or ops.is_tensor(source_ids):
+        array = np.asarray(ops.convert_to_numpy(source_ids))
+        if array.ndim != 2:
+            raise ValueError(
+                f"source_ids must have shape (batch_size, source_len). Received shape {array.shape}"
+            )
+        if not np.issubdtype(array.dtype, np.integer):
+            raise ValueError(
+                f"source_ids must hold integer token ids. Received dtype {array.dtype}"
+            )
+        rows = [row[row != PAD_ID] for row in array]
+    else:
+        if not isinstance(source_ids, Sequence) or isinstance(source_ids, (str, bytes)):
+            raise ValueError("source_ids must be a 2-D int array or a list of lists of token ids.")
+        rows = [np.asarray(list(row), np.int64) for row in source_ids]
+        for row in rows:
+            if row.size and not np.issubdtype(row.dtype, np.integer):
+                raise ValueError("source_ids must hold integer token ids.")
+    lengths = np.array([len(row) for row in rows], np.int64)
+    longest = int(lengths.max(initial=0))
+    if longest > model_max_length:
+        index = int(lengths.argmax())
+        raise ValueError(
+            f"Source sentence {index} has {longest} tokens but the model's max_length is "
+            f"{model_max_length}. Shorten or split it before decoding (it is not truncated)."
+        )
+    # Pad to a multiple of 8 so that a new source length rarely means a new trace.
+    width = max(8, -(-longest // 8) * 8)
+    width = min(width, model_max_length) if longest else width
+    array = np.zeros((len(rows), max(width, 1)), np.int32)
+    for i, row in enumerate(rows):
+        array[i, : len(row)] = row
+    return array, lengths
+
+
+def _output_limits(lengths, max_length, model_max_length):
+    """Per-sentence maximum number of generated tokens (EOS included)."""
+    if max_length is not None:
+        if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
+            raise ValueError(f"max_length must be a positive integer. Received: {max_length!r}")
+        if max_length > model_max_length:
+            raise ValueError(
+                f"max_length={max_length} exceeds the model's max_length={model_max_length}."
+            )
+        limits = np.full(len(lengths), max_length, np.int64)
+    else:
+        limits = np.minimum(lengths + EXTRA_OUTPUT_TOKENS, model_max_length)
+    return np.where(lengths == 0, 0, limits)
+
+
+# --------------------------------------------------------------------------- compiled steps
+
+
+class _Decoder:
+    """Compiled encoder, cached decoder step and uncached decoder for one model."""
+
+    def __init__(self, model):
+        self.model = model
+        self.parts: TransformerParts = transformer_parts(model)
+        self.config = self.parts.config
+        self.backend = keras.backend.backend()
+        self._encode = self._compile(self._encode_fn)
+        self._step = self._compile(self._step_fn)
+        self._full = self._compile(self._full_fn, relax_shapes=True)
+
+    # Plain functions of tensors, compiled below.
+    def _encode_fn(self, source_ids):
+        encoded, mask = self.parts.encode(source_ids)
+        caches = [
+            layer.cross_attention.compute_key_value_cache(encoded)
+            for layer in self.parts.decoder_layers
+        ]
+        return encoded, mask, caches
+
+    def _step_fn(self, token_ids, index, self_caches, cross_caches, source_mask):
+        y = self.parts.target_embedding(token_ids, start_index=index)
+        new_caches = []
+        for layer, self_cache, cross_cache in zip(
+            self.parts.decoder_layers, self_caches, cross_caches, strict=True
+        ):
+            y, self_cache, _ = layer(
+                y,
+                encoder_padding_mask=source_mask,
+                self_attention_cache=self_cache,
+                self_attention_cache_update_index=index,
+                cross_attention_cache=cross_cache,
+            )
+            new_caches.append(self_cache)
+        logits = self.parts.project(y)[:, 0]  # (B, V)
+        return ops.log_softmax(logits, axis=-1), new_caches
+
+    def _full_fn(self, target_ids, encoded, source_mask):
+        logits = self.parts.decode(target_ids, encoded, source_mask)
+        return ops.log_softmax(logits[:, -1], axis=-1)
+
+    def _compile(self, fn, relax_shapes=False):
+        if self.backend == "tensorflow":
+            import tensorflow as tf
+
+            return tf.function(fn, reduce_retracing=relax_shapes)
+        if self.backend == "jax":
+            import jax
+
+            variables = self.model.variables
+
+            def stateless(values, *args):
+                mapping = list(zip(variables, values, strict=True))
+                with keras.StatelessScope(state_mapping=mapping):
+                    return fn(*args)
+
+            jitted = jax.jit(stateless)
+            return lambda *args: jitted([v.value for v in variables], *args)
+        return fn
+
+    def empty_self_caches(self, batch_size, length):
+        c = self.config
+        shape = (batch_size, 2, length, c.num_heads, c.hidden_dim // c.num_heads)
+        dtype = self.parts.decoder_layers[0].compute_dtype
+        return [ops.zeros(shape, dtype) for _ in range(c.num_layers)]
+
+
+def _decoder_for(model) -> _Decoder:
+    decoder = getattr(model, "_keras_transformer_decoder", None)
+    if decoder is None or decoder.model is not model:
+        decoder = _Decoder(model)
+        # Cached on the model: the compiled functions are traced once per shape.
+        object.__setattr__(model, "_keras_transformer_decoder", decoder)
+    return decoder
+
+
+def _to_numpy(x):
+    return np.asarray(ops.convert_to_numpy(x))
+
+
+# --------------------------------------------------------------------------- greedy
+
+
+def greedy_search(model, source_ids, max_length=None, use_cache=True):
+    """Greedy decoding, batched.
+
+    Args:
+        model: a model from `build_transformer` (or loaded from a `.keras` file).
+        source_ids: int array `(batch_size, source_len)` padded with 0, or a
+            list of token-id lists.
+        max_length: maximum number of generated tokens (EOS included);
+            defaults to each source's length + 50, capped by the model's
+            `max_length`.
+        use_cache: False re-runs the full decoder at each step (reference).
+
+    Returns:
+        `(tokens, scores)`: a list of int lists (no BOS, cut before EOS) and a
+        float64 array of the summed log-probabilities of each output,
+        EOS included when it was produced.
+    """
+    decoder = _decoder_for(model)
+    cap = decoder.config.max_length
+    source, lengths = _as_source_array(source_ids, cap)
+    limits = _output_limits(lengths, max_length, cap)
+    batch = len(source)
+    outputs = [[] for _ in range(batch)]
+    scores = np.zeros(batch, np.float64)
+    done = limits == 0
+    if done.all():
+        return outputs, scores
+
+    encoded, source_mask, cross_caches = decoder._encode(ops.convert_to_tensor(source))
+    steps = int(limits.max())
+    if use_cache:
+        self_caches = decoder.empty_self_caches(batch, -(-steps // 8) * 8)
+    inputs = np.full((batch, 1), BOS_ID, np.int32)
+    for t in range(steps):
+        if use_cache:
+            log_probs, self_caches = decoder._step(
+                ops.convert_to_tensor(inputs[:, -1:]),
+                ops.convert_to_tensor(t, "int32"),
+                self_caches,
+                cross_caches,
+                source_mask,
+            )
+        else:
+            log_probs = decoder._full(ops.convert_to_tensor(inputs), encoded, source_mask)
+        log_probs = _to_numpy(log_probs).astype(np.float64)
+        next_ids = _forbid_specials(log_probs).argmax(-1).astype(np.int32)
+        for i in np.flatnonzero(~done):
+            scores[i] += log_probs[i, next_ids[i]]
+            if next_ids[i] == EOS_ID:
+                done[i] = True
+            else:
+                outputs[i].append(int(next_ids[i]))
+                done[i] = t + 1 >= limits[i]
+        if done.all():
+            break
+        inputs = np.concatenate([inputs, np.where(done, EOS_ID, next_ids)[:, None]], axis=1)
+    return outputs, scores
+
+
+def _forbid_specials(log_probs):
+    """Padding and BOS are never generated."""
+    log_probs = log_probs.copy()
+    log_probs[..., PAD_ID] = -np.inf
+    log_probs[..., BOS_ID] = -np.inf
+    return log_probs
+
+
+# --------------------------------------------------------------------------- beam search
+
+
+def beam_search(model, source_ids, beam_size=4, length_penalty=0.6, max_length=None):
+    """Beam search with the length penalty ((5 + len) / 6) ** length_penalty, batched.
+
+    A hypothesis is finished when it produces EOS; its score is its summed
+    log-probability (EOS included) divided by the length penalty of its
+    length (EOS included). A sentence is done when it has `beam_size`
+    finished hypotheses, when no live beam can still beat its best finished
+    one, or at its maximum length (live beams are then scored as they are).
+
+    Args:
+        model: a model from `build_transformer` (or loaded from a `.keras` file).
+        source_ids: int array `(batch_size, source_len)` padded with 0, or a
+            list of token-id lists.
+        beam_size: int >= 1. Beams kept per sentence (4 in the paper).
+        length_penalty: float alpha (0.6 in the paper); 0 disables it.
+        max_length: maximum number of generated tokens (EOS included);
+            defaults to each source's length + 50, capped by the model's
+            `max_length`.
+
+    Returns:
+        `(tokens, scores)`: the best hypothesis of each sentence as an int list
+        (no BOS, cut before EOS), and its length-penalized score (float64).
+    """
+    if isinstance(beam_size, bool) or not isinstance(beam_size, int) or beam_size < 1:
+        raise ValueError(f"beam_size must be a positive integer. Received: beam_size={beam_size!r}")
+    if not isinstance(length_penalty, (int, float)) or length_penalty < 0:
+        raise ValueError(
+            f"length_penalty must be a non-negative number. Received: {length_penalty!r}"
+        )
+    decoder = _decoder_for(model)
+    cap = decoder.config.max_length
+    source, lengths = _as_source_array(source_ids, cap)
+    limits = _output_limits(lengths, max_length, cap)
+    batch, k = len(source), beam_size
+    best_tokens = [[] for _ in range(batch)]
+    best_scores = np.zeros(batch, np.float64)
+    done = limits == 0
+    if done.all():
+        return best_tokens, best_scores
+
+    def penalty(length):
+        return length_penalty_factor(length, length_penalty)
+
+    # Every sentence is repeated beam_size times: row b * k + j is beam j of sentence b.
+    tiled = np.repeat(source, k, axis=0)
+    _, source_mask, cross_caches = decoder._encode(ops.convert_to_tensor(tiled))
+    steps = int(limits.max())
+    self_caches = decoder.empty_self_caches(batch * k, -(-steps // 8) * 8)
+
+    alive = [[[] for _ in range(k)] for _ in range(batch)]  # tokens of live beams
+    alive_scores = np.full((batch, k), -np.inf)
+    alive_scores[:, 0] = 0.0  # one live beam at the start
+    finished = [[] for _ in range(batch)]  # (normalized score, tokens)
+    last = np.full(batch * k, BOS_ID, np.int32)
+
+    for t in range(steps):
+        log_probs, self_caches = decoder._step(
+            ops.convert_to_tensor(last[:, None]),
+            ops.convert_to_tensor(t, "int32"),
+            self_caches,
+            cross_caches,
+            source_mask,
+        )
+        log_probs = _forbid_specials(_to_numpy(log_probs).astype(np.float64))
+        vocab = log_probs.shape[-1]
+        candidates = (alive_scores[:, :, None] + log_probs.reshape(batch, k, vocab)).reshape(
+            batch, k * vocab
+        )
+        origin = np.tile(np.arange(k), batch)  # default: each row keeps its own cache
+        for b in np.flatnonzero(~done):
+            top = np.argsort(-candidates[b], kind="stable")[: 2 * k]
+            new_alive, new_scores = [], []
+            for rank, flat in enumerate(top):
+                score = candidates[b, flat]
+                if not np.isfinite(score):
+                    break
+                beam, token = divmod(int(flat), vocab)
+                if token == EOS_ID:
+                    if rank < k:
+                        finished[b].append((score / penalty(t + 1), alive[b][beam]))
+                    continue
+                new_alive.append((alive[b][beam] + [token], beam))
+                new_scores.append(score)
+                if len(new_alive) == k:
+                    break
+            if t + 1 >= limits[b]:  # out of room: live beams end here, without EOS
+                for (tokens, _), score in zip(new_alive, new_scores, strict=True):
+                    finished[b].append((score / penalty(t + 1), tokens))
+                new_alive = []
+            best_finished = max((s for s, _ in finished[b]), default=-np.inf)
+            can_improve = bool(new_scores) and (
+                max(new_scores) / penalty(limits[b]) > best_finished
+            )
+            if len(finished[b]) >= k or not can_improve:
+                done[b] = True
+                score, tokens = max(finished[b], key=lambda item: item[0], default=(-np.inf, []))
+                best_tokens[b], best_scores[b] = tokens, score
+                continue
+            alive_scores[b] = -np.inf
+            for j, ((tokens, beam), score) in enumerate(zip(new_alive, new_scores, strict=True)):
+                alive[b][j] = tokens
+                alive_scores[b, j] = score
+                origin[b * k + j] = beam
+                last[b * k + j] = tokens[-1]
+        if done.all():
+            break
+        rows = np.arange(batch * k) // k * k + origin
+        rows = ops.convert_to_tensor(rows.astype(np.int32))
+        self_caches = [ops.take(cache, rows, axis=0) for cache in self_caches]
+    return best_tokens, best_scores
+
+
+def sequence_log_probs(model, source_ids, target_tokens, ended=True):
+    """Summed log-probabilities the full (uncached) model assigns to outputs.
+
+    Args:
+        model: a model from `build_transformer`.
+        source_ids: as for `greedy_search`.
+        target_tokens: a list of int lists (no BOS, no EOS).
+        ended: bool or list of bools; True adds the log-probability of EOS
+            after each output.
+
+    Returns:
+        float64 array `(batch_size,)`.
+    """
+    parts = transformer_parts(model)
+    source, _ = _as_source_array(source_ids, parts.config.max_length)
+    if isinstance(ended, bool):
+        ended = [ended] * len(target_tokens)
+    width = max(len(t) for t in target_tokens) + 1
+    decoder_input = np.zeros((len(target_tokens), width), np.int32)
+    labels = np.zeros_like(decoder_input)
+    for i, (tokens, has_eos) in enumerate(zip(target_tokens, ended, strict=True)):
+        decoder_input[i, : len(tokens) + 1] = [BOS_ID, *tokens]
+        labels[i, : len(tokens)] = tokens
+        if has_eos:
+            labels[i, len(tokens)] = EOS_ID
+    logits = model({"source_ids": source, "target_ids": decoder_input}, training=False)
+    log_probs = _to_numpy(ops.log_softmax(logits, axis=-1)).astype(np.float64)
+    picked = np.take_along_axis(log_probs, labels[..., None], axis=-1)[..., 0]
+    return (picked * (labels != PAD_ID)).sum(-1)
