@@ -251,9 +251,11 @@ def beam_search(model, source_ids, beam_size=4, length_penalty=0.6, max_length=N
 
     A hypothesis is finished when it produces EOS; its score is its summed
     log-probability (EOS included) divided by the length penalty of its
-    length (EOS included). A sentence is done when it has `beam_size`
-    finished hypotheses, when no live beam can still beat its best finished
-    one, or at its maximum length (live beams are then scored as they are).
+    length (EOS included). A sentence is done when no live beam can still
+    beat its best finished hypothesis (bounded with the penalty of the
+    maximum length), or when `beam_size` hypotheses have finished and no live
+    beam beats the best at its current length, or at its maximum length
+    (live beams are then scored as they are).
 
     Args:
         model: a model from `build_transformer` (or loaded from a `.keras` file).
@@ -339,7 +341,13 @@ def beam_search(model, source_ids, beam_size=4, length_penalty=0.6, max_length=N
             can_improve = bool(new_scores) and (
                 max(new_scores) / penalty(limits[b]) > best_finished
             )
-            if len(finished[b]) >= k or not can_improve:
+            # Stop when no live beam can beat the best finished hypothesis even at
+            # the longest length, or when beam_size hypotheses have finished and
+            # none of the live beams beats the best one at its current length.
+            settled = len(finished[b]) >= k and (
+                not new_scores or max(new_scores) / penalty(t + 1) <= best_finished
+            )
+            if settled or not can_improve:
                 done[b] = True
                 score, tokens = max(finished[b], key=lambda item: item[0], default=(-np.inf, []))
                 best_tokens[b], best_scores[b] = tokens, score

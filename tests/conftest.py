@@ -13,3 +13,22 @@ def _float32_policy_and_seed():
     keras.utils.set_random_seed(1234)
     yield
     keras.mixed_precision.set_global_policy("float32")
+
+
+@pytest.fixture(scope="session")
+def toy_run(tmp_path_factory):
+    """The tiny preset trained briefly on the toy corpus, through the demo's own entry point.
+
+    Returns `(model, corpus, vocabulary, metrics)`; shared by the tests that
+    need a trained model.
+    """
+    from keras_transformer.data.toy import WordVocabulary, generate_toy_corpus
+    from keras_transformer.demo import run_demo
+
+    keras.mixed_precision.set_global_policy("float32")
+    out = str(tmp_path_factory.mktemp("toy_run"))
+    kwargs = dict(epochs=3, num_train=3000, num_test=50, warmup_steps=100, seed=0)
+    metrics = run_demo(out_dir=out, verbose=0, jit_compile=False, **kwargs)
+    model = keras.saving.load_model(f"{out}/model.keras")
+    corpus = generate_toy_corpus(num_train=3000, num_valid=50, num_test=50, max_words=8, seed=0)
+    return model, corpus, WordVocabulary.from_corpus(corpus), metrics

@@ -5,7 +5,6 @@ import keras
 import numpy as np
 
 from keras_transformer.cli import main
-from keras_transformer.demo import run_demo
 
 
 def test_demo_entry_point_on_a_shrunken_run(tmp_path, capsys):
@@ -22,9 +21,7 @@ def test_demo_entry_point_on_a_shrunken_run(tmp_path, capsys):
     assert not [name for name in os.listdir(out) if name.startswith(".")]  # no temp files left
 
 
-def test_demo_learns_the_toy_task(tmp_path):
+def test_demo_learns_the_toy_task(toy_run):
     # A few hundred steps are enough to move far above chance on held-out tokens.
-    metrics = run_demo(
-        out_dir=str(tmp_path), epochs=3, num_train=3000, num_test=50, warmup_steps=100, verbose=0
-    )
+    _, _, _, metrics = toy_run
     assert metrics["final_valid_accuracy"] > 0.5

@@ -1,0 +1,177 @@
+import os
+
+import keras
+import numpy as np
+import pytest
+
+from keras_transformer import TransformerConfig, build_transformer
+from keras_transformer.data.toy import generate_toy_corpus
+from keras_transformer.decoding import (
+    EXTRA_OUTPUT_TOKENS,
+    beam_search,
+    greedy_search,
+    length_penalty_factor,
+    sequence_log_probs,
+)
+
+
+@pytest.fixture(scope="module")
+def random_model():
+    keras.utils.set_random_seed(7)
+    return build_transformer(TransformerConfig.from_preset("tiny", max_length=40))
+
+
+def random_sources(count, seed=0, vocabulary_size=64, longest=15):
+    rng = np.random.default_rng(seed)
+    return [
+        [int(i) for i in rng.integers(3, vocabulary_size, size=rng.integers(1, longest + 1))]
+        for _ in range(count)
+    ]
+
+
+def toy_sources(toy_run, count=200, seed=5):
+    model, corpus, vocabulary, _ = toy_run
+    held_out = generate_toy_corpus(
+        num_train=0, num_valid=0, num_test=count, max_words=8, seed=seed
+    ).test
+    known = {s for s, _ in corpus.train}
+    sources = [vocabulary.encode(s) + [vocabulary.eos_id] for s, _ in held_out if s not in known]
+    assert len(sources) >= 0.9 * count
+    return model, sources
+
+
+def test_cached_greedy_equals_uncached_on_random_model(random_model):
+    sources = random_sources(200)
+    cached, cached_scores = greedy_search(random_model, sources, max_length=20)
+    uncached, uncached_scores = greedy_search(random_model, sources, max_length=20, use_cache=False)
+    assert cached == uncached
+    np.testing.assert_allclose(cached_scores, uncached_scores, atol=1e-4)
+
+
+def test_cached_greedy_equals_uncached_on_trained_model(toy_run):
+    model, sources = toy_sources(toy_run, 220)
+    cached, _ = greedy_search(model, sources)
+    uncached, _ = greedy_search(model, sources, use_cache=False)
+    assert len(cached) >= 200 and cached == uncached
+    # Trained outputs end with EOS well before the length limit.
+    assert np.mean([len(c) < len(s) + EXTRA_OUTPUT_TOKENS for c, s in zip(cached, sources)]) > 0.9
+
+
+def test_greedy_scores_are_model_log_probs(toy_run):
+    model, sources = toy_sources(toy_run, 40)
+    tokens, scores = greedy_search(model, sources)
+    ended = [len(t) < len(s) + EXTRA_OUTPUT_TOKENS for t, s in zip(tokens, sources)]
+    np.testing.assert_allclose(
+        scores, sequence_log_probs(model, sources, tokens, ended=ended), atol=1e-4
+    )
+
+
+@pytest.mark.parametrize("which", ["random", "trained"])
+def test_beam_size_one_equals_greedy(which, random_model, toy_run):
+    if which == "random":
+        model, sources = random_model, random_sources(60, seed=1)
+    else:
+        model, sources = toy_sources(toy_run, 60)
+    assert (
+        beam_search(model, sources, beam_size=1, max_length=20)[0]
+        == (greedy_search(model, sources, max_length=20)[0])
+    )
+
+
+@pytest.mark.parametrize("which,alpha", [("trained", 0.6), ("random", 0.6), ("trained", 1.0)])
+def test_beam_scores_are_length_penalized_model_log_probs(which, alpha, random_model, toy_run):
+    if which == "random":
+        model, sources, limit = random_model, random_sources(30, seed=2), 12
+    else:
+        (model, sources), limit = toy_sources(toy_run, 40), None
+    tokens, scores = beam_search(
+        model, sources, beam_size=4, length_penalty=alpha, max_length=limit
+    )
+    limits = [limit or len(s) + EXTRA_OUTPUT_TOKENS for s in sources]
+    ended = [len(t) < n for t, n in zip(tokens, limits)]
+    log_probs = sequence_log_probs(model, sources, tokens, ended=ended)
+    lengths = np.array([len(t) + e for t, e in zip(tokens, ended)])
+    np.testing.assert_allclose(scores, log_probs / length_penalty_factor(lengths, alpha), atol=1e-4)
+
+
+def test_beam_finds_better_scores_than_greedy_on_average(toy_run):
+    # Beam search may prune the greedy path for a sentence, but over many
+    # sentences it must find higher-scoring outputs under its own objective.
+    model, sources = toy_sources(toy_run, 40)
+    greedy_tokens, _ = greedy_search(model, sources)
+    _, beam_scores = beam_search(model, sources, beam_size=4)
+    greedy_log_probs = sequence_log_probs(model, sources, greedy_tokens)
+    greedy_scores = greedy_log_probs / length_penalty_factor([len(t) + 1 for t in greedy_tokens])
+    assert beam_scores.mean() > greedy_scores.mean()
+    assert (beam_scores >= greedy_scores - 1e-6).mean() >= 0.75
+
+
+@pytest.mark.parametrize("search", ["greedy", "beam"])
+def test_batch_equals_one_by_one(search, toy_run, random_model):
+    model, sources = toy_sources(toy_run, 12)
+    sources = sources[:8] + random_sources(4, seed=3, vocabulary_size=40)
+    if search == "greedy":
+
+        def run(s):
+            return greedy_search(model, s)
+    else:
+
+        def run(s):
+            return beam_search(model, s, beam_size=3)
+
+    batch_tokens, batch_scores = run(sources)
+    for i, source in enumerate(sources):
+        tokens, scores = run([source])
+        assert tokens[0] == batch_tokens[i]
+        np.testing.assert_allclose(scores[0], batch_scores[i], atol=1e-4)
+
+
+def test_padded_array_input_equals_list_input(random_model):
+    sources = random_sources(5, seed=4)
+    array = np.zeros((5, 20), np.int32)
+    for i, s in enumerate(sources):
+        array[i, : len(s)] = s
+    assert (
+        greedy_search(random_model, array, max_length=10)[0]
+        == (greedy_search(random_model, sources, max_length=10)[0])
+    )
+
+
+def test_loaded_model_decodes_the_same(toy_run, tmp_path):
+    model, sources = toy_sources(toy_run, 30)
+    path = os.path.join(tmp_path, "m.keras")
+    model.save(path)
+    loaded = keras.saving.load_model(path)
+    assert beam_search(loaded, sources)[0] == beam_search(model, sources)[0]
+
+
+def test_empty_source_gives_empty_output(random_model):
+    tokens, scores = greedy_search(random_model, [[], [5, 6, 7]], max_length=5)
+    assert tokens[0] == [] and scores[0] == 0.0 and len(tokens[1]) == 5
+    tokens, scores = beam_search(random_model, [[]], beam_size=3)
+    assert tokens == [[]] and scores[0] == 0.0
+    assert greedy_search(random_model, np.zeros((2, 4), np.int32))[0] == [[], []]
+
+
+def test_too_long_source_raises(random_model):
+    with pytest.raises(ValueError, match="has 41 tokens but the model's max_length is 40"):
+        greedy_search(random_model, [[5] * 41])
+    with pytest.raises(ValueError, match="max_length"):
+        beam_search(random_model, [[5] * 41])
+
+
+@pytest.mark.parametrize("beam_size", [0, -2, 1.5, True])
+def test_bad_beam_size_raises(random_model, beam_size):
+    with pytest.raises(ValueError, match="beam_size must be a positive integer"):
+        beam_search(random_model, [[5, 6]], beam_size=beam_size)
+
+
+def test_bad_arguments_raise(random_model):
+    with pytest.raises(ValueError, match="max_length=99 exceeds"):
+        greedy_search(random_model, [[5, 6]], max_length=99)
+    with pytest.raises(ValueError, match="shape"):
+        greedy_search(random_model, np.zeros((2, 3, 4), np.int32))
+    with pytest.raises(ValueError, match="integer"):
+        greedy_search(random_model, np.zeros((2, 3), np.float32))
+    with pytest.raises(ValueError, match="length_penalty"):
+        beam_search(random_model, [[5, 6]], length_penalty=-1)
