@@ -54,13 +54,18 @@ def test_cached_greedy_equals_uncached_on_trained_model(toy_run):
     uncached, _ = greedy_search(model, sources, use_cache=False)
     assert len(cached) >= 200 and cached == uncached
     # Trained outputs end with EOS well before the length limit.
-    assert np.mean([len(c) < len(s) + EXTRA_OUTPUT_TOKENS for c, s in zip(cached, sources)]) > 0.9
+    assert (
+        np.mean(
+            [len(c) < len(s) + EXTRA_OUTPUT_TOKENS for c, s in zip(cached, sources, strict=True)]
+        )
+        > 0.9
+    )
 
 
 def test_greedy_scores_are_model_log_probs(toy_run):
     model, sources = toy_sources(toy_run, 40)
     tokens, scores = greedy_search(model, sources)
-    ended = [len(t) < len(s) + EXTRA_OUTPUT_TOKENS for t, s in zip(tokens, sources)]
+    ended = [len(t) < len(s) + EXTRA_OUTPUT_TOKENS for t, s in zip(tokens, sources, strict=True)]
     np.testing.assert_allclose(
         scores, sequence_log_probs(model, sources, tokens, ended=ended), atol=1e-4
     )
@@ -88,9 +93,9 @@ def test_beam_scores_are_length_penalized_model_log_probs(which, alpha, random_m
         model, sources, beam_size=4, length_penalty=alpha, max_length=limit
     )
     limits = [limit or len(s) + EXTRA_OUTPUT_TOKENS for s in sources]
-    ended = [len(t) < n for t, n in zip(tokens, limits)]
+    ended = [len(t) < n for t, n in zip(tokens, limits, strict=True)]
     log_probs = sequence_log_probs(model, sources, tokens, ended=ended)
-    lengths = np.array([len(t) + e for t, e in zip(tokens, ended)])
+    lengths = np.array([len(t) + e for t, e in zip(tokens, ended, strict=True)])
     np.testing.assert_allclose(scores, log_probs / length_penalty_factor(lengths, alpha), atol=1e-4)
 
 
