@@ -100,8 +100,9 @@ class _Decoder:
         self.parts: TransformerParts = transformer_parts(model)
         self.config = self.parts.config
         self.backend = keras.backend.backend()
-        self._encode = self._compile(self._encode_fn)
-        self._step = self._compile(self._step_fn)
+        self._encode = self._compile(self._encode_fn, relax_shapes=True)
+        self._step = self._compile(self._step_fn, xla=True)
+        self._greedy = self._compile(self._greedy_fn, xla=True)
         self._full = self._compile(self._full_fn, relax_shapes=True)
 
     # Plain functions of tensors, compiled below.
@@ -131,14 +132,53 @@ class _Decoder:
         return ops.log_softmax(logits, axis=-1), new_caches
 
     def _full_fn(self, target_ids, encoded, source_mask):
-        logits = self.parts.decode(target_ids, encoded, source_mask)
-        return ops.log_softmax(logits[:, -1], axis=-1)
+        hidden = self.parts.decode_hidden(target_ids, encoded, source_mask)
+        logits = self.parts.project(hidden[:, -1:])[:, 0]  # only the newest position
+        return ops.log_softmax(logits, axis=-1)
 
-    def _compile(self, fn, relax_shapes=False):
+    def _greedy_fn(self, source_mask, cross_caches, self_caches, limits, banned):
+        """The whole cached greedy loop as one compiled while-loop.
+
+        Returns the generated ids `(batch, steps)` (EOS included, zeros after
+        it) and the summed log-probabilities `(batch,)`.
+        """
+        batch = ops.shape(source_mask)[0]
+        steps = self_caches[0].shape[2]
+
+        def cond(t, tokens, scores, done, last, caches):
+            return ops.logical_and(ops.less(t, steps), ops.logical_not(ops.all(done)))
+
+        def body(t, tokens, scores, done, last, caches):
+            log_probs, caches = self._step_fn(last, t, caches, cross_caches, source_mask)
+            next_ids = ops.cast(ops.argmax(log_probs + banned, axis=-1), "int32")  # (B,)
+            picked = ops.take_along_axis(log_probs, next_ids[:, None], axis=-1)[:, 0]
+            live = ops.logical_not(done)
+            scores = scores + ops.where(live, picked, 0.0)
+            written = ops.where(live, next_ids, 0)[:, None]
+            tokens = ops.slice_update(tokens, (0, t), written)
+            ended = ops.logical_or(ops.equal(next_ids, EOS_ID), ops.greater_equal(t + 1, limits))
+            done = ops.logical_or(done, ended)
+            last = ops.where(done, EOS_ID, next_ids)[:, None]
+            return t + 1, tokens, scores, done, last, caches
+
+        state = (
+            ops.convert_to_tensor(0, "int32"),
+            ops.zeros((batch, steps), "int32"),
+            ops.zeros((batch,), "float32"),
+            ops.less_equal(limits, 0),
+            ops.full((batch, 1), BOS_ID, "int32"),
+            list(self_caches),
+        )
+        _, tokens, scores, _, _, _ = ops.while_loop(cond, body, state)
+        return tokens, scores
+
+    def _compile(self, fn, relax_shapes=False, xla=False):
         if self.backend == "tensorflow":
             import tensorflow as tf
 
-            return tf.function(fn, reduce_retracing=relax_shapes)
+            # XLA fuses the small ops of one decoder step; the shapes of the
+            # cached step are fixed per call, so it compiles once per batch shape.
+            return tf.function(fn, reduce_retracing=relax_shapes, jit_compile=xla)
         if self.backend == "jax":
             import jax
 
@@ -176,7 +216,7 @@ def _to_numpy(x):
 # --------------------------------------------------------------------------- greedy
 
 
-def greedy_search(model, source_ids, max_length=None, use_cache=True):
+def greedy_search(model, source_ids, max_length=None, use_cache=True, ignore_eos=False):
     """Greedy decoding, batched.
 
     Args:
@@ -187,6 +227,8 @@ def greedy_search(model, source_ids, max_length=None, use_cache=True):
             defaults to each source's length + 50, capped by the model's
             `max_length`.
         use_cache: False re-runs the full decoder at each step (reference).
+        ignore_eos: never stop at EOS; every output gets its maximum length
+            (for benchmarks).
 
     Returns:
         `(tokens, scores)`: a list of int lists (no BOS, cut before EOS) and a
@@ -207,21 +249,26 @@ def greedy_search(model, source_ids, max_length=None, use_cache=True):
     encoded, source_mask, cross_caches = decoder._encode(ops.convert_to_tensor(source))
     steps = int(limits.max())
     if use_cache:
-        self_caches = decoder.empty_self_caches(batch, -(-steps // 8) * 8)
+        banned = np.zeros(decoder.config.vocabulary_size, np.float32)
+        banned[_banned_ids(ignore_eos)] = -np.inf
+        ids, sums = decoder._greedy(
+            source_mask,
+            cross_caches,
+            decoder.empty_self_caches(batch, -(-steps // 8) * 8),
+            ops.convert_to_tensor(limits.astype(np.int32)),
+            ops.convert_to_tensor(banned),
+        )
+        ids = _to_numpy(ids)
+        for i in range(batch):
+            row = [int(x) for x in ids[i, : limits[i]]]
+            outputs[i] = row[: row.index(EOS_ID)] if EOS_ID in row else row
+        return outputs, _to_numpy(sums).astype(np.float64)
+
     inputs = np.full((batch, 1), BOS_ID, np.int32)
     for t in range(steps):
-        if use_cache:
-            log_probs, self_caches = decoder._step(
-                ops.convert_to_tensor(inputs[:, -1:]),
-                ops.convert_to_tensor(t, "int32"),
-                self_caches,
-                cross_caches,
-                source_mask,
-            )
-        else:
-            log_probs = decoder._full(ops.convert_to_tensor(inputs), encoded, source_mask)
+        log_probs = decoder._full(ops.convert_to_tensor(inputs), encoded, source_mask)
         log_probs = _to_numpy(log_probs).astype(np.float64)
-        next_ids = _forbid_specials(log_probs).argmax(-1).astype(np.int32)
+        next_ids = _forbid_specials(log_probs, ignore_eos).argmax(-1).astype(np.int32)
         for i in np.flatnonzero(~done):
             scores[i] += log_probs[i, next_ids[i]]
             if next_ids[i] == EOS_ID:
@@ -235,18 +282,23 @@ def greedy_search(model, source_ids, max_length=None, use_cache=True):
     return outputs, scores
 
 
-def _forbid_specials(log_probs):
-    """Padding and BOS are never generated."""
+def _banned_ids(ignore_eos):
+    return [PAD_ID, BOS_ID] + ([EOS_ID] if ignore_eos else [])
+
+
+def _forbid_specials(log_probs, ignore_eos=False):
+    """Padding and BOS are never generated (nor EOS with `ignore_eos`)."""
     log_probs = log_probs.copy()
-    log_probs[..., PAD_ID] = -np.inf
-    log_probs[..., BOS_ID] = -np.inf
+    log_probs[..., _banned_ids(ignore_eos)] = -np.inf
     return log_probs
 
 
 # --------------------------------------------------------------------------- beam search
 
 
-def beam_search(model, source_ids, beam_size=4, length_penalty=0.6, max_length=None):
+def beam_search(
+    model, source_ids, beam_size=4, length_penalty=0.6, max_length=None, ignore_eos=False
+):
     """Beam search with the length penalty ((5 + len) / 6) ** length_penalty, batched.
 
     A hypothesis is finished when it produces EOS; its score is its summed
@@ -266,6 +318,8 @@ def beam_search(model, source_ids, beam_size=4, length_penalty=0.6, max_length=N
         max_length: maximum number of generated tokens (EOS included);
             defaults to each source's length + 50, capped by the model's
             `max_length`.
+        ignore_eos: never finish at EOS; every output gets its maximum length
+            (for benchmarks).
 
     Returns:
         `(tokens, scores)`: the best hypothesis of each sentence as an int list
@@ -311,7 +365,7 @@ def beam_search(model, source_ids, beam_size=4, length_penalty=0.6, max_length=N
             cross_caches,
             source_mask,
         )
-        log_probs = _forbid_specials(_to_numpy(log_probs).astype(np.float64))
+        log_probs = _forbid_specials(_to_numpy(log_probs).astype(np.float64), ignore_eos)
         vocab = log_probs.shape[-1]
         candidates = (alive_scores[:, :, None] + log_probs.reshape(batch, k, vocab)).reshape(
             batch, k * vocab

@@ -124,6 +124,12 @@ class TransformerParts:
 
     def decode(self, target_ids, encoder_output, source_mask, training=False):
         """Full (uncached) decoder pass: float32 logits for every target position."""
+        return self.project(
+            self.decode_hidden(target_ids, encoder_output, source_mask, training=training)
+        )
+
+    def decode_hidden(self, target_ids, encoder_output, source_mask, training=False):
+        """Full decoder pass up to the last decoder layer (before `project`)."""
         target_ids = ops.convert_to_tensor(target_ids, "int32")
         target_mask = ops.not_equal(target_ids, 0)
         y = self.target_embedding(target_ids, training=training)
@@ -135,7 +141,7 @@ class TransformerParts:
                 encoder_padding_mask=source_mask,
                 training=training,
             )
-        return self.project(y)
+        return y
 
 
 def transformer_parts(model: keras.Model) -> TransformerParts:

@@ -1,0 +1,36 @@
+"""A description of the machine a benchmark ran on, stored with its results."""
+
+from __future__ import annotations
+
+import os
+import platform
+
+
+def describe_machine() -> dict:
+    cpu = platform.processor() or ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    memory_gib = None
+    try:
+        with open("/proc/meminfo") as f:
+            kib = int(f.readline().split()[1])
+            memory_gib = round(kib / 2**20, 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    import keras
+
+    return {
+        "cpu": cpu,
+        "logical_cores": os.cpu_count(),
+        "memory_gib": memory_gib,
+        "python": platform.python_version(),
+        "keras": keras.__version__,
+        "backend": keras.backend.backend(),
+        "platform": platform.platform(),
+    }
