@@ -11,7 +11,7 @@ from keras import ops
 
 from keras_transformer.config import TransformerConfig
 from keras_transformer.data.toy import WordVocabulary, encode_pairs, generate_toy_corpus
-from keras_transformer.io_utils import atomic_save_model, atomic_write_json
+from keras_transformer.io_utils import atomic_save_model, atomic_write_json, atomic_write_text
 from keras_transformer.model import build_transformer, transformer_parts
 from keras_transformer.training import (
     LabelSmoothedCrossEntropy,
@@ -137,7 +137,9 @@ def run_demo(
     }
     os.makedirs(out_dir, exist_ok=True)
     atomic_save_model(model, os.path.join(out_dir, "model.keras"))
+    vocabulary.save(os.path.join(out_dir, "vocab.txt"))
+    atomic_write_text(os.path.join(out_dir, "config.json"), config.to_json() + "\n")
     atomic_write_json(os.path.join(out_dir, "metrics.json"), metrics)
     if verbose:
-        print(f"Wrote {os.path.join(out_dir, 'metrics.json')} and model.keras")
+        print(f"Wrote model.keras, vocab.txt, config.json and metrics.json to {out_dir}")
     return metrics

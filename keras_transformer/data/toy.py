@@ -126,6 +126,20 @@ class WordVocabulary:
         self.tokens = list(SPECIALS) + sorted(set(words) - set(SPECIALS))
         self.index = {token: i for i, token in enumerate(self.tokens)}
 
+    def save(self, path: str) -> None:
+        """Writes one token per line (ids are line numbers), atomically."""
+        atomic_write_text(path, "".join(token + "\n" for token in self.tokens))
+
+    @classmethod
+    def load(cls, path: str) -> WordVocabulary:
+        with open(path, encoding="utf-8") as f:
+            tokens = [line.rstrip("\n") for line in f]
+        if tuple(tokens[: len(SPECIALS)]) != SPECIALS:
+            raise ValueError(
+                f"{path} is not a vocabulary file: it must start with {', '.join(SPECIALS)}."
+            )
+        return cls(tokens[len(SPECIALS) :])
+
     @classmethod
     def from_corpus(cls, corpus: ToyCorpus) -> WordVocabulary:
         words = set()

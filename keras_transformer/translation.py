@@ -1,0 +1,83 @@
+"""Translating text with a trained run directory: load, batch, decode, detokenize."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import keras
+import numpy as np
+
+from keras_transformer.decoding import beam_search, greedy_search
+
+
+def load_run(run_dir: str):
+    """Loads `model.keras` and the run's tokenizer from `run_dir`.
+
+    Returns `(model, tokenizer)`; the tokenizer has `encode(text) -> ids`,
+    `decode(ids) -> text` and `eos_id`.
+    """
+    model_path = os.path.join(run_dir, "model.keras")
+    if not os.path.isdir(run_dir):
+        raise FileNotFoundError(f"Run directory not found: {run_dir}")
+    if not os.path.isfile(model_path):
+        raise FileNotFoundError(
+            f"No model.keras in {run_dir}: train a model into it first "
+            "(e.g. `keras-transformer demo --out DIR`)."
+        )
+    vocab_path = os.path.join(run_dir, "vocab.txt")
+    if not os.path.isfile(vocab_path):
+        raise FileNotFoundError(f"No tokenizer in {run_dir}: expected vocab.txt.")
+    from keras_transformer.data.toy import WordVocabulary
+
+    tokenizer = WordVocabulary.load(vocab_path)
+    try:
+        model = keras.saving.load_model(model_path)
+    except Exception as error:  # a truncated or foreign file
+        raise ValueError(f"Cannot load {model_path}: {error}") from error
+    return model, tokenizer
+
+
+class _Progress:
+    """A one-line progress bar on stderr, shown for inputs that take a while."""
+
+    def __init__(self, total, enabled):
+        self.total, self.done, self.enabled = total, 0, enabled and total > 0
+
+    def update(self, count):
+        self.done += count
+        if self.enabled:
+            width = 30
+            filled = int(width * self.done / self.total)
+            sys.stderr.write(
+                f"\rtranslating [{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total}"
+            )
+            if self.done >= self.total:
+                sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+def translate_lines(
+    model, tokenizer, lines, beam_size=4, batch_size=32, max_length=None, progress=False
+):
+    """Translates `lines` in order; `beam_size=1` (or `None`) is greedy search.
+
+    Sentences are sorted by length into batches, so padding stays small, and
+    the outputs are put back in input order. Empty lines give empty lines.
+    """
+    encoded = [tokenizer.encode(line) for line in lines]
+    sources = [ids + [tokenizer.eos_id] if ids else [] for ids in encoded]
+    order = np.argsort([len(s) for s in sources], kind="stable")
+    outputs = [""] * len(lines)
+    bar = _Progress(len(lines), progress)
+    for start in range(0, len(order), batch_size):
+        chunk = order[start : start + batch_size]
+        batch = [sources[i] for i in chunk]
+        if beam_size is None or beam_size == 1:
+            tokens, _ = greedy_search(model, batch, max_length=max_length)
+        else:
+            tokens, _ = beam_search(model, batch, beam_size=beam_size, max_length=max_length)
+        for i, ids in zip(chunk, tokens, strict=True):
+            outputs[i] = tokenizer.decode(ids)
+        bar.update(len(chunk))
+    return outputs

@@ -1,0 +1,83 @@
+import io
+import json
+import os
+
+import pytest
+
+from keras_transformer.cli import main
+from keras_transformer.translation import load_run, translate_lines
+
+
+def test_translate_reads_stdin_and_keeps_order(toy_run, monkeypatch, capsys):
+    model, corpus, vocabulary, metrics = toy_run
+    lines = [s for s, _ in corpus.test[:20]]
+    lines.insert(3, "")  # an empty line stays an empty line
+    monkeypatch.setattr("sys.stdin", io.StringIO("".join(line + "\n" for line in lines)))
+    assert main(["translate", metrics["run_dir"], "--greedy", "--batch-size", "8"]) == 0
+    out = capsys.readouterr().out.split("\n")
+    assert out[-1] == "" and len(out) - 1 == len(lines)
+    expected = translate_lines(model, vocabulary, lines, beam_size=1, batch_size=len(lines))
+    assert out[:-1] == expected
+    assert out[3] == ""
+
+
+def test_evaluate_writes_hypotheses_and_scores(toy_run, tmp_path, capsys):
+    _, corpus, _, metrics = toy_run
+    src, ref = tmp_path / "test.src", tmp_path / "test.tgt"
+    src.write_text("".join(s + "\n" for s, _ in corpus.test))
+    ref.write_text("".join(t + "\n" for _, t in corpus.test))
+    output = str(tmp_path / "hyp.txt")
+    assert (
+        main(
+            [
+                "evaluate",
+                metrics["run_dir"],
+                "--src",
+                str(src),
+                "--ref",
+                str(ref),
+                "--beam",
+                "2",
+                "--output",
+                output,
+            ]
+        )
+        == 0
+    )
+    with open(output + ".json") as f:
+        scores = json.load(f)
+    assert scores == json.loads(capsys.readouterr().out)
+    assert scores["beam_size"] == 2 and scores["sentences"] == len(corpus.test)
+    assert scores["bleu_signature"].startswith("nrefs:1|case:mixed|eff:no|tok:13a")
+    assert 0 < scores["bleu"] <= 100 and 0 < scores["chrf"] <= 100
+    with open(output) as f:
+        assert len(f.read().splitlines()) == len(corpus.test)
+
+
+def test_evaluate_refuses_unparallel_files(toy_run, tmp_path):
+    _, _, _, metrics = toy_run
+    src, ref = tmp_path / "a.src", tmp_path / "a.tgt"
+    src.write_text("ka ko\nli lo\n")
+    ref.write_text("KA\n")
+    with pytest.raises(SystemExit, match="has 2 lines but .* has 1"):
+        main(["evaluate", metrics["run_dir"], "--src", str(src), "--ref", str(ref)])
+    assert not os.path.exists(os.path.join(metrics["run_dir"], "a.src.hyp"))
+
+
+def test_bad_run_dir_and_beam(tmp_path, toy_run):
+    with pytest.raises(SystemExit, match="Run directory not found"):
+        main(["translate", str(tmp_path / "missing")])
+    with pytest.raises(SystemExit, match="No model.keras"):
+        main(["translate", str(tmp_path)])
+    with pytest.raises(SystemExit, match="--beam must be a positive integer"):
+        main(["translate", toy_run[3]["run_dir"], "--beam", "0"])
+
+
+def test_corrupt_model_file_is_reported(tmp_path, toy_run):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "model.keras").write_bytes(b"not a zip file")
+    with open(os.path.join(toy_run[3]["run_dir"], "vocab.txt")) as f:
+        (run / "vocab.txt").write_text(f.read())
+    with pytest.raises(ValueError, match="Cannot load .*model.keras"):
+        load_run(str(run))
