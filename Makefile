@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test test-jax lint slow clean
+.PHONY: install demo test lint slow clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -22,7 +22,7 @@ demo: $(STAMP)
 # The default suite under TensorFlow, then the layer and model tests under JAX.
 test: $(STAMP)
 	TF_CPP_MIN_LOG_LEVEL=2 KERAS_BACKEND=tensorflow $(BIN)/python -m pytest -q
-	TF_CPP_MIN_LOG_LEVEL=2 KERAS_BACKEND=jax $(BIN)/python -m pytest -q tests/layers tests/test_model.py tests/test_training.py
+	TF_CPP_MIN_LOG_LEVEL=2 KERAS_BACKEND=jax $(BIN)/python -m pytest -q tests/layers tests/test_model.py tests/test_training.py tests/test_decoding.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

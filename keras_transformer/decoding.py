@@ -131,9 +131,10 @@ class _Decoder:
         logits = self.parts.project(y)[:, 0]  # (B, V)
         return ops.log_softmax(logits, axis=-1), new_caches
 
-    def _full_fn(self, target_ids, encoded, source_mask):
+    def _full_fn(self, target_ids, encoded, source_mask, position):
         hidden = self.parts.decode_hidden(target_ids, encoded, source_mask)
-        logits = self.parts.project(hidden[:, -1:])[:, 0]  # only the newest position
+        newest = ops.take(hidden, ops.reshape(position, (1,)), axis=1)  # (B, 1, D)
+        logits = self.parts.project(newest)[:, 0]  # only the newest position
         return ops.log_softmax(logits, axis=-1)
 
     def _greedy_fn(self, source_mask, cross_caches, self_caches, limits, banned):
@@ -266,7 +267,17 @@ def greedy_search(model, source_ids, max_length=None, use_cache=True, ignore_eos
 
     inputs = np.full((batch, 1), BOS_ID, np.int32)
     for t in range(steps):
-        log_probs = decoder._full(ops.convert_to_tensor(inputs), encoded, source_mask)
+        # jax.jit compiles once per shape: grow the input in blocks of 8 there.
+        # Positions after t are padding, which the causal mask keeps out of t.
+        width = -(-(t + 1) // 8) * 8 if decoder.backend == "jax" else t + 1
+        padded = np.zeros((batch, width), np.int32)
+        padded[:, : t + 1] = inputs
+        log_probs = decoder._full(
+            ops.convert_to_tensor(padded),
+            encoded,
+            source_mask,
+            ops.convert_to_tensor(t, "int32"),
+        )
         log_probs = _to_numpy(log_probs).astype(np.float64)
         next_ids = _forbid_specials(log_probs, ignore_eos).argmax(-1).astype(np.int32)
         for i in np.flatnonzero(~done):
@@ -371,8 +382,11 @@ def beam_search(
             batch, k * vocab
         )
         origin = np.tile(np.arange(k), batch)  # default: each row keeps its own cache
+        # The 2k best candidates of every sentence, best first (ties: lower index).
+        width = min(2 * k, k * vocab)
+        best = np.argpartition(-candidates, width - 1, axis=1)[:, :width]
         for b in np.flatnonzero(~done):
-            top = np.argsort(-candidates[b], kind="stable")[: 2 * k]
+            top = best[b][np.lexsort((best[b], -candidates[b, best[b]]))]
             new_alive, new_scores = [], []
             for rank, flat in enumerate(top):
                 score = candidates[b, flat]
@@ -437,14 +451,16 @@ def sequence_log_probs(model, source_ids, target_tokens, ended=True):
     source, _ = _as_source_array(source_ids, parts.config.max_length)
     if isinstance(ended, bool):
         ended = [ended] * len(target_tokens)
-    width = max(len(t) for t in target_tokens) + 1
-    decoder_input = np.zeros((len(target_tokens), width), np.int32)
+    sequences = [
+        list(tokens) + [EOS_ID] if has_eos else list(tokens)
+        for tokens, has_eos in zip(target_tokens, ended, strict=True)
+    ]
+    width = max(1, max(len(seq) for seq in sequences))
+    decoder_input = np.zeros((len(sequences), width), np.int32)
     labels = np.zeros_like(decoder_input)
-    for i, (tokens, has_eos) in enumerate(zip(target_tokens, ended, strict=True)):
-        decoder_input[i, : len(tokens) + 1] = [BOS_ID, *tokens]
-        labels[i, : len(tokens)] = tokens
-        if has_eos:
-            labels[i, len(tokens)] = EOS_ID
+    for i, seq in enumerate(sequences):
+        decoder_input[i, : max(len(seq), 1)] = [BOS_ID, *seq[:-1]]
+        labels[i, : len(seq)] = seq
     logits = model({"source_ids": source, "target_ids": decoder_input}, training=False)
     log_probs = _to_numpy(ops.log_softmax(logits, axis=-1)).astype(np.float64)
     picked = np.take_along_axis(log_probs, labels[..., None], axis=-1)[..., 0]

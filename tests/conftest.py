@@ -28,7 +28,8 @@ def toy_run(tmp_path_factory):
     keras.mixed_precision.set_global_policy("float32")
     out = str(tmp_path_factory.mktemp("toy_run"))
     kwargs = dict(epochs=3, num_train=3000, num_test=50, warmup_steps=100, seed=0)
-    metrics = run_demo(out_dir=out, verbose=0, jit_compile=False, **kwargs)
+    jit = keras.backend.backend() == "jax"  # eager JAX training would be slow
+    metrics = run_demo(out_dir=out, verbose=0, jit_compile=jit, **kwargs)
     metrics["run_dir"] = out
     model = keras.saving.load_model(f"{out}/model.keras")
     corpus = generate_toy_corpus(num_train=3000, num_valid=50, num_test=50, max_words=8, seed=0)

@@ -4,7 +4,7 @@ import keras
 import numpy as np
 import pytest
 
-from keras_transformer import TransformerConfig, build_transformer
+from keras_transformer import TransformerConfig, build_transformer, transformer_parts
 from keras_transformer.data.toy import generate_toy_corpus
 from keras_transformer.decoding import (
     EXTRA_OUTPUT_TOKENS,
@@ -19,6 +19,11 @@ from keras_transformer.decoding import (
 def random_model():
     keras.utils.set_random_seed(7)
     return build_transformer(TransformerConfig.from_preset("tiny", max_length=40))
+
+
+def default_limit(model, source):
+    """The default output limit: source length + 50, capped by the model's max_length."""
+    return min(len(source) + EXTRA_OUTPUT_TOKENS, transformer_parts(model).config.max_length)
 
 
 def random_sources(count, seed=0, vocabulary_size=64, longest=15):
@@ -54,18 +59,14 @@ def test_cached_greedy_equals_uncached_on_trained_model(toy_run):
     uncached, _ = greedy_search(model, sources, use_cache=False)
     assert len(cached) >= 200 and cached == uncached
     # Trained outputs end with EOS well before the length limit.
-    assert (
-        np.mean(
-            [len(c) < len(s) + EXTRA_OUTPUT_TOKENS for c, s in zip(cached, sources, strict=True)]
-        )
-        > 0.9
-    )
+    ended = [len(c) < default_limit(model, s) for c, s in zip(cached, sources, strict=True)]
+    assert np.mean(ended) > 0.9
 
 
 def test_greedy_scores_are_model_log_probs(toy_run):
     model, sources = toy_sources(toy_run, 40)
     tokens, scores = greedy_search(model, sources)
-    ended = [len(t) < len(s) + EXTRA_OUTPUT_TOKENS for t, s in zip(tokens, sources, strict=True)]
+    ended = [len(t) < default_limit(model, s) for t, s in zip(tokens, sources, strict=True)]
     np.testing.assert_allclose(
         scores, sequence_log_probs(model, sources, tokens, ended=ended), atol=1e-4
     )
@@ -92,7 +93,7 @@ def test_beam_scores_are_length_penalized_model_log_probs(which, alpha, random_m
     tokens, scores = beam_search(
         model, sources, beam_size=4, length_penalty=alpha, max_length=limit
     )
-    limits = [limit or len(s) + EXTRA_OUTPUT_TOKENS for s in sources]
+    limits = [limit or default_limit(model, s) for s in sources]
     ended = [len(t) < n for t, n in zip(tokens, limits, strict=True)]
     log_probs = sequence_log_probs(model, sources, tokens, ended=ended)
     lengths = np.array([len(t) + e for t, e in zip(tokens, ended, strict=True)])
@@ -105,8 +106,10 @@ def test_beam_finds_better_scores_than_greedy_on_average(toy_run):
     model, sources = toy_sources(toy_run, 40)
     greedy_tokens, _ = greedy_search(model, sources)
     _, beam_scores = beam_search(model, sources, beam_size=4)
-    greedy_log_probs = sequence_log_probs(model, sources, greedy_tokens)
-    greedy_scores = greedy_log_probs / length_penalty_factor([len(t) + 1 for t in greedy_tokens])
+    ended = [len(t) < default_limit(model, s) for t, s in zip(greedy_tokens, sources, strict=True)]
+    greedy_log_probs = sequence_log_probs(model, sources, greedy_tokens, ended=ended)
+    lengths = [len(t) + e for t, e in zip(greedy_tokens, ended, strict=True)]
+    greedy_scores = greedy_log_probs / length_penalty_factor(lengths)
     assert beam_scores.mean() > greedy_scores.mean()
     assert (beam_scores >= greedy_scores - 1e-6).mean() >= 0.75
 
