@@ -60,7 +60,7 @@ def test_cached_greedy_equals_uncached_on_trained_model(toy_run):
     assert len(cached) >= 200 and cached == uncached
     # Trained outputs end with EOS well before the length limit.
     ended = [len(c) < default_limit(model, s) for c, s in zip(cached, sources, strict=True)]
-    assert np.mean(ended) > 0.9
+    assert np.mean(ended) > 0.75
 
 
 def test_greedy_scores_are_model_log_probs(toy_run):
