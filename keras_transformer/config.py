@@ -6,6 +6,8 @@ import dataclasses
 import json
 from typing import Any
 
+from keras_transformer.validation import check_positive_int, check_rate
+
 PRESETS: dict[str, dict[str, Any]] = {
     # Table 3 of the paper, "base" row.
     "paper-base": dict(
@@ -76,16 +78,13 @@ class TransformerConfig:
             "num_heads",
             "max_length",
         ):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive integer. Received: {name}={value!r}")
+            check_positive_int(name, getattr(self, name))
         if self.hidden_dim % self.num_heads:
             raise ValueError(
                 "hidden_dim must be divisible by num_heads. Received: "
                 f"hidden_dim={self.hidden_dim}, num_heads={self.num_heads}"
             )
-        if not 0.0 <= float(self.dropout) < 1.0:
-            raise ValueError(f"dropout must be in [0, 1). Received: dropout={self.dropout!r}")
+        check_rate("dropout", self.dropout)
 
     @classmethod
     def from_preset(cls, name: str, **overrides: Any) -> TransformerConfig:

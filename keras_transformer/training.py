@@ -6,6 +6,7 @@ import keras
 from keras import ops
 
 from keras_transformer.layers.masks import PAD_ID
+from keras_transformer.validation import check_positive_int, check_rate
 
 
 @keras.saving.register_keras_serializable(package="keras_transformer")
@@ -31,14 +32,8 @@ class TransformerSchedule(keras.optimizers.schedules.LearningRateSchedule):
     """
 
     def __init__(self, hidden_dim, warmup_steps=4000, scale=1.0):
-        if isinstance(hidden_dim, bool) or not isinstance(hidden_dim, int) or hidden_dim <= 0:
-            raise ValueError(
-                f"hidden_dim must be a positive integer. Received: hidden_dim={hidden_dim!r}"
-            )
-        if isinstance(warmup_steps, bool) or not isinstance(warmup_steps, int) or warmup_steps <= 0:
-            raise ValueError(
-                f"warmup_steps must be a positive integer. Received: warmup_steps={warmup_steps!r}"
-            )
+        check_positive_int("hidden_dim", hidden_dim)
+        check_positive_int("warmup_steps", warmup_steps)
         if not isinstance(scale, (int, float)) or scale <= 0:
             raise ValueError(f"scale must be a positive number. Received: scale={scale!r}")
         self.hidden_dim = hidden_dim
@@ -111,11 +106,7 @@ class LabelSmoothedCrossEntropy(keras.losses.Loss):
     """
 
     def __init__(self, label_smoothing=0.1, name="label_smoothed_cross_entropy", **kwargs):
-        if not isinstance(label_smoothing, (int, float)) or not 0.0 <= label_smoothing < 1.0:
-            raise ValueError(
-                "label_smoothing must be a float in [0, 1). Received: "
-                f"label_smoothing={label_smoothing!r}"
-            )
+        check_rate("label_smoothing", label_smoothing)
         kwargs.pop("reduction", None)
         super().__init__(name=name, reduction="sum", dtype="float32", **kwargs)
         self.label_smoothing = float(label_smoothing)

@@ -5,11 +5,8 @@ from __future__ import annotations
 import keras
 
 from keras_transformer.layers.feed_forward import FeedForward, clone_initializer
-from keras_transformer.layers.multi_head_attention import (
-    MultiHeadAttention,
-    _check_positive_int,
-    _check_rate,
-)
+from keras_transformer.layers.multi_head_attention import MultiHeadAttention
+from keras_transformer.validation import check_positive_int, check_rate
 
 
 class ResidualBlockMixin:
@@ -34,10 +31,10 @@ class ResidualBlockMixin:
         return keras.layers.Dropout(self.dropout, dtype=self.dtype_policy, name=name)
 
     def _validate(self, hidden_dim, intermediate_dim, num_heads, dropout):
-        _check_positive_int("hidden_dim", hidden_dim)
-        _check_positive_int("intermediate_dim", intermediate_dim)
-        _check_positive_int("num_heads", num_heads)
-        _check_rate("dropout", dropout)
+        check_positive_int("hidden_dim", hidden_dim)
+        check_positive_int("intermediate_dim", intermediate_dim)
+        check_positive_int("num_heads", num_heads)
+        check_rate("dropout", dropout)
         if hidden_dim % num_heads:
             raise ValueError(
                 "hidden_dim must be divisible by num_heads. Received: "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import keras
 
-from keras_transformer.layers.multi_head_attention import _check_positive_int, _check_rate
+from keras_transformer.validation import check_positive_int, check_rate
 
 
 def clone_initializer(initializer):
@@ -47,9 +47,9 @@ class FeedForward(keras.layers.Layer):
         **kwargs,
     ):
         super().__init__(**kwargs)
-        _check_positive_int("hidden_dim", hidden_dim)
-        _check_positive_int("intermediate_dim", intermediate_dim)
-        _check_rate("dropout", dropout)
+        check_positive_int("hidden_dim", hidden_dim)
+        check_positive_int("intermediate_dim", intermediate_dim)
+        check_rate("dropout", dropout)
         self.hidden_dim = hidden_dim
         self.intermediate_dim = intermediate_dim
         self.dropout = float(dropout)

@@ -8,21 +8,12 @@ import keras
 from keras import ops
 
 from keras_transformer.layers.masks import merge_masks
+from keras_transformer.validation import check_positive_int, check_rate
 
 # Filled into masked scores before the softmax. The scores are float32 there,
 # but the value is also finite in float16, so a mask never overflows whatever
 # the compute dtype.
 MASKED_SCORE = -65504.0
-
-
-def _check_positive_int(name, value):
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive integer. Received: {name}={value!r}")
-
-
-def _check_rate(name, value):
-    if not isinstance(value, (int, float)) or not 0.0 <= float(value) < 1.0:
-        raise ValueError(f"{name} must be a float in [0, 1). Received: {name}={value!r}")
 
 
 @keras.saving.register_keras_serializable(package="keras_transformer")
@@ -85,9 +76,9 @@ class MultiHeadAttention(keras.layers.Layer):
         **kwargs,
     ):
         super().__init__(**kwargs)
-        _check_positive_int("num_heads", num_heads)
-        _check_positive_int("hidden_dim", hidden_dim)
-        _check_rate("dropout", dropout)
+        check_positive_int("num_heads", num_heads)
+        check_positive_int("hidden_dim", hidden_dim)
+        check_rate("dropout", dropout)
         if hidden_dim % num_heads:
             raise ValueError(
                 "hidden_dim must be divisible by num_heads. Received: "

@@ -8,6 +8,8 @@ import keras
 import numpy as np
 from keras import ops
 
+from keras_transformer.validation import check_positive_int, check_rate
+
 
 def sinusoid_table(max_length: int, hidden_dim: int) -> np.ndarray:
     """Returns the `(max_length, hidden_dim)` float32 table of section 3.5.
@@ -68,15 +70,10 @@ class PositionalEmbedding(keras.layers.Layer):
         **kwargs,
     ):
         super().__init__(**kwargs)
-        for name, value in (
-            ("vocabulary_size", vocabulary_size),
-            ("hidden_dim", hidden_dim),
-            ("max_length", max_length),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"{name} must be a positive integer. Received: {name}={value!r}")
-        if not 0.0 <= float(dropout) < 1.0:
-            raise ValueError(f"dropout must be in [0, 1). Received: dropout={dropout!r}")
+        check_positive_int("vocabulary_size", vocabulary_size)
+        check_positive_int("hidden_dim", hidden_dim)
+        check_positive_int("max_length", max_length)
+        check_rate("dropout", dropout)
         self.vocabulary_size = vocabulary_size
         self.hidden_dim = hidden_dim
         self.max_length = max_length
