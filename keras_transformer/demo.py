@@ -7,43 +7,17 @@ import time
 
 import keras
 import numpy as np
-from keras import ops
 
 from keras_transformer.config import TransformerConfig
 from keras_transformer.data.toy import WordVocabulary, encode_pairs, generate_toy_corpus
+from keras_transformer.decoding import greedy_search
 from keras_transformer.io_utils import atomic_save_model, atomic_write_json, atomic_write_text
-from keras_transformer.model import build_transformer, transformer_parts
+from keras_transformer.model import build_transformer
 from keras_transformer.training import (
     LabelSmoothedCrossEntropy,
     MaskedAccuracy,
     transformer_optimizer,
 )
-
-
-def greedy_decode_simple(model, source_ids, max_new_tokens, bos_id=1, eos_id=2, batch_size=256):
-    """Greedy decoding that re-runs the whole decoder at every step (no cache).
-
-    Returns a list of token-id lists, without BOS and cut before EOS.
-    """
-    parts = transformer_parts(model)
-    results = []
-    for start in range(0, len(source_ids), batch_size):
-        source = np.asarray(source_ids[start : start + batch_size], np.int32)
-        encoded, source_mask = parts.encode(source)
-        tokens = np.full((len(source), 1), bos_id, np.int32)
-        finished = np.zeros(len(source), bool)
-        for _ in range(max_new_tokens):
-            logits = parts.decode(tokens, encoded, source_mask)
-            next_ids = ops.convert_to_numpy(ops.argmax(logits[:, -1], axis=-1)).astype(np.int32)
-            next_ids = np.where(finished, 0, next_ids)
-            tokens = np.concatenate([tokens, next_ids[:, None]], axis=1)
-            finished |= next_ids == eos_id
-            if finished.all():
-                break
-        for row in tokens[:, 1:]:
-            ids = [int(i) for i in row]
-            results.append(ids[: ids.index(eos_id)] if eos_id in ids else ids)
-    return results
 
 
 def run_demo(
@@ -103,9 +77,7 @@ def run_demo(
     references = [t for _, t in corpus.test]
     source_ids = encode_pairs(corpus.test, vocabulary, config.max_length)[0]["source_ids"]
     started = time.perf_counter()
-    outputs = greedy_decode_simple(
-        model, source_ids, max_new_tokens=min(config.max_length, source_ids.shape[1] * 2 + 2)
-    )
+    outputs, _ = greedy_search(model, source_ids)
     decode_seconds = time.perf_counter() - started
     hypotheses = [vocabulary.decode(ids) for ids in outputs]
     exact = float(np.mean([h == r for h, r in zip(hypotheses, references, strict=True)]))

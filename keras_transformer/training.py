@@ -72,6 +72,17 @@ def _real_token_mask(y_true):
     return ops.cast(ops.not_equal(ops.cast(y_true, "int32"), PAD_ID), "float32")
 
 
+def _token_weights(y_true, sample_weight):
+    """1 on real tokens, 0 on padding, times a per-token or per-sentence weight."""
+    weights = _real_token_mask(y_true)
+    if sample_weight is None:
+        return weights
+    sample_weight = ops.cast(sample_weight, "float32")
+    if len(sample_weight.shape) == 1:
+        sample_weight = ops.expand_dims(sample_weight, -1)
+    return weights * sample_weight
+
+
 def label_smoothed_token_losses(y_true, logits, label_smoothing):
     """Per-token label-smoothed cross-entropy, float32, shape of `y_true`.
 
@@ -112,12 +123,7 @@ class LabelSmoothedCrossEntropy(keras.losses.Loss):
         self.label_smoothing = float(label_smoothing)
 
     def __call__(self, y_true, y_pred, sample_weight=None):
-        mask = _real_token_mask(y_true)
-        if sample_weight is not None:
-            sample_weight = ops.cast(sample_weight, "float32")
-            if len(sample_weight.shape) == 1:
-                sample_weight = ops.expand_dims(sample_weight, -1)
-            mask = mask * sample_weight
+        mask = _token_weights(y_true, sample_weight)
         losses = label_smoothed_token_losses(y_true, y_pred, self.label_smoothing)
         return ops.divide_no_nan(ops.sum(losses * mask), ops.sum(mask))
 
@@ -148,12 +154,7 @@ class MaskedAccuracy(keras.metrics.Metric):
 
     def update_state(self, y_true, y_pred, sample_weight=None):
         y_true = ops.cast(y_true, "int32")
-        mask = _real_token_mask(y_true)
-        if sample_weight is not None:
-            sample_weight = ops.cast(sample_weight, "float32")
-            if len(sample_weight.shape) == 1:
-                sample_weight = ops.expand_dims(sample_weight, -1)
-            mask = mask * sample_weight
+        mask = _token_weights(y_true, sample_weight)
         predicted = ops.cast(ops.argmax(y_pred, axis=-1), "int32")
         hits = ops.cast(ops.equal(predicted, y_true), "float32") * mask
         self.correct.assign_add(ops.sum(hits))

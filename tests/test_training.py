@@ -121,3 +121,17 @@ def test_masked_accuracy_counts_real_tokens_only():
     assert float(to_numpy(metric.result())) == pytest.approx(2 / 3)
     metric.reset_state()
     assert float(to_numpy(metric.result())) == 0.0
+
+
+def test_sentence_weights_combine_with_the_padding_mask():
+    rng = np.random.default_rng(3)
+    labels = np.array([[3, 1, 0], [2, 2, 4]], "int32")
+    logits = rng.normal(size=(2, 3, 6)).astype("float32")
+    loss = LabelSmoothedCrossEntropy(0.1)
+    first_only = float(to_numpy(loss(labels[:1], logits[:1])))
+    weighted = float(to_numpy(loss(labels, logits, sample_weight=np.array([1.0, 0.0]))))
+    assert weighted == pytest.approx(first_only, rel=1e-6)
+    metric = MaskedAccuracy()
+    metric.update_state(labels, logits, sample_weight=np.array([0.0, 1.0]))
+    expected = (logits[1].argmax(-1) == labels[1]).mean()
+    assert float(to_numpy(metric.result())) == pytest.approx(expected)
