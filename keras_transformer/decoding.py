@@ -24,6 +24,7 @@ import numpy as np
 from keras import ops
 
 from keras_transformer.model import TransformerParts, transformer_parts
+from keras_transformer.validation import check_positive_int
 
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 EXTRA_OUTPUT_TOKENS = 50  # default maximum output length = source length + 50
@@ -77,8 +78,7 @@ def _as_source_array(source_ids, model_max_length):
 def _output_limits(lengths, max_length, model_max_length):
     """Per-sentence maximum number of generated tokens (EOS included)."""
     if max_length is not None:
-        if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
-            raise ValueError(f"max_length must be a positive integer. Received: {max_length!r}")
+        check_positive_int("max_length", max_length)
         if max_length > model_max_length:
             raise ValueError(
                 f"max_length={max_length} exceeds the model's max_length={model_max_length}."
@@ -336,8 +336,7 @@ def beam_search(
         `(tokens, scores)`: the best hypothesis of each sentence as an int list
         (no BOS, cut before EOS), and its length-penalized score (float64).
     """
-    if isinstance(beam_size, bool) or not isinstance(beam_size, int) or beam_size < 1:
-        raise ValueError(f"beam_size must be a positive integer. Received: beam_size={beam_size!r}")
+    check_positive_int("beam_size", beam_size)
     if not isinstance(length_penalty, (int, float)) or length_penalty < 0:
         raise ValueError(
             f"length_penalty must be a non-negative number. Received: {length_penalty!r}"

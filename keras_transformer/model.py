@@ -9,6 +9,7 @@ from keras import ops
 
 from keras_transformer.config import TransformerConfig
 from keras_transformer.layers import DecoderLayer, EncoderLayer, PaddingMask, PositionalEmbedding
+from keras_transformer.layers.masks import padding_mask_from_ids
 
 
 def build_transformer(config: TransformerConfig, name: str = "transformer") -> keras.Model:
@@ -106,7 +107,7 @@ class TransformerParts:
     def encode(self, source_ids, training=False):
         """Returns `(encoder_output, source_padding_mask)`."""
         source_ids = ops.convert_to_tensor(source_ids, "int32")
-        mask = ops.not_equal(source_ids, 0)
+        mask = padding_mask_from_ids(source_ids)
         x = self.source_embedding(source_ids, training=training)
         for layer in self.encoder_layers:
             x = layer(x, padding_mask=mask, training=training)
@@ -131,7 +132,7 @@ class TransformerParts:
     def decode_hidden(self, target_ids, encoder_output, source_mask, training=False):
         """Full decoder pass up to the last decoder layer (before `project`)."""
         target_ids = ops.convert_to_tensor(target_ids, "int32")
-        target_mask = ops.not_equal(target_ids, 0)
+        target_mask = padding_mask_from_ids(target_ids)
         y = self.target_embedding(target_ids, training=training)
         for layer in self.decoder_layers:
             y = layer(
