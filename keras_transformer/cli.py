@@ -22,6 +22,38 @@ def _demo(args):
     return 0
 
 
+def _train(args):
+    from keras_transformer.data.pipeline import DataError
+    from keras_transformer.train import RunDirectoryError, TrainSettings, train
+
+    try:
+        settings = TrainSettings(
+            src_train=args.src_train,
+            tgt_train=args.tgt_train,
+            src_valid=args.src_valid,
+            tgt_valid=args.tgt_valid,
+            preset=args.preset,
+            epochs=args.epochs,
+            max_steps=args.max_steps,
+            max_minutes=args.max_minutes,
+            tokens_per_batch=args.tokens_per_batch,
+            precision=args.precision,
+            label_smoothing=args.label_smoothing,
+            warmup_steps=args.warmup_steps,
+            learning_rate_scale=args.learning_rate_scale,
+            vocab_size=args.vocab_size,
+            dropout=args.dropout,
+            seed=args.seed,
+            average_last=args.average_last,
+            valid_beam=args.valid_beam,
+            jit_compile=args.jit_compile,
+        )
+        train(settings, args.out)
+    except (DataError, RunDirectoryError, ValueError) as error:
+        raise SystemExit(f"error: {error}") from None
+    return 0
+
+
 def _read_lines(path):
     if not os.path.isfile(path):
         raise SystemExit(f"error: file not found: {path}")
@@ -110,6 +142,65 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--num-train", type=int, default=20000, help="training sentence pairs")
     demo.add_argument("--num-test", type=int, default=500, help="held-out test pairs")
     demo.set_defaults(func=_demo)
+
+    train = sub.add_parser(
+        "train",
+        help="train on parallel text files; rerun the same command to resume",
+        description="Train a Transformer on parallel text. Rerunning the same command on the "
+        "same --out resumes after the last completed epoch.",
+    )
+    train.add_argument("--src-train", required=True, help="source side (plain or .gz)")
+    train.add_argument("--tgt-train", required=True, help="target side, parallel to --src-train")
+    train.add_argument("--src-valid", required=True)
+    train.add_argument("--tgt-valid", required=True)
+    train.add_argument("--out", required=True, help="run directory")
+    train.add_argument("--preset", default="small", help="model preset (default: small)")
+    stop = train.add_argument_group("when to stop (any that is reached first)")
+    stop.add_argument("--epochs", type=int, help="epochs (default 10 when nothing else is set)")
+    stop.add_argument("--max-steps", type=int, help="optimizer steps")
+    stop.add_argument(
+        "--max-minutes",
+        type=float,
+        help="training time; stops after the epoch where one more would exceed it",
+    )
+    train.add_argument(
+        "--tokens-per-batch",
+        type=int,
+        default=4096,
+        help="padded tokens per batch on each side (default 4096)",
+    )
+    train.add_argument(
+        "--precision", default="float32", choices=["float32", "mixed_float16", "mixed_bfloat16"]
+    )
+    train.add_argument("--label-smoothing", type=float, default=0.1)
+    train.add_argument("--warmup-steps", type=int, default=4000)
+    train.add_argument(
+        "--learning-rate-scale",
+        type=float,
+        default=1.0,
+        help="multiplier on the paper's learning-rate curve",
+    )
+    train.add_argument(
+        "--vocab-size",
+        type=int,
+        default=8000,
+        help="joint SentencePiece vocabulary size (default 8000)",
+    )
+    train.add_argument("--dropout", type=float, help="override the preset's dropout")
+    train.add_argument("--seed", type=int, default=0)
+    train.add_argument(
+        "--average-last",
+        type=int,
+        help="average the weights of the last K epochs (the paper uses 5)",
+    )
+    train.add_argument(
+        "--valid-beam",
+        type=int,
+        default=1,
+        help="beam size for the final validation BLEU (default 1: greedy)",
+    )
+    train.add_argument("--jit-compile", action="store_true", help="compile the train step with XLA")
+    train.set_defaults(func=_train)
 
     translate = sub.add_parser(
         "translate", help="translate lines from stdin to stdout, in order, one per line"

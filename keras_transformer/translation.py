@@ -9,6 +9,7 @@ import keras
 import numpy as np
 
 from keras_transformer.decoding import beam_search, greedy_search
+from keras_transformer.model import transformer_parts
 
 
 def load_run(run_dir: str):
@@ -25,17 +26,27 @@ def load_run(run_dir: str):
             f"No model.keras in {run_dir}: train a model into it first "
             "(e.g. `keras-transformer demo --out DIR`)."
         )
-    vocab_path = os.path.join(run_dir, "vocab.txt")
-    if not os.path.isfile(vocab_path):
-        raise FileNotFoundError(f"No tokenizer in {run_dir}: expected vocab.txt.")
-    from keras_transformer.data.toy import WordVocabulary
-
-    tokenizer = WordVocabulary.load(vocab_path)
+    tokenizer = load_tokenizer(run_dir)
     try:
         model = keras.saving.load_model(model_path)
     except Exception as error:  # a truncated or foreign file
         raise ValueError(f"Cannot load {model_path}: {error}") from error
     return model, tokenizer
+
+
+def load_tokenizer(run_dir: str):
+    """The run's tokenizer: `spm.model` (SentencePiece) or `vocab.txt` (the toy demo's words)."""
+    spm_path = os.path.join(run_dir, "spm.model")
+    if os.path.isfile(spm_path):
+        from keras_transformer.data.tokenizer import SentencePieceTokenizer
+
+        return SentencePieceTokenizer.load(spm_path)
+    vocab_path = os.path.join(run_dir, "vocab.txt")
+    if os.path.isfile(vocab_path):
+        from keras_transformer.data.toy import WordVocabulary
+
+        return WordVocabulary.load(vocab_path)
+    raise FileNotFoundError(f"No tokenizer in {run_dir}: expected spm.model or vocab.txt.")
 
 
 class _Progress:
@@ -65,8 +76,17 @@ def translate_lines(
     Sentences are sorted by length into batches, so padding stays small, and
     the outputs are put back in input order. Empty lines give empty lines.
     """
-    encoded = [tokenizer.encode(line) for line in lines]
+    encoded = [tokenizer.encode(line) if line.strip() else [] for line in lines]
     sources = [ids + [tokenizer.eos_id] if ids else [] for ids in encoded]
+    limit = transformer_parts(model).config.max_length
+    too_long = [i for i, s in enumerate(sources) if len(s) > limit]
+    if too_long:
+        i = too_long[0]
+        raise ValueError(
+            f"{len(too_long)} input line(s) are longer than the model's max_length={limit} "
+            f"tokens; the first is line {i + 1} ({len(sources[i])} tokens). Split long "
+            "sentences before translating."
+        )
     order = np.argsort([len(s) for s in sources], kind="stable")
     outputs = [""] * len(lines)
     bar = _Progress(len(lines), progress)

@@ -1,0 +1,214 @@
+"""The tf.data input pipeline: parallel text -> SentencePiece ids -> token-budget batches.
+
+Tokenization runs inside tf.data with `tensorflow_text.SentencepieceTokenizer`.
+Pairs are bucketed by length and each bucket is batched to about
+`tokens_per_batch` padded tokens (section 5.1 of the paper batches by ~25k
+source and ~25k target tokens).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gzip
+import os
+
+import numpy as np
+
+from keras_transformer.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
+from keras_transformer.validation import check_positive_int
+
+
+class DataError(ValueError):
+    """Input text that cannot be used: missing files, unequal line counts."""
+
+
+def read_lines(path: str) -> list[str]:
+    """Lines of a UTF-8 text file, gzipped (`.gz`) or not, without their newlines."""
+    if not os.path.isfile(path):
+        raise DataError(f"File not found: {path}")
+    opener = gzip.open if path.endswith(".gz") else open
+    try:
+        with opener(path, "rt", encoding="utf-8", newline="\n") as f:
+            return [line.rstrip("\r\n") for line in f]
+    except (OSError, UnicodeDecodeError, EOFError) as error:
+        raise DataError(f"Cannot read {path} as UTF-8 text: {error}") from error
+
+
+def read_parallel(source_path: str, target_path: str) -> tuple[list[str], list[str]]:
+    """Reads two parallel files; unequal line counts raise a `DataError` naming both."""
+    sources, targets = read_lines(source_path), read_lines(target_path)
+    if len(sources) != len(targets):
+        raise DataError(
+            f"Parallel files differ in length: {source_path} has {len(sources)} lines but "
+            f"{target_path} has {len(targets)} lines. Line N of one must translate line N "
+            "of the other."
+        )
+    return sources, targets
+
+
+@dataclasses.dataclass
+class PipelineStats:
+    """What the pipeline kept and what it left out, and why."""
+
+    total_pairs: int
+    empty_pairs: int  # a side was empty or only whitespace
+    too_long_pairs: int  # a side needed more than max_length positions
+    kept_pairs: int
+    source_tokens: int  # of kept pairs, EOS included
+    target_tokens: int  # of kept pairs, EOS included
+
+    def describe(self, name: str = "data") -> str:
+        return (
+            f"{name}: kept {self.kept_pairs} of {self.total_pairs} sentence pairs "
+            f"({self.empty_pairs} skipped as empty, {self.too_long_pairs} dropped as longer "
+            f"than max_length); {self.source_tokens} source and {self.target_tokens} "
+            "target tokens"
+        )
+
+
+def bucket_boundaries(max_length: int, min_boundary: int = 8, step: float = 1.25) -> list[int]:
+    """Geometric length buckets: 8, 10, 12, 15, 18, ... up to `max_length` (inclusive)."""
+    boundaries, b = [], min_boundary
+    while b < max_length:
+        boundaries.append(b)
+        b = max(b + 1, int(round(b * step)))
+    boundaries.append(max_length)
+    return boundaries
+
+
+def _encode_all(tokenizer, sources, targets):
+    """Ids of every pair, tokenized inside tf.data by tensorflow-text, as numpy lists."""
+    import tensorflow as tf
+
+    tf_tokenizer = tokenizer.tf_tokenizer()
+    dataset = (
+        tf.data.Dataset.from_tensor_slices((sources, targets))
+        .batch(1024)
+        .map(
+            lambda s, t: (tf_tokenizer.tokenize(s), tf_tokenizer.tokenize(t)),
+            num_parallel_calls=tf.data.AUTOTUNE,
+            deterministic=True,
+        )
+    )
+    source_ids, target_ids = [], []
+    for s, t in dataset:
+        source_ids.extend(np.split(s.flat_values.numpy(), s.row_splits.numpy()[1:-1]))
+        target_ids.extend(np.split(t.flat_values.numpy(), t.row_splits.numpy()[1:-1]))
+    return source_ids, target_ids
+
+
+def make_dataset(
+    sources,
+    targets,
+    tokenizer,
+    max_length: int,
+    tokens_per_batch: int = 4096,
+    shuffle: bool = True,
+    seed: int = 0,
+    repeat_shapes: bool = True,
+):
+    """Builds the `(inputs, labels)` dataset that `model.fit` takes.
+
+    Args:
+        sources, targets: lists of str, parallel.
+        tokenizer: `SentencePieceTokenizer`.
+        max_length: int. Longest sequence, in positions (EOS or BOS included);
+            longer pairs are dropped and counted.
+        tokens_per_batch: int. Padded tokens per batch on each side; each length
+            bucket gets `tokens_per_batch // bucket_length` sentences per batch.
+        shuffle: bool. Reshuffle the pairs every epoch (training data).
+        seed: int. Shuffle seed.
+        repeat_shapes: bool. Pad every batch to its bucket's length, so that a
+            compiled train step sees few distinct shapes.
+
+    Returns:
+        `(dataset, stats)`: a `tf.data.Dataset` of
+        `({"source_ids": (B, S) int32, "target_ids": (B, T) int32}, labels (B, T) int32)`,
+        with source = pieces + EOS, decoder input = BOS + target pieces,
+        labels = target pieces + EOS; and a `PipelineStats`.
+    """
+    import tensorflow as tf
+
+    check_positive_int("max_length", max_length)
+    check_positive_int("tokens_per_batch", tokens_per_batch)
+    if len(sources) != len(targets):
+        raise DataError(f"{len(sources)} source sentences but {len(targets)} target sentences.")
+    if tokens_per_batch < max_length:
+        raise ValueError(
+            f"tokens_per_batch ({tokens_per_batch}) must be at least max_length "
+            f"({max_length}) so that the longest sentence fits in a batch."
+        )
+    total = len(sources)
+    nonempty = [i for i in range(total) if sources[i].strip() and targets[i].strip()]
+    source_ids, target_ids = _encode_all(
+        tokenizer, [sources[i] for i in nonempty], [targets[i] for i in nonempty]
+    )
+    keep = [
+        k
+        for k in range(len(nonempty))
+        if len(source_ids[k]) + 1 <= max_length and len(target_ids[k]) + 1 <= max_length
+    ]
+    stats = PipelineStats(
+        total_pairs=total,
+        empty_pairs=total - len(nonempty),
+        too_long_pairs=len(nonempty) - len(keep),
+        kept_pairs=len(keep),
+        source_tokens=int(sum(len(source_ids[k]) + 1 for k in keep)),
+        target_tokens=int(sum(len(target_ids[k]) + 1 for k in keep)),
+    )
+    if not keep:
+        raise DataError(
+            stats.describe() + ". Nothing is left to train on: check the files and max_length."
+        )
+
+    def ragged(ids):
+        lengths = [len(ids[k]) for k in keep]
+        values = np.concatenate([ids[k] for k in keep]).astype(np.int32)
+        return tf.RaggedTensor.from_row_lengths(values, np.asarray(lengths, np.int64))
+
+    dataset = tf.data.Dataset.from_tensor_slices((ragged(source_ids), ragged(target_ids)))
+    if shuffle:
+        dataset = dataset.shuffle(len(keep), seed=seed, reshuffle_each_iteration=True)
+
+    eos = tf.constant([EOS_ID], tf.int32)
+    bos = tf.constant([BOS_ID], tf.int32)
+
+    def add_specials(s, t):
+        return s, tf.concat([bos, t], 0), tf.concat([t, eos], 0)
+
+    def with_eos(s, t):
+        s, dec, lab = add_specials(s, t)
+        return tf.concat([s, eos], 0), dec, lab
+
+    dataset = dataset.map(with_eos, num_parallel_calls=tf.data.AUTOTUNE)
+    boundaries = bucket_boundaries(max_length)
+    batch_sizes = [max(1, tokens_per_batch // b) for b in boundaries]
+    dataset = dataset.bucket_by_sequence_length(
+        element_length_func=lambda s, d, lab: tf.maximum(tf.shape(s)[0], tf.shape(d)[0]),
+        # bucket_by_sequence_length's boundaries are exclusive upper bounds.
+        bucket_boundaries=[b + 1 for b in boundaries[:-1]],
+        bucket_batch_sizes=batch_sizes,
+        padded_shapes=([None], [None], [None]),
+        padding_values=(PAD_ID, PAD_ID, PAD_ID),
+        pad_to_bucket_boundary=False,
+    )
+    if repeat_shapes:
+        lengths = tf.constant(boundaries, tf.int32)
+
+        def pad_to_bucket(s, d, lab):
+            longest = tf.maximum(tf.shape(s)[1], tf.shape(d)[1])
+            width = lengths[tf.argmax(tf.cast(lengths >= longest, tf.int32))]
+            pad_s = [[0, 0], [0, width - tf.shape(s)[1]]]
+            pad_d = [[0, 0], [0, width - tf.shape(d)[1]]]
+            return tf.pad(s, pad_s), tf.pad(d, pad_d), tf.pad(lab, pad_d)
+
+        dataset = dataset.map(pad_to_bucket, num_parallel_calls=tf.data.AUTOTUNE)
+    if shuffle:
+        # Buckets fill at different rates; shuffle whole batches so that an
+        # epoch does not end with all the long sentences.
+        dataset = dataset.shuffle(64, seed=seed + 1, reshuffle_each_iteration=True)
+    dataset = dataset.map(
+        lambda s, d, lab: ({"source_ids": s, "target_ids": d}, lab),
+        num_parallel_calls=tf.data.AUTOTUNE,
+    ).prefetch(tf.data.AUTOTUNE)
+    return dataset, stats

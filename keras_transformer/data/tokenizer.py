@@ -1,0 +1,183 @@
+"""A joint SentencePiece vocabulary: training, Python encoding, and tf.data tokenization.
+
+One model covers source and target text, so that the shared embedding of the
+paper (section 3.4) sees the same piece ids on both sides. The special ids are
+fixed for training, decoding and export: pad 0, BOS 1, EOS 2, UNK 3.
+
+The model uses the identity normalization, keeps every space as written and
+falls back to UTF-8 bytes for characters it has never seen, so that
+`decode(encode(text)) == text` for any text, emoji and CJK included.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+
+import sentencepiece as spm
+
+from keras_transformer.io_utils import atomic_path
+from keras_transformer.validation import check_positive_int
+
+PAD_ID, BOS_ID, EOS_ID, UNK_ID = 0, 1, 2, 3
+# Byte pieces (256) + the four specials; below this the byte fallback cannot fit.
+MIN_VOCABULARY_SIZE = 300
+DEFAULT_VOCABULARY_SIZE = 8000
+
+
+def train_sentencepiece(
+    texts,
+    vocabulary_size: int = DEFAULT_VOCABULARY_SIZE,
+    model_type: str = "unigram",
+    max_sentences: int = 2_000_000,
+    seed: int = 0,
+) -> SentencePieceTokenizer:
+    """Trains a SentencePiece model on an iterable of sentences.
+
+    Pass the source and the target sentences together (e.g. `src + tgt`) to
+    get one joint vocabulary.
+
+    Args:
+        texts: iterable of str. Training sentences; empty ones are skipped.
+        vocabulary_size: int. Number of pieces, the four specials and the
+            256 byte pieces included.
+        model_type: str. `"unigram"` (SentencePiece's default) or `"bpe"`.
+        max_sentences: int. Sentences sampled for training when there are more.
+        seed: int. Seeds SentencePiece's sampling of `max_sentences`.
+
+    Returns:
+        A `SentencePieceTokenizer`.
+    """
+    check_positive_int("vocabulary_size", vocabulary_size)
+    if vocabulary_size < MIN_VOCABULARY_SIZE:
+        raise ValueError(
+            f"vocabulary_size must be at least {MIN_VOCABULARY_SIZE} (256 byte pieces and "
+            f"the special tokens). Received: vocabulary_size={vocabulary_size}"
+        )
+    if model_type not in ("unigram", "bpe"):
+        raise ValueError(f"model_type must be 'unigram' or 'bpe'. Received: {model_type!r}")
+    sentences = [t for t in texts if t.strip()]
+    if not sentences:
+        raise ValueError("Cannot train a SentencePiece model: no non-empty sentences given.")
+    spm.set_random_generator_seed(seed)
+    buffer = io.BytesIO()
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=iter(sentences),
+            model_writer=buffer,
+            vocab_size=vocabulary_size,
+            model_type=model_type,
+            character_coverage=1.0,
+            byte_fallback=True,
+            normalization_rule_name="identity",
+            remove_extra_whitespaces=False,
+            split_digits=True,
+            pad_id=PAD_ID,
+            bos_id=BOS_ID,
+            eos_id=EOS_ID,
+            unk_id=UNK_ID,
+            input_sentence_size=max_sentences,
+            shuffle_input_sentence=True,
+            num_threads=os.cpu_count() or 1,
+            minloglevel=2,
+        )
+    except RuntimeError as error:
+        # SentencePiece refuses a vocabulary larger than the text supports.
+        raise ValueError(
+            f"SentencePiece training failed with vocabulary_size={vocabulary_size} on "
+            f"{len(sentences)} sentences: {error}"
+        ) from error
+    return SentencePieceTokenizer(buffer.getvalue())
+
+
+class SentencePieceTokenizer:
+    """A SentencePiece model held as bytes, usable from Python and inside tf.data.
+
+    Args:
+        model_proto: bytes. A serialized SentencePiece model (`spm.model`).
+
+    Example:
+
+    >>> tokenizer = SentencePieceTokenizer.load("runs/de-en/spm.model")
+    >>> ids = tokenizer.encode("Ein Hund läuft.")
+    >>> tokenizer.decode(ids)
+    'Ein Hund läuft.'
+    """
+
+    pad_id, bos_id, eos_id, unk_id = PAD_ID, BOS_ID, EOS_ID, UNK_ID
+
+    def __init__(self, model_proto: bytes):
+        self.model_proto = bytes(model_proto)
+        self._processor = spm.SentencePieceProcessor(model_proto=self.model_proto)
+        expected = {"pad": PAD_ID, "bos": BOS_ID, "eos": EOS_ID, "unk": UNK_ID}
+        actual = {
+            "pad": self._processor.pad_id(),
+            "bos": self._processor.bos_id(),
+            "eos": self._processor.eos_id(),
+            "unk": self._processor.unk_id(),
+        }
+        if actual != expected:
+            raise ValueError(
+                f"The SentencePiece model has special ids {actual}; this package needs "
+                f"{expected}. Train it with `train_sentencepiece`."
+            )
+        self._tf_tokenizer = None
+
+    @classmethod
+    def load(cls, path: str) -> SentencePieceTokenizer:
+        """Reads a `.model` file; a missing or corrupt file raises a clear error."""
+        if not os.path.isfile(path):
+            raise FileNotFoundError(f"SentencePiece model not found: {path}")
+        with open(path, "rb") as f:
+            data = f.read()
+        try:
+            return cls(data)
+        except (RuntimeError, OSError) as error:
+            raise ValueError(f"{path} is not a valid SentencePiece model: {error}") from error
+
+    def save(self, path: str) -> None:
+        """Writes the model bytes to `path` atomically."""
+        with atomic_path(path) as tmp, open(tmp, "wb") as f:
+            f.write(self.model_proto)
+
+    def __len__(self) -> int:
+        return self._processor.get_piece_size()
+
+    @property
+    def vocabulary_size(self) -> int:
+        return len(self)
+
+    def encode(self, text: str) -> list[int]:
+        """Piece ids of `text`, without BOS or EOS."""
+        return self._processor.encode(text, out_type=int)
+
+    def encode_batch(self, texts) -> list[list[int]]:
+        return self._processor.encode(list(texts), out_type=int)
+
+    def decode(self, ids) -> str:
+        """Text of `ids`; stops at the first EOS and skips pad and BOS."""
+        pieces = []
+        for i in ids:
+            i = int(i)
+            if i == EOS_ID:
+                break
+            if i not in (PAD_ID, BOS_ID):
+                pieces.append(i)
+        return self._processor.decode(pieces)
+
+    def id_to_piece(self, i: int) -> str:
+        return self._processor.id_to_piece(int(i))
+
+    def pieces(self, ids) -> list[str]:
+        return [self.id_to_piece(i) for i in ids]
+
+    def tf_tokenizer(self):
+        """A `tensorflow_text.SentencepieceTokenizer` on the same model bytes (int32 ids)."""
+        if self._tf_tokenizer is None:
+            import tensorflow as tf
+            import tensorflow_text
+
+            self._tf_tokenizer = tensorflow_text.SentencepieceTokenizer(
+                model=self.model_proto, out_type=tf.int32
+            )
+        return self._tf_tokenizer
