@@ -94,7 +94,30 @@ def _translate(args):
         progress=not sys.stdin.isatty() and len(lines) > args.batch_size,
     )
     sys.stdout.write("".join(line + "\n" for line in outputs))
+    sys.stdout.flush()
+    if args.plot_attention:
+        _plot(args, model, tokenizer, lines, beam)
     return 0
+
+
+def _plot(args, model, tokenizer, lines, beam):
+    from keras_transformer.plotting import attention_figure_data, plot_attention
+
+    if not 1 <= args.plot_line <= len(lines):
+        raise SystemExit(
+            f"error: --plot-line {args.plot_line} is out of range: {len(lines)} input line(s)."
+        )
+    text = lines[args.plot_line - 1]
+    try:
+        weights, src, tgt, translation = attention_figure_data(model, tokenizer, text, beam)
+    except ValueError as error:
+        raise SystemExit(f"error: line {args.plot_line}: {error}") from None
+    title = f"{text}\n-> {translation}\n(last decoder layer, mean over heads)"
+    plot_attention(weights, src, tgt, args.plot_attention, title=title)
+    print(
+        f"Wrote the cross-attention of line {args.plot_line} to {args.plot_attention}",
+        file=sys.stderr,
+    )
 
 
 def _evaluate(args):
@@ -207,6 +230,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     translate.add_argument("run_dir", help="run directory with model.keras and its tokenizer")
     _add_search_flags(translate)
+    translate.add_argument(
+        "--plot-attention",
+        metavar="PNG",
+        help="also draw one sentence's cross-attention weights (source x output pieces)",
+    )
+    translate.add_argument(
+        "--plot-line",
+        type=int,
+        default=1,
+        help="which input line --plot-attention draws (default 1)",
+    )
     translate.set_defaults(func=_translate)
 
     evaluate = sub.add_parser("evaluate", help="translate a file and score it with sacreBLEU")

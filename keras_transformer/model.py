@@ -144,6 +144,33 @@ class TransformerParts:
             )
         return y
 
+    def cross_attention_weights(self, source_ids, target_ids):
+        """Teacher-forced cross-attention weights of every decoder layer.
+
+        Args:
+            source_ids: `(batch_size, source_len)` int.
+            target_ids: `(batch_size, target_len)` int, the decoder input (BOS first).
+
+        Returns:
+            A list with one float32 `(batch_size, num_heads, target_len, source_len)`
+            array-like per decoder layer, first layer first.
+        """
+        encoder_output, source_mask = self.encode(source_ids)
+        target_ids = ops.convert_to_tensor(target_ids, "int32")
+        target_mask = padding_mask_from_ids(target_ids)
+        y = self.target_embedding(target_ids)
+        weights = []
+        for layer in self.decoder_layers:
+            y, scores = layer(
+                y,
+                encoder_output,
+                decoder_padding_mask=target_mask,
+                encoder_padding_mask=source_mask,
+                return_attention_scores=True,
+            )
+            weights.append(ops.cast(scores, "float32"))
+        return weights
+
 
 def transformer_parts(model: keras.Model) -> TransformerParts:
     """Finds the layers of a `build_transformer` model and recovers its config."""

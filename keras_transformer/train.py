@@ -242,6 +242,10 @@ def train(settings: TrainSettings, out_dir: str, verbose: int = 1) -> dict:
     keras.utils.set_random_seed(settings.seed)
     tokenizer = _load_or_train_tokenizer(out_dir, settings, resume, src_train, tgt_train)
     config = settings.model_config(tokenizer.vocabulary_size)
+    log(
+        f"SentencePiece vocabulary: {tokenizer.vocabulary_size} pieces (asked for "
+        f"{settings.vocab_size})"
+    )
     train_data, train_stats = make_dataset(
         src_train,
         tgt_train,

@@ -80,9 +80,13 @@ def _encode_all(tokenizer, sources, targets):
     """Ids of every pair, tokenized inside tf.data by tensorflow-text, as numpy lists."""
     import tensorflow as tf
 
+    if not sources:
+        return [], []
     tf_tokenizer = tokenizer.tf_tokenizer()
     dataset = (
-        tf.data.Dataset.from_tensor_slices((sources, targets))
+        tf.data.Dataset.from_tensor_slices(
+            (tf.constant(sources, tf.string), tf.constant(targets, tf.string))
+        )
         .batch(1024)
         .map(
             lambda s, t: (tf_tokenizer.tokenize(s), tf_tokenizer.tokenize(t)),

@@ -40,7 +40,8 @@ def train_sentencepiece(
     Args:
         texts: iterable of str. Training sentences; empty ones are skipped.
         vocabulary_size: int. Number of pieces, the four specials and the
-            256 byte pieces included.
+            256 byte pieces included. An upper bound: text too small to
+            support it gives a smaller vocabulary.
         model_type: str. `"unigram"` (SentencePiece's default) or `"bpe"`.
         max_sentences: int. Sentences sampled for training when there are more.
         seed: int. Seeds SentencePiece's sampling of `max_sentences`.
@@ -66,6 +67,9 @@ def train_sentencepiece(
             sentence_iterator=iter(sentences),
             model_writer=buffer,
             vocab_size=vocabulary_size,
+            # A small corpus may not support the size asked for; it then gets
+            # fewer pieces (check `vocabulary_size`) instead of an error.
+            hard_vocab_limit=False,
             model_type=model_type,
             character_coverage=1.0,
             byte_fallback=True,
@@ -121,7 +125,6 @@ class SentencePieceTokenizer:
                 f"The SentencePiece model has special ids {actual}; this package needs "
                 f"{expected}. Train it with `train_sentencepiece`."
             )
-        self._tf_tokenizer = None
 
     @classmethod
     def load(cls, path: str) -> SentencePieceTokenizer:
@@ -172,12 +175,12 @@ class SentencePieceTokenizer:
         return [self.id_to_piece(i) for i in ids]
 
     def tf_tokenizer(self):
-        """A `tensorflow_text.SentencepieceTokenizer` on the same model bytes (int32 ids)."""
-        if self._tf_tokenizer is None:
-            import tensorflow as tf
-            import tensorflow_text
+        """A new `tensorflow_text.SentencepieceTokenizer` on the same model bytes (int32 ids).
 
-            self._tf_tokenizer = tensorflow_text.SentencepieceTokenizer(
-                model=self.model_proto, out_type=tf.int32
-            )
-        return self._tf_tokenizer
+        A new one per call: its TensorFlow resource belongs to the context it
+        was made in, and a cached one can outlive that context.
+        """
+        import tensorflow as tf
+        import tensorflow_text
+
+        return tensorflow_text.SentencepieceTokenizer(model=self.model_proto, out_type=tf.int32)

@@ -170,6 +170,9 @@ class WordVocabulary:
     def encode(self, text: str) -> list[int]:
         return [self.index.get(word, self.unk_id) for word in text.split()]
 
+    def pieces(self, ids) -> list[str]:
+        return [self.tokens[int(i)] if int(i) < len(self.tokens) else UNK for i in ids]
+
     def decode(self, ids) -> str:
         words = []
         for i in ids:

@@ -1,0 +1,149 @@
+import gzip
+
+import numpy as np
+import pytest
+
+from keras_transformer.data.pipeline import (
+    DataError,
+    bucket_boundaries,
+    make_dataset,
+    read_lines,
+    read_parallel,
+)
+from keras_transformer.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, train_sentencepiece
+
+WORDS = "a dog cat runs jumps over the red blue green field water ball man woman child".split()
+
+
+def _sentences(count, seed, max_words=12):
+    rng = np.random.default_rng(seed)
+    return [" ".join(rng.choice(WORDS, rng.integers(1, max_words + 1))) for _ in range(count)]
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    sources = _sentences(300, 0)
+    targets = [s.upper() for s in sources]
+    return sources, targets
+
+
+@pytest.fixture(scope="module")
+def tokenizer(corpus):
+    return train_sentencepiece(corpus[0] + corpus[1], vocabulary_size=320)
+
+
+def _batches(dataset):
+    return [(x["source_ids"].numpy(), x["target_ids"].numpy(), y.numpy()) for x, y in dataset]
+
+
+def test_shapes_dtypes_and_the_bos_eos_shift(corpus, tokenizer):
+    sources, targets = corpus
+    dataset, stats = make_dataset(
+        sources, targets, tokenizer, max_length=64, tokens_per_batch=256, shuffle=False
+    )
+    assert stats.kept_pairs == 300 and stats.empty_pairs == 0 and stats.too_long_pairs == 0
+    expected = {
+        tuple(tokenizer.encode(s) + [EOS_ID]): tokenizer.encode(t)
+        for s, t in zip(sources, targets, strict=True)
+    }
+    seen = 0
+    for src, dec, lab in _batches(dataset):
+        assert src.dtype == dec.dtype == lab.dtype == np.int32
+        assert src.ndim == 2 and dec.shape == lab.shape and src.shape[0] == dec.shape[0]
+        assert src.size <= 256 and dec.size <= 256  # the token budget per side
+        for s_row, d_row, l_row in zip(src, dec, lab, strict=True):
+            source = s_row[s_row != PAD_ID].tolist()
+            target = expected[tuple(source)]
+            n = len(target) + 1
+            assert d_row[:n].tolist() == [BOS_ID] + target  # decoder input = BOS + target
+            assert l_row[:n].tolist() == target + [EOS_ID]  # labels = target + EOS
+            assert not d_row[n:].any() and not l_row[n:].any()
+            assert s_row[: len(source)].all()  # padding only at the end
+            seen += 1
+    assert seen == 300
+
+
+def test_batches_are_bucketed_and_padded_to_bucket_lengths(corpus, tokenizer):
+    dataset, _ = make_dataset(
+        corpus[0], corpus[1], tokenizer, max_length=64, tokens_per_batch=512, seed=1
+    )
+    boundaries = bucket_boundaries(64)
+    widths = set()
+    for src, dec, _ in _batches(dataset):
+        assert src.shape[1] == dec.shape[1] and src.shape[1] in boundaries
+        widths.add(src.shape[1])
+        # Bucketing keeps padding small: every row is longer than the bucket below.
+        lower = max([b for b in boundaries if b < src.shape[1]], default=0)
+        lengths = np.maximum((src != PAD_ID).sum(1), (dec != PAD_ID).sum(1))
+        assert lengths.max() > lower and lengths.max() <= src.shape[1]
+    assert len(widths) > 2
+
+
+def test_shuffling_changes_the_order_between_epochs_but_keeps_every_pair(corpus, tokenizer):
+    dataset, _ = make_dataset(
+        corpus[0], corpus[1], tokenizer, max_length=64, tokens_per_batch=256, seed=3
+    )
+
+    def epoch():
+        return [tuple(r[r != 0]) for s, _, _ in _batches(dataset) for r in s]
+
+    first, second = epoch(), epoch()
+    assert first != second and sorted(first) == sorted(second) and len(first) == 300
+
+
+def test_empty_and_over_length_pairs_are_counted(corpus, tokenizer):
+    sources = list(corpus[0][:50]) + ["", "a dog", "   ", " ".join(["water"] * 80)]
+    targets = list(corpus[1][:50]) + ["A CAT", "", "X", "WATER"]
+    dataset, stats = make_dataset(sources, targets, tokenizer, max_length=40, tokens_per_batch=200)
+    assert stats.total_pairs == 54
+    assert stats.empty_pairs == 3
+    assert stats.too_long_pairs == 1
+    assert stats.kept_pairs == 50 == sum(s.shape[0] for s, _, _ in _batches(dataset))
+    assert "3 skipped as empty" in stats.describe() and "1 dropped as longer" in stats.describe()
+
+
+def test_nothing_left_is_an_error(tokenizer):
+    with pytest.raises(DataError, match="Nothing is left"):
+        make_dataset(["", " "], ["a", ""], tokenizer, max_length=16, tokens_per_batch=64)
+
+
+def test_token_budget_must_hold_the_longest_sentence(corpus, tokenizer):
+    with pytest.raises(ValueError, match="tokens_per_batch"):
+        make_dataset(corpus[0], corpus[1], tokenizer, max_length=64, tokens_per_batch=32)
+
+
+def test_read_plain_and_gzipped_files(tmp_path):
+    lines = ["Ein Hund läuft.", "", "Zwei Kinder\tspielen."]
+    plain = tmp_path / "a.de"
+    plain.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    zipped = tmp_path / "a.de.gz"
+    with gzip.open(zipped, "wt", encoding="utf-8") as f:
+        f.write("\r\n".join(lines) + "\r\n")
+    assert read_lines(str(plain)) == lines
+    assert read_lines(str(zipped)) == lines
+
+
+def test_line_count_mismatch_names_both_files_and_counts(tmp_path):
+    src, tgt = tmp_path / "train.de", tmp_path / "train.en"
+    src.write_text("a\nb\nc\n", encoding="utf-8")
+    tgt.write_text("a\nb\n", encoding="utf-8")
+    with pytest.raises(DataError) as error:
+        read_parallel(str(src), str(tgt))
+    message = str(error.value)
+    assert str(src) in message and str(tgt) in message
+    assert "3 lines" in message and "2 lines" in message
+
+
+def test_missing_and_undecodable_files(tmp_path):
+    with pytest.raises(DataError, match="not found.*nope.txt"):
+        read_lines(str(tmp_path / "nope.txt"))
+    binary = tmp_path / "latin1.txt"
+    binary.write_bytes("Müller\n".encode("latin-1"))
+    with pytest.raises(DataError, match="latin1.txt"):
+        read_lines(str(binary))
+
+
+def test_bucket_boundaries_cover_max_length():
+    boundaries = bucket_boundaries(128)
+    assert boundaries[0] == 8 and boundaries[-1] == 128
+    assert all(a < b for a, b in zip(boundaries, boundaries[1:], strict=False))

@@ -1,0 +1,204 @@
+"""The train / evaluate / translate commands end to end on a generated corpus."""
+
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import keras
+import numpy as np
+import pytest
+
+from keras_transformer import cli
+from keras_transformer.config import TransformerConfig
+from keras_transformer.data.toy import generate_toy_corpus
+from keras_transformer.model import build_transformer
+from keras_transformer.train import average_checkpoints
+
+
+def _train_args(paths, out, *extra):
+    return [
+        "train",
+        "--src-train", paths["train.src"], "--tgt-train", paths["train.tgt"],
+        "--src-valid", paths["valid.src"], "--tgt-valid", paths["valid.tgt"],
+        "--out", str(out), "--preset", "tiny", "--vocab-size", "400",
+        "--tokens-per-batch", "1024", "--warmup-steps", "100", *extra,
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def corpus_files(tmp_path_factory):
+    corpus = generate_toy_corpus(num_train=1500, num_valid=60, num_test=60, max_words=6, seed=5)
+    return corpus, corpus.write(str(tmp_path_factory.mktemp("toy_text")))
+
+
+@pytest.fixture(scope="module")
+def trained_run(corpus_files, tmp_path_factory):
+    _, paths = corpus_files
+    out = tmp_path_factory.mktemp("runs") / "toy"
+    assert cli.main(_train_args(paths, out, "--epochs", "3", "--average-last", "2")) == 0
+    return out
+
+
+def test_train_writes_a_complete_run_directory(trained_run):
+    names = set(os.listdir(trained_run))
+    assert {"model.keras", "spm.model", "config.json", "metrics.json", "logs"} <= names
+    assert os.listdir(trained_run / "logs")  # TensorBoard event files
+    metrics = json.loads((trained_run / "metrics.json").read_text())
+    assert metrics["epochs"] == 3 and len(metrics["history"]) == 3
+    for entry in metrics["history"]:
+        assert {"loss", "masked_accuracy", "val_loss", "val_masked_accuracy"} <= set(entry)
+    assert metrics["history"][-1]["loss"] < metrics["history"][0]["loss"]
+    assert metrics["train_seconds"] > 0 and metrics["tokens_per_second"] > 0
+    assert metrics["averaged_checkpoints"] == ["epoch-002.weights.h5", "epoch-003.weights.h5"]
+    assert 0 <= metrics["valid_bleu"] <= 100 and "case:mixed" in metrics["valid_bleu_signature"]
+    assert metrics["train_data"]["kept_pairs"] == 1500
+
+
+def test_saved_model_is_the_average_of_the_last_checkpoints(trained_run):
+    model = keras.saving.load_model(str(trained_run / "model.keras"))
+    saved = model.get_weights()
+    checkpoints = [str(trained_run / "checkpoints" / f"epoch-00{i}.weights.h5") for i in (2, 3)]
+    per_epoch = []
+    for path in checkpoints:
+        model.load_weights(path)
+        per_epoch.append(model.get_weights())
+    assert not np.allclose(per_epoch[0][0], per_epoch[1][0])
+    for i, weight in enumerate(saved):
+        np.testing.assert_allclose(weight, (per_epoch[0][i] + per_epoch[1][i]) / 2, atol=1e-6)
+
+
+def test_average_checkpoints(tmp_path):
+    config = TransformerConfig.from_preset("tiny", vocabulary_size=40)
+    model = build_transformer(config)
+    paths = []
+    for k in range(3):
+        model.set_weights([np.full(w.shape, float(k + 1), w.dtype) for w in model.get_weights()])
+        paths.append(str(tmp_path / f"{k}.weights.h5"))
+        model.save_weights(paths[-1])
+    average_checkpoints(model, paths)
+    assert all(np.allclose(w, 2.0) for w in model.get_weights())
+    with pytest.raises(ValueError, match="No checkpoints"):
+        average_checkpoints(model, [])
+
+
+def test_evaluate_and_translate(trained_run, corpus_files, tmp_path, monkeypatch, capsys):
+    corpus, paths = corpus_files
+    output = tmp_path / "test.hyp"
+    assert (
+        cli.main(
+            ["evaluate", str(trained_run), "--src", paths["test.src"], "--ref", paths["test.tgt"],
+             "--greedy", "--output", str(output)]
+        )
+        == 0
+    )  # fmt: skip
+    scores = json.loads((tmp_path / "test.hyp.json").read_text())
+    assert {"bleu", "bleu_signature", "chrf", "bleu_lowercase"} <= set(scores)
+    hypotheses = output.read_text(encoding="utf-8").splitlines()
+    assert len(hypotheses) == 60
+    capsys.readouterr()
+
+    lines = [s for s, _ in corpus.test[:5]]
+    monkeypatch.setattr(
+        sys,
+        "stdin",
+        io.StringIO(
+            "".join(f"{s}\n" for s in lines[:2]) + "\n" + "".join(f"{s}\n" for s in lines[2:])
+        ),
+    )
+    plot = tmp_path / "attention.png"
+    assert cli.main(["translate", str(trained_run), "--greedy", "--plot-attention", str(plot),
+                     "--plot-line", "2"]) == 0  # fmt: skip
+    out = capsys.readouterr().out.splitlines()
+    # One line per input line, in order; the empty line stays empty.
+    assert len(out) == 6 and out[2] == ""
+    assert out[:2] + out[3:] == [hypotheses[i] for i in range(5)]
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_plot_attention_data(trained_run, corpus_files):
+    from keras_transformer.plotting import attention_figure_data
+    from keras_transformer.translation import load_run
+
+    corpus, _ = corpus_files
+    model, tokenizer = load_run(str(trained_run))
+    weights, src, tgt, translation = attention_figure_data(
+        model, tokenizer, corpus.test[0][0], beam_size=1
+    )
+    assert weights.shape == (len(tgt), len(src)) and src[-1] == tgt[-1] == "</s>"
+    np.testing.assert_allclose(weights.sum(axis=1), 1.0, atol=1e-4)  # rows are softmaxes
+    assert "".join(src[:-1]).replace("▁", " ").strip() == corpus.test[0][0]
+    with pytest.raises(ValueError, match="empty"):
+        attention_figure_data(model, tokenizer, "   ")
+
+
+def test_a_different_configuration_is_refused(trained_run, corpus_files):
+    _, paths = corpus_files
+    before = (trained_run / "model.keras").read_bytes()
+    with pytest.raises(SystemExit, match="different configuration.*seed"):
+        cli.main(_train_args(paths, trained_run, "--epochs", "3", "--seed", "7"))
+    assert (trained_run / "model.keras").read_bytes() == before
+
+
+def test_a_foreign_directory_is_refused(corpus_files, tmp_path):
+    _, paths = corpus_files
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(SystemExit, match="not empty and has no train_config.json"):
+        cli.main(_train_args(paths, tmp_path, "--epochs", "1"))
+    assert os.listdir(tmp_path) == ["notes.txt"]
+
+
+def test_mismatched_files_fail_before_training(corpus_files, tmp_path):
+    _, paths = corpus_files
+    short = tmp_path / "short.tgt"
+    short.write_text("ONE\nTWO\n")
+    args = _train_args({**paths, "train.tgt": str(short)}, tmp_path / "run", "--epochs", "1")
+    with pytest.raises(SystemExit, match=r"short.tgt has 2 lines"):
+        cli.main(args)
+    assert not (tmp_path / "run").exists()
+
+
+def test_max_steps_stops_training(corpus_files, tmp_path):
+    _, paths = corpus_files
+    assert cli.main(_train_args(paths, tmp_path / "run", "--max-steps", "5")) == 0
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert metrics["steps"] == 5 and metrics["epochs"] == 1
+
+
+def test_killed_run_resumes_after_the_last_completed_epoch(corpus_files, tmp_path):
+    """Kill the real command mid-epoch 2, rerun it, and check it went on from epoch 2."""
+    _, paths = corpus_files
+    out = tmp_path / "run"
+    command = [sys.executable, "-m", "keras_transformer.cli"] + _train_args(
+        paths, out, "--epochs", "3"
+    )
+    env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
+    process = subprocess.Popen(
+        command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    metadata = out / "backup" / "training_metadata.json"
+    deadline = time.time() + 300
+    try:
+        while not metadata.exists() and process.poll() is None and time.time() < deadline:
+            time.sleep(0.05)
+        assert metadata.exists(), "the first run never completed an epoch"
+    finally:
+        process.send_signal(signal.SIGKILL)
+        process.wait()
+    first = json.loads((out / "history.json").read_text())
+    assert len(first) in (1, 2)  # killed during epoch 2 (or right after it ended)
+    assert not (out / "metrics.json").exists()
+
+    rerun = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert "Resuming" in rerun.stdout
+    history = json.loads((out / "history.json").read_text())
+    assert [e["epoch"] for e in history] == [1, 2, 3]
+    assert history[0] == first[0]  # epoch 1 was not trained again
+    steps_per_epoch = history[0]["steps"]
+    assert history[-1]["steps"] == 3 * steps_per_epoch  # the optimizer state was restored
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["epochs"] == 3
