@@ -47,6 +47,7 @@ def _train(args):
             average_last=args.average_last,
             valid_beam=args.valid_beam,
             jit_compile=args.jit_compile,
+            strategy=args.strategy,
         )
         train(settings, args.out)
     except (DataError, RunDirectoryError, ValueError) as error:
@@ -223,6 +224,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="beam size for the final validation BLEU (default 1: greedy)",
     )
     train.add_argument("--jit-compile", action="store_true", help="compile the train step with XLA")
+    train.add_argument(
+        "--strategy",
+        default="default",
+        choices=["default", "mirrored", "multi-worker"],
+        help="tf.distribute strategy: one device, all GPUs of this machine, or the "
+        "cluster in TF_CONFIG",
+    )
     train.set_defaults(func=_train)
 
     translate = sub.add_parser(

@@ -16,6 +16,7 @@ A run directory holds everything a run needs and produces:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import glob
 import json
@@ -44,7 +45,14 @@ from keras_transformer.training import (
 
 PRECISIONS = ("float32", "mixed_float16", "mixed_bfloat16")
 # Settings that only say when to stop or how to finish; changing them resumes the run.
-RESUMABLE_FIELDS = ("epochs", "max_steps", "max_minutes", "average_last", "valid_beam")
+RESUMABLE_FIELDS = (
+    "epochs",
+    "max_steps",
+    "max_minutes",
+    "average_last",
+    "valid_beam",
+    "strategy",
+)
 KEEP_CHECKPOINTS = 5
 
 
@@ -75,8 +83,16 @@ class TrainSettings:
     average_last: int | None = None
     valid_beam: int = 1
     jit_compile: bool = False
+    strategy: str = "default"
 
     def __post_init__(self):
+        from keras_transformer.distribute import STRATEGIES
+
+        if self.strategy not in STRATEGIES:
+            raise ValueError(
+                f"strategy must be one of {', '.join(STRATEGIES)}. "
+                f"Received: strategy={self.strategy!r}"
+            )
         if self.precision not in PRECISIONS:
             raise ValueError(
                 f"precision must be one of {', '.join(PRECISIONS)}. "
@@ -227,8 +243,66 @@ def _load_or_train_tokenizer(out_dir, settings, resume, sources, targets):
     return tokenizer
 
 
-def train(settings: TrainSettings, out_dir: str, verbose: int = 1) -> dict:
-    """Trains (or resumes) the run in `out_dir` and returns its metrics."""
+def build_and_compile(
+    config: TransformerConfig,
+    strategy=None,
+    precision: str = "float32",
+    warmup_steps: int = 4000,
+    learning_rate_scale: float = 1.0,
+    label_smoothing: float = 0.1,
+    jit_compile=False,
+) -> keras.Model:
+    """Builds `config` under `strategy`'s scope in `precision` and compiles it for training.
+
+    Adam with the paper's schedule, `LabelSmoothedCrossEntropy` and
+    `MaskedAccuracy`; `mixed_float16` gets Keras' loss scaling. `strategy`
+    None is the default (one-device) strategy.
+
+    Example:
+
+    >>> strategy = make_strategy("mirrored")  # keras_transformer.distribute
+    >>> model = build_and_compile(TransformerConfig.from_preset("small"), strategy)
+    >>> model.fit(dataset, epochs=10)  # global batches, split across the replicas
+    """
+    if precision not in PRECISIONS:
+        raise ValueError(
+            f"precision must be one of {', '.join(PRECISIONS)}. Received: {precision!r}"
+        )
+    scope = strategy.scope() if strategy is not None else contextlib.nullcontext()
+    previous_policy = keras.config.dtype_policy()
+    with scope:
+        keras.config.set_dtype_policy(precision)
+        try:
+            model = build_transformer(config)
+        finally:
+            keras.config.set_dtype_policy(previous_policy)
+        model.compile(
+            optimizer=transformer_optimizer(config.hidden_dim, warmup_steps, learning_rate_scale),
+            loss=LabelSmoothedCrossEntropy(label_smoothing),
+            metrics=[MaskedAccuracy()],
+            jit_compile=jit_compile,
+        )
+    return model
+
+
+def train(settings: TrainSettings, out_dir: str, verbose: int = 1, strategy=None) -> dict:
+    """Trains (or resumes) the run in `out_dir` and returns its metrics.
+
+    `strategy` (a `tf.distribute.Strategy`) overrides `settings.strategy`. In
+    a multi-worker run only the chief writes `out_dir`; the other workers keep
+    their files in a private temporary folder (see
+    `keras_transformer.distribute.working_directory`) and return `{}`.
+    """
+    from keras_transformer.distribute import is_chief, make_strategy, working_directory
+
+    if strategy is None and (
+        settings.strategy != "default" or keras.backend.backend() == "tensorflow"
+    ):
+        # First, before other TensorFlow work: multi-worker setup needs a fresh runtime.
+        strategy = make_strategy(settings.strategy)
+    replicas = strategy.num_replicas_in_sync if strategy is not None else 1
+    chief = is_chief()
+    out_dir = working_directory(out_dir)  # a private folder on non-chief workers
     resume = _check_run_directory(out_dir, settings)
     src_train, tgt_train = read_parallel(settings.src_train, settings.tgt_train)
     src_valid, tgt_valid = read_parallel(settings.src_valid, settings.tgt_valid)
@@ -237,7 +311,8 @@ def train(settings: TrainSettings, out_dir: str, verbose: int = 1) -> dict:
         os.path.join(out_dir, "train_config.json"),
         {**settings.identity(), **{k: getattr(settings, k) for k in RESUMABLE_FIELDS}},
     )
-    log = print if verbose else (lambda *a, **k: None)
+    log = print if verbose and chief else (lambda *a, **k: None)
+    verbose = verbose if chief else 0
 
     keras.utils.set_random_seed(settings.seed)
     tokenizer = _load_or_train_tokenizer(out_dir, settings, resume, src_train, tgt_train)
@@ -265,21 +340,27 @@ def train(settings: TrainSettings, out_dir: str, verbose: int = 1) -> dict:
     )
     log(train_stats.describe("train"))
     log(valid_stats.describe("valid"))
+    if replicas > 1:
+        import tensorflow as tf
 
-    previous_policy = keras.config.dtype_policy()
-    keras.config.set_dtype_policy(settings.precision)
-    try:
-        model = build_transformer(config)
-    finally:
-        keras.config.set_dtype_policy(previous_policy)
-    model.compile(
-        optimizer=transformer_optimizer(
-            config.hidden_dim, settings.warmup_steps, settings.learning_rate_scale
-        ),
-        loss=LabelSmoothedCrossEntropy(settings.label_smoothing),
-        metrics=[MaskedAccuracy()],
+        # Every worker builds the same global batches (same seed) and takes its
+        # share of each; the token budget is global.
+        options = tf.data.Options()
+        options.experimental_distribute.auto_shard_policy = (
+            tf.data.experimental.AutoShardPolicy.DATA
+        )
+        train_data = train_data.with_options(options)
+        valid_data = valid_data.with_options(options)
+        log(f"Training on {strategy.num_replicas_in_sync} replicas ({type(strategy).__name__}).")
+
+    compile_args = dict(
+        precision=settings.precision,
+        warmup_steps=settings.warmup_steps,
+        learning_rate_scale=settings.learning_rate_scale,
+        label_smoothing=settings.label_smoothing,
         jit_compile=settings.jit_compile,
     )
+    model = build_and_compile(config, strategy, **compile_args)
 
     history_path = os.path.join(out_dir, "history.json")
     history = []
@@ -316,6 +397,14 @@ def train(settings: TrainSettings, out_dir: str, verbose: int = 1) -> dict:
         )
     if not history:
         raise RuntimeError("Training stopped before completing an epoch; nothing to save.")
+    if not chief:
+        return {}
+    if replicas > 1:
+        # Decode and save a one-device copy: the distributed model's variables
+        # belong to the strategy.
+        trained = model
+        model = build_and_compile(config, None, **compile_args)
+        model.set_weights(trained.get_weights())
 
     checkpoints = _epoch_checkpoints(out_dir)
     if settings.average_last and settings.average_last > 1:

@@ -83,6 +83,18 @@ def _token_weights(y_true, sample_weight):
     return weights * sample_weight
 
 
+def _sum_over_replicas(value):
+    """`value` summed over the replicas of a running `tf.distribute` step (else unchanged)."""
+    if keras.backend.backend() != "tensorflow":
+        return value
+    import tensorflow as tf
+
+    context = tf.distribute.get_replica_context()
+    if context is None or context.num_replicas_in_sync == 1:
+        return value
+    return context.all_reduce(tf.distribute.ReduceOp.SUM, value)
+
+
 def label_smoothed_token_losses(y_true, logits, label_smoothing):
     """Per-token label-smoothed cross-entropy, float32, shape of `y_true`.
 
@@ -103,7 +115,8 @@ class LabelSmoothedCrossEntropy(keras.losses.Loss):
     """Label-smoothed cross-entropy over logits that ignores padding labels (id 0).
 
     The result is the mean over real (non-padding) target tokens, computed in
-    float32. A batch with no real token gives 0. `sample_weight`, when given,
+    float32. Under a `tf.distribute` strategy it is the mean over the real
+    tokens of the global batch, not a mean of per-replica means. A batch with no real token gives 0. `sample_weight`, when given,
     weights each token `(batch_size, target_len)` or sentence `(batch_size,)`
     on top of the padding mask.
 
@@ -125,7 +138,10 @@ class LabelSmoothedCrossEntropy(keras.losses.Loss):
     def __call__(self, y_true, y_pred, sample_weight=None):
         mask = _token_weights(y_true, sample_weight)
         losses = label_smoothed_token_losses(y_true, y_pred, self.label_smoothing)
-        return ops.divide_no_nan(ops.sum(losses * mask), ops.sum(mask))
+        # Under tf.distribute each replica divides its own sum by the real-token
+        # count of the whole global batch; the summed gradients are then those
+        # of the global mean, whatever the replicas' shares of padding.
+        return ops.divide_no_nan(ops.sum(losses * mask), _sum_over_replicas(ops.sum(mask)))
 
     def call(self, y_true, y_pred):
         # Unreduced per-token losses (padding zeroed), for callers that want them.

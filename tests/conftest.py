@@ -5,6 +5,16 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import keras  # noqa: E402
 import pytest  # noqa: E402
 
+if keras.backend.backend() == "tensorflow":
+    import tensorflow as tf
+
+    # Two logical CPU devices for the MirroredStrategy tests; this must happen
+    # before TensorFlow's runtime starts, so here, before any test runs.
+    _cpus = tf.config.list_physical_devices("CPU")
+    tf.config.set_logical_device_configuration(
+        _cpus[0], [tf.config.LogicalDeviceConfiguration()] * 2
+    )
+
 
 @pytest.fixture(autouse=True)
 def _float32_policy_and_seed():
