@@ -50,7 +50,7 @@ def _train(args):
             strategy=args.strategy,
         )
         train(settings, args.out)
-    except (DataError, RunDirectoryError, ValueError) as error:
+    except (DataError, RunDirectoryError, ValueError, NotImplementedError) as error:
         raise SystemExit(f"error: {error}") from None
     return 0
 

@@ -132,7 +132,9 @@ def test_mirrored_with_the_training_optimizer(mirrored_strategy):
 
 def test_a_mean_of_replica_means_would_differ(mirrored_strategy):
     """The control: with uneven padding, averaging per-replica means is a different update."""
-    mirrored, single, _, _ = _train_pair(mirrored_strategy, loss=PerReplicaMeanLoss(0.1), optimizer=_sgd)
+    mirrored, single, _, _ = _train_pair(
+        mirrored_strategy, loss=PerReplicaMeanLoss(0.1), optimizer=_sgd
+    )
     difference = max(float(np.max(np.abs(a - b))) for a, b in zip(mirrored, single, strict=True))
     assert difference > 1e-3
 
@@ -157,6 +159,21 @@ def test_global_token_mean_inside_a_replica_step(mirrored_strategy):
     values = [float(v) for v in strategy.experimental_local_results(per_replica)]
     assert values == pytest.approx([5 * np.log(5) / 6, 1 * np.log(5) / 6], rel=1e-5)
     assert sum(values) == pytest.approx(float(loss(labels, logits)), rel=1e-5)
+
+
+def test_train_refuses_multi_worker_with_a_clear_message(tmp_path, monkeypatch, capsys):
+    from keras_transformer import cli
+
+    for name in ("s", "t"):
+        (tmp_path / name).write_text("a b\n")
+    monkeypatch.setenv("TF_CONFIG", json.dumps(
+        {"cluster": {"worker": ["127.0.0.1:1"]}, "task": {"type": "worker", "index": 0}}
+    ))  # fmt: skip
+    files = ["--src-train", "s", "--tgt-train", "t", "--src-valid", "s", "--tgt-valid", "t"]
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit, match="keras-team/keras#20585"):
+        cli.main(["train", *files, "--out", "run", "--strategy", "multi-worker"])
+    assert not (tmp_path / "run").exists()
 
 
 def test_strategy_argument_checks():
@@ -286,6 +303,10 @@ def _worker_dir(out, index):
 
 
 @pytest.mark.slow
+@pytest.mark.skip(
+    reason="keras.Model.fit does not run under MultiWorkerMirroredStrategy in "
+    "Keras 3 (keras-team/keras#20585); train refuses --strategy multi-worker"
+)
 def test_two_worker_processes_end_with_identical_weights(toy_files, tmp_path):
     out = tmp_path / "run"
     codes = _wait(_start_workers(toy_files, out, 2, _free_ports(2)), timeout=480)
@@ -311,6 +332,10 @@ def test_two_worker_processes_end_with_identical_weights(toy_files, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.skip(
+    reason="keras.Model.fit does not run under MultiWorkerMirroredStrategy in "
+    "Keras 3 (keras-team/keras#20585); train refuses --strategy multi-worker"
+)
 def test_killed_worker_job_resumes_from_the_last_backup(toy_files, tmp_path):
     out = tmp_path / "run"
     processes = _start_workers(toy_files, out, 3, _free_ports(2))
