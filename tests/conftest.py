@@ -5,7 +5,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import keras  # noqa: E402
 import pytest  # noqa: E402
 
-if keras.backend.backend() == "tensorflow":
+if keras.backend.backend() == "tensorflow" and not os.environ.get("KT_ONE_CPU"):
     import tensorflow as tf
 
     # Two logical CPU devices for the MirroredStrategy tests; this must happen

@@ -73,11 +73,11 @@ def test_greedy_scores_are_model_log_probs(toy_run):
 
 
 @pytest.mark.parametrize("which", ["random", "trained"])
-def test_beam_size_one_equals_greedy(which, random_model, toy_run):
+def test_beam_size_one_equals_greedy(which, random_model, request):
     if which == "random":
         model, sources = random_model, random_sources(60, seed=1)
-    else:
-        model, sources = toy_sources(toy_run, 60)
+    else:  # the trained model only when needed: it is trained on first use
+        model, sources = toy_sources(request.getfixturevalue("toy_run"), 60)
     assert (
         beam_search(model, sources, beam_size=1, max_length=20)[0]
         == (greedy_search(model, sources, max_length=20)[0])
@@ -85,11 +85,11 @@ def test_beam_size_one_equals_greedy(which, random_model, toy_run):
 
 
 @pytest.mark.parametrize("which,alpha", [("trained", 0.6), ("random", 0.6), ("trained", 1.0)])
-def test_beam_scores_are_length_penalized_model_log_probs(which, alpha, random_model, toy_run):
+def test_beam_scores_are_length_penalized_model_log_probs(which, alpha, random_model, request):
     if which == "random":
         model, sources, limit = random_model, random_sources(30, seed=2), 12
     else:
-        (model, sources), limit = toy_sources(toy_run, 40), None
+        (model, sources), limit = toy_sources(request.getfixturevalue("toy_run"), 40), None
     tokens, scores = beam_search(
         model, sources, beam_size=4, length_penalty=alpha, max_length=limit
     )

@@ -109,6 +109,7 @@ def test_mirrored_over_two_cpus_equals_one_device(mirrored_strategy):
     assert max(float(np.max(np.abs(a - b))) for a, b in zip(mirrored, start, strict=True)) > 1e-2
 
 
+@pytest.mark.slow
 def test_mirrored_with_the_training_optimizer(mirrored_strategy):
     """The same with Adam and the paper's schedule, as `train` uses them.
 

@@ -31,7 +31,7 @@ def _train_args(paths, out, *extra):
 
 @pytest.fixture(scope="module")
 def corpus_files(tmp_path_factory):
-    corpus = generate_toy_corpus(num_train=1500, num_valid=60, num_test=60, max_words=6, seed=5)
+    corpus = generate_toy_corpus(num_train=1000, num_valid=40, num_test=40, max_words=6, seed=5)
     return corpus, corpus.write(str(tmp_path_factory.mktemp("toy_text")))
 
 
@@ -56,7 +56,7 @@ def test_train_writes_a_complete_run_directory(trained_run):
     assert metrics["train_seconds"] > 0 and metrics["tokens_per_second"] > 0
     assert metrics["averaged_checkpoints"] == ["epoch-002.weights.h5", "epoch-003.weights.h5"]
     assert 0 <= metrics["valid_bleu"] <= 100 and "case:mixed" in metrics["valid_bleu_signature"]
-    assert metrics["train_data"]["kept_pairs"] == 1500
+    assert metrics["train_data"]["kept_pairs"] == 1000
 
 
 def test_saved_model_is_the_average_of_the_last_checkpoints(trained_run):
@@ -99,7 +99,7 @@ def test_evaluate_and_translate(trained_run, corpus_files, tmp_path, monkeypatch
     scores = json.loads((tmp_path / "test.hyp.json").read_text())
     assert {"bleu", "bleu_signature", "chrf", "bleu_lowercase"} <= set(scores)
     hypotheses = output.read_text(encoding="utf-8").splitlines()
-    assert len(hypotheses) == 60
+    assert len(hypotheses) == 40
     capsys.readouterr()
 
     lines = [s for s, _ in corpus.test[:5]]
