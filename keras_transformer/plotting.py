@@ -30,8 +30,12 @@ def attention_figure_data(model, tokenizer, source_text: str, beam_size: int = 4
     else:
         tokens, _ = beam_search(model, [source], beam_size=beam_size)
     output = [int(t) for t in tokens[0]]
-    decoder_input = np.asarray([[tokenizer.bos_id] + output], np.int32)
     parts = transformer_parts(model)
+    # Row i is the step that predicts rows[i]; an output that reached the
+    # model's max_length without EOS keeps only the steps that fit.
+    limit = parts.config.max_length
+    rows = (output + [tokenizer.eos_id])[:limit]
+    decoder_input = np.asarray([([tokenizer.bos_id] + output)[:limit]], np.int32)
     all_layers = parts.cross_attention_weights(np.asarray([source], np.int32), decoder_input)
     try:
         chosen = all_layers[layer]
@@ -41,7 +45,7 @@ def attention_figure_data(model, tokenizer, source_text: str, beam_size: int = 4
         ) from None
     weights = np.mean(ops.convert_to_numpy(chosen)[0], axis=0)  # (T, S)
     source_pieces = tokenizer.pieces(source[:-1]) + ["</s>"]
-    target_pieces = tokenizer.pieces(output) + ["</s>"]
+    target_pieces = ["</s>" if t == tokenizer.eos_id else tokenizer.pieces([t])[0] for t in rows]
     return weights, source_pieces, target_pieces, tokenizer.decode(output)
 
 

@@ -214,3 +214,16 @@ def test_killed_run_resumes_after_the_last_completed_epoch(corpus_files, tmp_pat
     assert history[-1]["steps"] == 3 * steps_per_epoch  # the optimizer state was restored
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["epochs"] == 3
+
+
+def test_plot_attention_of_an_output_that_never_ends():
+    """A random model that runs to max_length without EOS still gets a plot."""
+    from keras_transformer.data.toy import WordVocabulary
+    from keras_transformer.plotting import attention_figure_data
+
+    vocabulary = WordVocabulary([f"w{i}" for i in range(36)])
+    config = TransformerConfig.from_preset("tiny", vocabulary_size=len(vocabulary), max_length=12)
+    model = build_transformer(config)
+    weights, src, tgt, _ = attention_figure_data(model, vocabulary, "w5 w6 w7", beam_size=1)
+    assert weights.shape == (len(tgt), len(src)) and len(tgt) <= 12
+    np.testing.assert_allclose(weights.sum(axis=1), 1.0, atol=1e-4)
