@@ -180,6 +180,7 @@ def test_max_steps_stops_training_in_float16_with_loss_scaling(corpus_files, tmp
     assert isinstance(fresh.optimizer, keras.optimizers.LossScaleOptimizer)
 
 
+@pytest.mark.slow  # two real processes (~1 min); `make slow`
 def test_killed_run_resumes_after_the_last_completed_epoch(corpus_files, tmp_path):
     """Kill the real command mid-epoch 2, rerun it, and check it went on from epoch 2."""
     _, paths = corpus_files
