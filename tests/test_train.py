@@ -129,7 +129,9 @@ def test_plot_attention_data(trained_run, corpus_files):
     weights, src, tgt, translation = attention_figure_data(
         model, tokenizer, corpus.test[0][0], beam_size=1
     )
-    assert weights.shape == (len(tgt), len(src)) and src[-1] == tgt[-1] == "</s>"
+    assert weights.shape == (len(tgt), len(src)) and src[-1] == "</s>"
+    # The last row predicts EOS, unless the output ran to the model's max_length.
+    assert tgt[-1] == "</s>" or len(tgt) == model.get_layer("token_embedding").max_length
     # Rows are softmaxes (the run trained in mixed_bfloat16: 8 bits of mantissa).
     np.testing.assert_allclose(weights.sum(axis=1), 1.0, atol=4e-3)
     assert "".join(src[:-1]).replace("▁", " ").strip() == corpus.test[0][0]
