@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import os
 import sys
@@ -53,14 +52,6 @@ def _train(args):
     except (DataError, RunDirectoryError, ValueError, NotImplementedError) as error:
         raise SystemExit(f"error: {error}") from None
     return 0
-
-
-def _read_lines(path):
-    if not os.path.isfile(path):
-        raise SystemExit(f"error: file not found: {path}")
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        return [line.rstrip("\n") for line in f]
 
 
 def _beam_size(args):
@@ -127,12 +118,12 @@ def _evaluate(args):
     from keras_transformer.translation import translate_lines
 
     beam = _beam_size(args)
-    sources, references = _read_lines(args.src), _read_lines(args.ref)
-    if len(sources) != len(references):
-        raise SystemExit(
-            f"error: {args.src} has {len(sources)} lines but {args.ref} has "
-            f"{len(references)}; they must be parallel, one sentence per line."
-        )
+    from keras_transformer.data.pipeline import DataError, read_parallel
+
+    try:
+        sources, references = read_parallel(args.src, args.ref)
+    except DataError as error:
+        raise SystemExit(f"error: {error}") from None
     model, tokenizer = _load(args.run_dir)
     hypotheses = translate_lines(
         model, tokenizer, sources, beam_size=beam, batch_size=args.batch_size, progress=True
