@@ -220,6 +220,11 @@ def test_chief_and_working_directories(monkeypatch, tmp_path):
 
 # ----------------------------------------------------------------- two worker processes
 
+multi_worker_fit_unavailable = pytest.mark.skip(
+    reason="keras.Model.fit does not run under MultiWorkerMirroredStrategy in "
+    "Keras 3 (keras-team/keras#20585); train refuses --strategy multi-worker"
+)
+
 
 def _free_ports(count):
     sockets = [socket.socket() for _ in range(count)]
@@ -304,10 +309,7 @@ def _worker_dir(out, index):
 
 
 @pytest.mark.slow
-@pytest.mark.skip(
-    reason="keras.Model.fit does not run under MultiWorkerMirroredStrategy in "
-    "Keras 3 (keras-team/keras#20585); train refuses --strategy multi-worker"
-)
+@multi_worker_fit_unavailable
 def test_two_worker_processes_end_with_identical_weights(toy_files, tmp_path):
     out = tmp_path / "run"
     codes = _wait(_start_workers(toy_files, out, 2, _free_ports(2)), timeout=480)
@@ -333,10 +335,7 @@ def test_two_worker_processes_end_with_identical_weights(toy_files, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.skip(
-    reason="keras.Model.fit does not run under MultiWorkerMirroredStrategy in "
-    "Keras 3 (keras-team/keras#20585); train refuses --strategy multi-worker"
-)
+@multi_worker_fit_unavailable
 def test_killed_worker_job_resumes_from_the_last_backup(toy_files, tmp_path):
     out = tmp_path / "run"
     processes = _start_workers(toy_files, out, 3, _free_ports(2))
