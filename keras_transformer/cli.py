@@ -138,6 +138,26 @@ def _evaluate(args):
     return 0
 
 
+def _export(args):
+    from export.onnx import ExportError, export_onnx
+
+    out = args.out or os.path.join(args.run_dir, "onnx")
+    try:
+        manifest = export_onnx(
+            args.run_dir, out, opset=args.opset, precision=args.precision, overwrite=args.overwrite
+        )
+    except (ExportError, FileNotFoundError, ValueError) as error:
+        raise SystemExit(f"error: {error}") from None
+    files = sorted(
+        f
+        for graph in manifest["graphs"].values()
+        for k, f in graph.items()
+        if k in ("float32", "float16")
+    )
+    print(f"Wrote {', '.join(files)} and {manifest.get('tokenizer', 'no tokenizer')} to {out}")
+    return 0
+
+
 def _add_search_flags(parser):
     parser.add_argument("--beam", type=int, default=4, help="beam size (default 4)")
     parser.add_argument("--greedy", action="store_true", help="greedy search instead of beam")
@@ -249,6 +269,24 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--output", help="hypotheses file (default: RUN_DIR/<src name>.hyp)")
     _add_search_flags(evaluate)
     evaluate.set_defaults(func=_evaluate)
+
+    export = sub.add_parser(
+        "export",
+        help="convert a run to ONNX graphs for ONNX Runtime (python -m export.translate)",
+    )
+    export.add_argument("run_dir", help="run directory with model.keras and its tokenizer")
+    export.add_argument("--out", help="export folder (default: RUN_DIR/onnx)")
+    export.add_argument(
+        "--precision",
+        default="float32",
+        choices=["float32", "float16"],
+        help="float16 also writes float16 graphs (for GPUs)",
+    )
+    export.add_argument("--opset", type=int, default=17, help="ONNX opset (default 17)")
+    export.add_argument(
+        "--overwrite", action="store_true", help="replace an earlier export in --out"
+    )
+    export.set_defaults(func=_export)
     return parser
 
 

@@ -17,76 +17,41 @@ gives an empty output with score 0.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import keras
 import numpy as np
 from keras import ops
 
+from export.search import (
+    BOS_ID,
+    EOS_ID,
+    EXTRA_OUTPUT_TOKENS,
+    PAD_ID,
+    banned_ids,
+    beam_loop,
+    check_beam_arguments,
+    greedy_loop,
+    length_penalty_factor,
+    output_limits,
+    source_array,
+)
 from keras_transformer.model import TransformerParts, transformer_parts
-from keras_transformer.validation import check_positive_int
 
-PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
-EXTRA_OUTPUT_TOKENS = 50  # default maximum output length = source length + 50
-
-
-def length_penalty_factor(length, alpha=0.6):
-    """((5 + length) / 6) ** alpha, the length normalisation of Wu et al. (2016)."""
-    return ((5.0 + np.asarray(length, np.float64)) / 6.0) ** alpha
-
-
-# --------------------------------------------------------------------------- input checks
+__all__ = [
+    "BOS_ID",
+    "EOS_ID",
+    "EXTRA_OUTPUT_TOKENS",
+    "PAD_ID",
+    "beam_search",
+    "greedy_search",
+    "length_penalty_factor",
+    "sequence_log_probs",
+]
 
 
 def _as_source_array(source_ids, model_max_length):
-    """Pads a list of id lists (or checks an array) into an int32 `(batch, len)` array."""
-    if isinstance(source_ids, np.ndarray) or ops.is_tensor(source_ids):
-        array = np.asarray(ops.convert_to_numpy(source_ids))
-        if array.ndim != 2:
-            raise ValueError(
-                f"source_ids must have shape (batch_size, source_len). Received shape {array.shape}"
-            )
-        if not np.issubdtype(array.dtype, np.integer):
-            raise ValueError(
-                f"source_ids must hold integer token ids. Received dtype {array.dtype}"
-            )
-        rows = [row[row != PAD_ID] for row in array]
-    else:
-        if not isinstance(source_ids, Sequence) or isinstance(source_ids, (str, bytes)):
-            raise ValueError("source_ids must be a 2-D int array or a list of lists of token ids.")
-        rows = [np.asarray(list(row), np.int64) for row in source_ids]
-        for row in rows:
-            if row.size and not np.issubdtype(row.dtype, np.integer):
-                raise ValueError("source_ids must hold integer token ids.")
-    lengths = np.array([len(row) for row in rows], np.int64)
-    longest = int(lengths.max(initial=0))
-    if longest > model_max_length:
-        index = int(lengths.argmax())
-        raise ValueError(
-            f"Source sentence {index} has {longest} tokens but the model's max_length is "
-            f"{model_max_length}. Shorten or split it before decoding (it is not truncated)."
-        )
-    # Pad to a multiple of 8 so that a new source length rarely means a new trace.
-    width = max(8, -(-longest // 8) * 8)
-    width = min(width, model_max_length) if longest else width
-    array = np.zeros((len(rows), max(width, 1)), np.int32)
-    for i, row in enumerate(rows):
-        array[i, : len(row)] = row
-    return array, lengths
-
-
-def _output_limits(lengths, max_length, model_max_length):
-    """Per-sentence maximum number of generated tokens (EOS included)."""
-    if max_length is not None:
-        check_positive_int("max_length", max_length)
-        if max_length > model_max_length:
-            raise ValueError(
-                f"max_length={max_length} exceeds the model's max_length={model_max_length}."
-            )
-        limits = np.full(len(lengths), max_length, np.int64)
-    else:
-        limits = np.minimum(lengths + EXTRA_OUTPUT_TOKENS, model_max_length)
-    return np.where(lengths == 0, 0, limits)
+    if ops.is_tensor(source_ids):
+        source_ids = np.asarray(ops.convert_to_numpy(source_ids))
+    return source_array(source_ids, model_max_length)
 
 
 # --------------------------------------------------------------------------- compiled steps
@@ -239,7 +204,7 @@ def greedy_search(model, source_ids, max_length=None, use_cache=True, ignore_eos
     decoder = _decoder_for(model)
     cap = decoder.config.max_length
     source, lengths = _as_source_array(source_ids, cap)
-    limits = _output_limits(lengths, max_length, cap)
+    limits = output_limits(lengths, max_length, cap)
     batch = len(source)
     outputs = [[] for _ in range(batch)]
     scores = np.zeros(batch, np.float64)
@@ -251,7 +216,7 @@ def greedy_search(model, source_ids, max_length=None, use_cache=True, ignore_eos
     steps = int(limits.max())
     if use_cache:
         banned = np.zeros(decoder.config.vocabulary_size, np.float32)
-        banned[_banned_ids(ignore_eos)] = -np.inf
+        banned[banned_ids(ignore_eos)] = -np.inf
         ids, sums = decoder._greedy(
             source_mask,
             cross_caches,
@@ -265,8 +230,7 @@ def greedy_search(model, source_ids, max_length=None, use_cache=True, ignore_eos
             outputs[i] = row[: row.index(EOS_ID)] if EOS_ID in row else row
         return outputs, _to_numpy(sums).astype(np.float64)
 
-    inputs = np.full((batch, 1), BOS_ID, np.int32)
-    for t in range(steps):
+    def full_step(inputs, t):
         # jax.jit compiles once per shape: grow the input in blocks of 8 there.
         # Positions after t are padding, which the causal mask keeps out of t.
         width = -(-(t + 1) // 8) * 8 if decoder.backend == "jax" else t + 1
@@ -278,30 +242,9 @@ def greedy_search(model, source_ids, max_length=None, use_cache=True, ignore_eos
             source_mask,
             ops.convert_to_tensor(t, "int32"),
         )
-        log_probs = _to_numpy(log_probs).astype(np.float64)
-        next_ids = _forbid_specials(log_probs, ignore_eos).argmax(-1).astype(np.int32)
-        for i in np.flatnonzero(~done):
-            scores[i] += log_probs[i, next_ids[i]]
-            if next_ids[i] == EOS_ID:
-                done[i] = True
-            else:
-                outputs[i].append(int(next_ids[i]))
-                done[i] = t + 1 >= limits[i]
-        if done.all():
-            break
-        inputs = np.concatenate([inputs, np.where(done, EOS_ID, next_ids)[:, None]], axis=1)
-    return outputs, scores
+        return _to_numpy(log_probs)
 
-
-def _banned_ids(ignore_eos):
-    return [PAD_ID, BOS_ID] + ([EOS_ID] if ignore_eos else [])
-
-
-def _forbid_specials(log_probs, ignore_eos=False):
-    """Padding and BOS are never generated (nor EOS with `ignore_eos`)."""
-    log_probs = log_probs.copy()
-    log_probs[..., _banned_ids(ignore_eos)] = -np.inf
-    return log_probs
+    return greedy_loop(full_step, limits, ignore_eos)
 
 
 # --------------------------------------------------------------------------- beam search
@@ -336,101 +279,35 @@ def beam_search(
         `(tokens, scores)`: the best hypothesis of each sentence as an int list
         (no BOS, cut before EOS), and its length-penalized score (float64).
     """
-    check_positive_int("beam_size", beam_size)
-    if not isinstance(length_penalty, (int, float)) or length_penalty < 0:
-        raise ValueError(
-            f"length_penalty must be a non-negative number. Received: {length_penalty!r}"
-        )
+    check_beam_arguments(beam_size, length_penalty)
     decoder = _decoder_for(model)
     cap = decoder.config.max_length
     source, lengths = _as_source_array(source_ids, cap)
-    limits = _output_limits(lengths, max_length, cap)
-    batch, k = len(source), beam_size
-    best_tokens = [[] for _ in range(batch)]
-    best_scores = np.zeros(batch, np.float64)
-    done = limits == 0
-    if done.all():
-        return best_tokens, best_scores
-
-    def penalty(length):
-        return length_penalty_factor(length, length_penalty)
+    limits = output_limits(lengths, max_length, cap)
+    if (limits == 0).all():
+        return beam_loop(None, None, limits, beam_size, length_penalty, ignore_eos)
 
     # Every sentence is repeated beam_size times: row b * k + j is beam j of sentence b.
-    tiled = np.repeat(source, k, axis=0)
+    tiled = np.repeat(source, beam_size, axis=0)
     _, source_mask, cross_caches = decoder._encode(ops.convert_to_tensor(tiled))
     steps = int(limits.max())
-    self_caches = decoder.empty_self_caches(batch * k, -(-steps // 8) * 8)
+    state = {"caches": decoder.empty_self_caches(len(tiled), -(-steps // 8) * 8)}
 
-    alive = [[[] for _ in range(k)] for _ in range(batch)]  # tokens of live beams
-    alive_scores = np.full((batch, k), -np.inf)
-    alive_scores[:, 0] = 0.0  # one live beam at the start
-    finished = [[] for _ in range(batch)]  # (normalized score, tokens)
-    last = np.full(batch * k, BOS_ID, np.int32)
-
-    for t in range(steps):
-        log_probs, self_caches = decoder._step(
+    def step(last, t):
+        log_probs, state["caches"] = decoder._step(
             ops.convert_to_tensor(last[:, None]),
             ops.convert_to_tensor(t, "int32"),
-            self_caches,
+            state["caches"],
             cross_caches,
             source_mask,
         )
-        log_probs = _forbid_specials(_to_numpy(log_probs).astype(np.float64), ignore_eos)
-        vocab = log_probs.shape[-1]
-        candidates = (alive_scores[:, :, None] + log_probs.reshape(batch, k, vocab)).reshape(
-            batch, k * vocab
-        )
-        origin = np.tile(np.arange(k), batch)  # default: each row keeps its own cache
-        # The 2k best candidates of every sentence, best first (ties: lower index).
-        width = min(2 * k, k * vocab)
-        best = np.argpartition(-candidates, width - 1, axis=1)[:, :width]
-        for b in np.flatnonzero(~done):
-            top = best[b][np.lexsort((best[b], -candidates[b, best[b]]))]
-            new_alive, new_scores = [], []
-            for rank, flat in enumerate(top):
-                score = candidates[b, flat]
-                if not np.isfinite(score):
-                    break
-                beam, token = divmod(int(flat), vocab)
-                if token == EOS_ID:
-                    if rank < k:
-                        finished[b].append((score / penalty(t + 1), alive[b][beam]))
-                    continue
-                new_alive.append((alive[b][beam] + [token], beam))
-                new_scores.append(score)
-                if len(new_alive) == k:
-                    break
-            if t + 1 >= limits[b]:  # out of room: live beams end here, without EOS
-                for (tokens, _), score in zip(new_alive, new_scores, strict=True):
-                    finished[b].append((score / penalty(t + 1), tokens))
-                new_alive = []
-            best_finished = max((s for s, _ in finished[b]), default=-np.inf)
-            can_improve = bool(new_scores) and (
-                max(new_scores) / penalty(limits[b]) > best_finished
-            )
-            # Stop when no live beam can beat the best finished hypothesis even at
-            # the longest length, or when beam_size hypotheses have finished and
-            # none of the live beams beats the best one at its current length.
-            settled = len(finished[b]) >= k and (
-                not new_scores or max(new_scores) / penalty(t + 1) <= best_finished
-            )
-            if settled or not can_improve:
-                done[b] = True
-                score, tokens = max(finished[b], key=lambda item: item[0], default=(-np.inf, []))
-                best_tokens[b], best_scores[b] = tokens, score
-                continue
-            alive_scores[b] = -np.inf
-            for j, ((tokens, beam), score) in enumerate(zip(new_alive, new_scores, strict=True)):
-                alive[b][j] = tokens
-                alive_scores[b, j] = score
-                origin[b * k + j] = beam
-                last[b * k + j] = tokens[-1]
-        if done.all():
-            break
-        rows = np.arange(batch * k) // k * k + origin
-        rows = ops.convert_to_tensor(rows.astype(np.int32))
-        self_caches = [ops.take(cache, rows, axis=0) for cache in self_caches]
-    return best_tokens, best_scores
+        return _to_numpy(log_probs)
+
+    def reorder(rows):
+        rows = ops.convert_to_tensor(rows)
+        state["caches"] = [ops.take(cache, rows, axis=0) for cache in state["caches"]]
+
+    return beam_loop(step, reorder, limits, beam_size, length_penalty, ignore_eos)
 
 
 def sequence_log_probs(model, source_ids, target_tokens, ended=True):

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import os
-import sys
 
 import keras
 import numpy as np
 
+from export.progress import Progress
 from keras_transformer.decoding import beam_search, greedy_search
 from keras_transformer.model import transformer_parts
 
@@ -49,25 +49,6 @@ def load_tokenizer(run_dir: str):
     raise FileNotFoundError(f"No tokenizer in {run_dir}: expected spm.model or vocab.txt.")
 
 
-class _Progress:
-    """A one-line progress bar on stderr, shown for inputs that take a while."""
-
-    def __init__(self, total, enabled):
-        self.total, self.done, self.enabled = total, 0, enabled and total > 0
-
-    def update(self, count):
-        self.done += count
-        if self.enabled:
-            width = 30
-            filled = int(width * self.done / self.total)
-            sys.stderr.write(
-                f"\rtranslating [{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total}"
-            )
-            if self.done >= self.total:
-                sys.stderr.write("\n")
-            sys.stderr.flush()
-
-
 def translate_lines(
     model, tokenizer, lines, beam_size=4, batch_size=32, max_length=None, progress=False
 ):
@@ -89,7 +70,7 @@ def translate_lines(
         )
     order = np.argsort([len(s) for s in sources], kind="stable")
     outputs = [""] * len(lines)
-    bar = _Progress(len(lines), progress)
+    bar = Progress(len(lines), progress)
     for start in range(0, len(order), batch_size):
         chunk = order[start : start + batch_size]
         batch = [sources[i] for i in chunk]

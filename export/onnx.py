@@ -1,0 +1,382 @@
+"""Export a trained model to ONNX: encoder, cached decoder step and the full model.
+
+Three graphs, converted with tf2onnx from `tf.function`s over the model's own
+layers (TensorFlow backend):
+
+- `encoder.onnx`: `source_ids (batch, source_len) int32` ->
+  `source_mask (batch, source_len) bool` and, per decoder layer i,
+  `cross_cache_i (batch, 2, source_len, num_heads, head_dim)`: the
+  cross-attention keys and values, computed once per sentence. Its
+  `encoder_output` is returned too, for parity checks and other uses.
+- `decoder_step.onnx`: `token_ids (batch, 1) int32`, `source_mask`, every
+  `cross_cache_i` and every `self_cache_i (batch, 2, past_len, num_heads,
+  head_dim)` -> `log_probs (batch, vocabulary) float32` and
+  `new_self_cache_i (batch, 2, past_len + 1, ...)`. The step index is the
+  cache length (`past_len`): the first step gets caches of length 0, so one
+  graph serves every step and the two can never disagree.
+- `model.onnx`: `source_ids`, `target_ids` -> teacher-forced `logits`.
+
+Why one step graph rather than ONNX Runtime's split into a first step (that
+also computes the cross-attention keys and values) and later steps: the
+encoder graph already computes them once, so a second decoder graph would only
+duplicate every decoder weight on disk and in memory. Why a growing cache
+(concatenated) rather than a preallocated one: each step attends only to the
+positions produced so far instead of the longest output, ONNX has no
+dynamic-update-slice (tf2onnx cannot convert the XLA op the Keras step uses),
+and ONNX Runtime returns a fresh output buffer per step either way.
+
+A model trained under `mixed_float16`/`mixed_bfloat16` is first rebuilt as a
+float32 copy from its config and weights. `precision="float16"` also writes
+`*_fp16.onnx` graphs converted with ONNX Runtime's float16 tool, with float32
+inputs and outputs so that they stay usable from numpy.
+
+The result is written to a temporary folder beside `out_dir` and renamed into
+place, with the tokenizer (`spm.model` or `vocab.txt`) and `manifest.json`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+
+GRAPHS = ("encoder", "decoder_step", "model")
+MANIFEST = "manifest.json"
+FORMAT_VERSION = 1
+TOKENIZER_FILES = ("spm.model", "vocab.txt")
+
+
+class ExportError(RuntimeError):
+    """The model or the output folder cannot be exported to."""
+
+
+def export_onnx(
+    model_or_run_dir,
+    out_dir,
+    opset=17,
+    precision="float32",
+    tokenizer_path=None,
+    overwrite=False,
+):
+    """Converts a model (or a run directory's `model.keras`) to ONNX graphs in `out_dir`.
+
+    Args:
+        model_or_run_dir: a `build_transformer` model, or a run directory
+            (with `model.keras` and `spm.model` or `vocab.txt`).
+        out_dir: the folder to create. An existing export there is replaced
+            only with `overwrite=True`; any other existing non-empty folder
+            is refused.
+        opset: ONNX opset (at least 13).
+        precision: "float32", or "float16" to also write float16 graphs.
+        tokenizer_path: the tokenizer file to copy when a model object is given.
+
+    Returns:
+        The manifest (a dict), also written to `out_dir/manifest.json`.
+    """
+    if precision not in ("float32", "float16"):
+        raise ValueError(f'precision must be "float32" or "float16". Received: {precision!r}')
+    if isinstance(opset, bool) or not isinstance(opset, int) or opset < 13:
+        raise ValueError(f"opset must be an integer >= 13. Received: opset={opset!r}")
+    out_dir = os.path.abspath(os.fspath(out_dir))
+    _check_out_dir(out_dir, overwrite)
+
+    import keras
+
+    if keras.backend.backend() != "tensorflow":
+        raise ExportError(
+            "ONNX export converts TensorFlow graphs: run it with KERAS_BACKEND=tensorflow "
+            f"(the backend now is {keras.backend.backend()!r})."
+        )
+    model, tokenizer_path = _load(model_or_run_dir, tokenizer_path)
+    model = float32_copy(model)
+
+    parent = os.path.dirname(out_dir)
+    os.makedirs(parent, exist_ok=True)
+    staging = tempfile.mkdtemp(prefix=".export-", dir=parent)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(staging, 0o777 & ~umask)  # mkdtemp makes it private
+    try:
+        manifest = _write_graphs(model, staging, opset, precision)
+        if tokenizer_path is not None:
+            name = os.path.basename(tokenizer_path)
+            shutil.copyfile(tokenizer_path, os.path.join(staging, name))
+            manifest["tokenizer"] = name
+        with open(os.path.join(staging, MANIFEST), "w", encoding="utf-8") as f:
+            json.dump(manifest, f, indent=2)
+            f.write("\n")
+        _move_into_place(staging, out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return manifest
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+def _check_out_dir(out_dir, overwrite):
+    if os.path.isfile(out_dir):
+        raise ExportError(f"{out_dir} is a file; the export needs a folder there.")
+    if os.path.isdir(out_dir) and os.listdir(out_dir):
+        if not os.path.isfile(os.path.join(out_dir, MANIFEST)):
+            raise ExportError(
+                f"{out_dir} exists and is not an ONNX export (no {MANIFEST}); "
+                "choose an empty or new folder."
+            )
+        if not overwrite:
+            raise ExportError(
+                f"{out_dir} already holds an export; pass overwrite=True (CLI: --overwrite) "
+                "to replace it."
+            )
+
+
+def _load(model_or_run_dir, tokenizer_path):
+    import keras
+
+    if isinstance(model_or_run_dir, keras.Model):
+        model = model_or_run_dir
+    else:
+        run_dir = os.fspath(model_or_run_dir)
+        from keras_transformer.translation import load_run
+
+        model, _ = load_run(run_dir)
+        if tokenizer_path is None:
+            for name in TOKENIZER_FILES:
+                if os.path.isfile(os.path.join(run_dir, name)):
+                    tokenizer_path = os.path.join(run_dir, name)
+                    break
+    if tokenizer_path is not None:
+        tokenizer_path = os.fspath(tokenizer_path)
+        if os.path.basename(tokenizer_path) not in TOKENIZER_FILES:
+            raise ExportError(
+                f"tokenizer_path must be a file named {' or '.join(TOKENIZER_FILES)}. "
+                f"Received: {tokenizer_path}"
+            )
+        if not os.path.isfile(tokenizer_path):
+            raise FileNotFoundError(f"Tokenizer file not found: {tokenizer_path}")
+    return model, tokenizer_path
+
+
+def float32_copy(model):
+    """The model itself if it computes in float32, else a float32 rebuild with its weights."""
+    import keras
+
+    from keras_transformer.model import build_transformer, transformer_parts
+
+    if all(layer.dtype_policy.name == "float32" for layer in model.layers):
+        return model
+    config = transformer_parts(model).config
+    previous = keras.config.dtype_policy()
+    keras.config.set_dtype_policy("float32")
+    try:
+        copy = build_transformer(config, name=model.name)
+    finally:
+        keras.config.set_dtype_policy(previous)
+    copy.set_weights(model.get_weights())
+    return copy
+
+
+# --------------------------------------------------------------------------- graphs
+
+
+def graph_functions(model):
+    """The three exported computations as `(name, tf.function, input_signature, output_names)`.
+
+    They use the model's layers, so the exported graphs compute exactly what
+    `keras_transformer.decoding` computes (up to the cache layout).
+    """
+    import tensorflow as tf
+    from keras import ops
+
+    from keras_transformer.model import transformer_parts
+
+    parts = transformer_parts(model)
+    c = parts.config
+    layers = c.num_layers
+    head_dim = c.hidden_dim // c.num_heads
+    cache_spec = [None, 2, None, c.num_heads, head_dim]
+    ids_spec = tf.TensorSpec([None, None], tf.int32)
+
+    def encoder(source_ids):
+        encoded, mask = parts.encode(source_ids)
+        caches = [
+            layer.cross_attention.compute_key_value_cache(encoded) for layer in parts.decoder_layers
+        ]
+        return [encoded, mask, *caches]
+
+    def decoder_step(token_ids, source_mask, *caches):
+        cross_caches, self_caches = caches[:layers], caches[layers:]
+        y = parts.target_embedding(token_ids, start_index=ops.shape(self_caches[0])[2])
+        new_caches = []
+        for layer, self_cache, cross_cache in zip(
+            parts.decoder_layers, self_caches, cross_caches, strict=True
+        ):
+            y, self_cache, _ = layer(
+                y,
+                encoder_padding_mask=source_mask,
+                self_attention_cache=self_cache,
+                append_to_self_attention_cache=True,
+                cross_attention_cache=cross_cache,
+            )
+            new_caches.append(self_cache)
+        log_probs = ops.log_softmax(parts.project(y)[:, 0], axis=-1)
+        return [log_probs, *new_caches]
+
+    def full_model(source_ids, target_ids):
+        return [model({"source_ids": source_ids, "target_ids": target_ids}, training=False)]
+
+    cross = [f"cross_cache_{i}" for i in range(layers)]
+    self_in = [f"self_cache_{i}" for i in range(layers)]
+    self_out = [f"new_self_cache_{i}" for i in range(layers)]
+    step_signature = [
+        tf.TensorSpec([None, 1], tf.int32, name="token_ids"),
+        tf.TensorSpec([None, None], tf.bool, name="source_mask"),
+        *[tf.TensorSpec(cache_spec, tf.float32, name=n) for n in cross + self_in],
+    ]
+    return [
+        (
+            "encoder",
+            encoder,
+            [tf.TensorSpec([None, None], tf.int32, name="source_ids")],
+            ["encoder_output", "source_mask", *cross],
+        ),
+        ("decoder_step", decoder_step, step_signature, ["log_probs", *self_out]),
+        (
+            "model",
+            full_model,
+            [
+                tf.TensorSpec(ids_spec.shape, tf.int32, name="source_ids"),
+                tf.TensorSpec(ids_spec.shape, tf.int32, name="target_ids"),
+            ],
+            ["logits"],
+        ),
+    ]
+
+
+def _write_graphs(model, folder, opset, precision):
+    import onnx
+    import tensorflow as tf
+    import tf2onnx
+
+    from keras_transformer.model import transformer_parts
+
+    config = transformer_parts(model).config
+    graphs = {}
+    for name, fn, signature, output_names in graph_functions(model):
+        proto, _ = tf2onnx.convert.from_function(
+            tf.function(fn), input_signature=signature, opset=opset
+        )
+        _rename_outputs(proto, output_names)
+        _name_dynamic_axes(proto)
+        onnx.checker.check_model(proto, full_check=True)
+        path = os.path.join(folder, f"{name}.onnx")
+        onnx.save(proto, path)
+        graphs[name] = {"float32": f"{name}.onnx"}
+        if precision == "float16":
+            half = _float16(proto)
+            onnx.checker.check_model(half)
+            onnx.save(half, os.path.join(folder, f"{name}_fp16.onnx"))
+            graphs[name]["float16"] = f"{name}_fp16.onnx"
+        graphs[name]["inputs"] = _describe(proto.graph.input)
+        graphs[name]["outputs"] = _describe(proto.graph.output)
+    return {
+        "format_version": FORMAT_VERSION,
+        "opset": opset,
+        "precisions": ["float32"] + (["float16"] if precision == "float16" else []),
+        "special_ids": {"pad": 0, "bos": 1, "eos": 2, "unk": 3},
+        "config": config.to_dict(),
+        "num_layers": config.num_layers,
+        "graphs": graphs,
+        "decoder_step": (
+            "Feed token_ids (batch, 1), source_mask and cross_cache_i from encoder.onnx, and "
+            "self_cache_i of length t (0 at the first step); the new token is at position t. "
+            "Returns log_probs and new_self_cache_i of length t + 1."
+        ),
+        "versions": _versions(),
+    }
+
+
+def _rename_outputs(proto, names):
+    outputs = proto.graph.output
+    if len(outputs) != len(names):
+        raise ExportError(f"Expected {len(names)} graph outputs, tf2onnx gave {len(outputs)}.")
+    for output, new in zip(outputs, names, strict=True):
+        old = output.name
+        if old == new:
+            continue
+        for node in proto.graph.node:
+            for i, name in enumerate(node.output):
+                if name == old:
+                    node.output[i] = new
+            for i, name in enumerate(node.input):
+                if name == old:
+                    node.input[i] = new
+        output.name = new
+
+
+def _name_dynamic_axes(proto):
+    """Names the unknown axes: batch, source_len, target_len, past_len, total_len."""
+    for value in list(proto.graph.input) + list(proto.graph.output):
+        dims = value.type.tensor_type.shape.dim
+        for axis, dim in enumerate(dims):
+            if dim.HasField("dim_value"):
+                continue
+            if axis == 0:
+                dim.dim_param = "batch"
+            elif value.name in ("source_ids", "source_mask", "encoder_output") or (
+                value.name.startswith("cross_cache")
+            ):
+                dim.dim_param = "source_len"
+            elif value.name in ("target_ids", "logits"):
+                dim.dim_param = "target_len"
+            elif value.name.startswith("new_self_cache"):
+                dim.dim_param = "past_len_plus_1"
+            elif value.name.startswith("self_cache"):
+                dim.dim_param = "past_len"
+
+
+def _describe(values):
+    import onnx
+
+    described = {}
+    for value in values:
+        tensor = value.type.tensor_type
+        shape = [d.dim_param or d.dim_value for d in tensor.shape.dim]
+        described[value.name] = {
+            "dtype": onnx.helper.tensor_dtype_to_np_dtype(tensor.elem_type).name,
+            "shape": shape,
+        }
+    return described
+
+
+def _float16(proto):
+    from onnxruntime.transformers.float16 import convert_float_to_float16
+
+    return convert_float_to_float16(proto, keep_io_types=True, disable_shape_infer=False)
+
+
+def _versions():
+    from importlib import metadata
+
+    versions = {}
+    for package in ("keras-transformer", "keras", "tensorflow", "tf2onnx", "onnx", "onnxruntime"):
+        for candidate in (package, package + "-gpu"):
+            try:
+                versions[package] = metadata.version(candidate)
+                break
+            except metadata.PackageNotFoundError:
+                continue
+    return versions
+
+
+def _move_into_place(staging, out_dir):
+    """Renames the finished staging folder to `out_dir` (replacing an earlier export)."""
+    if os.path.isdir(out_dir):
+        old = out_dir + ".old-" + os.path.basename(staging)
+        os.rename(out_dir, old)
+        os.rename(staging, out_dir)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(staging, out_dir)

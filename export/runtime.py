@@ -1,0 +1,362 @@
+"""Translate with exported ONNX graphs on ONNX Runtime: numpy, onnxruntime and sentencepiece only.
+
+Importing this module imports neither TensorFlow nor Keras. The search rules
+(`export.search`) are the ones the Keras decoder uses, so both give the same
+translations.
+
+Example:
+
+    translator = OnnxTranslator("runs/demo-onnx")
+    translator.translate(["ko mina tel"], beam_size=4)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+from export.progress import Progress
+from export.search import (
+    EOS_ID,
+    beam_loop,
+    check_beam_arguments,
+    greedy_loop,
+    output_limits,
+    source_array,
+)
+
+MANIFEST = "manifest.json"
+_CUDA = "CUDAExecutionProvider"
+_CPU = "CPUExecutionProvider"
+
+
+class ExportFileError(RuntimeError):
+    """A file of an ONNX export folder is missing or unreadable; the message names it."""
+
+
+# --------------------------------------------------------------------------- tokenizers
+
+
+class _SentencePiece:
+    def __init__(self, path):
+        import sentencepiece as spm
+
+        self._processor = spm.SentencePieceProcessor()
+        try:
+            with open(path, "rb") as f:
+                self._processor.LoadFromSerializedProto(f.read())
+        except (OSError, RuntimeError) as error:
+            raise ExportFileError(f"Cannot read the SentencePiece model {path}: {error}") from error
+
+    def encode(self, text):
+        return self._processor.encode(text, out_type=int)
+
+    def decode(self, ids):
+        kept = []
+        for i in ids:
+            if i == EOS_ID:
+                break
+            if i > EOS_ID:  # skip padding and BOS
+                kept.append(int(i))
+        return self._processor.decode(kept)
+
+
+class _Words:
+    """The toy corpus's whitespace vocabulary (`vocab.txt`, one token per line)."""
+
+    SPECIALS = ("<pad>", "<s>", "</s>", "<unk>")
+
+    def __init__(self, path):
+        try:
+            with open(path, encoding="utf-8") as f:
+                self.tokens = [line.rstrip("\n") for line in f]
+        except (OSError, UnicodeDecodeError) as error:
+            raise ExportFileError(f"Cannot read the vocabulary {path}: {error}") from error
+        if tuple(self.tokens[:4]) != self.SPECIALS:
+            raise ExportFileError(
+                f"{path} is not a vocabulary file: it must start with <pad> <s> </s> <unk>."
+            )
+        self.index = {token: i for i, token in enumerate(self.tokens)}
+
+    def encode(self, text):
+        return [self.index.get(word, 3) for word in text.split()]
+
+    def decode(self, ids):
+        words = []
+        for i in ids:
+            i = int(i)
+            if i == EOS_ID:
+                break
+            if i > EOS_ID:
+                words.append(self.tokens[i] if i < len(self.tokens) else "<unk>")
+        return " ".join(words)
+
+
+def load_tokenizer(path):
+    if not os.path.isfile(path):
+        raise ExportFileError(f"Tokenizer file missing: {path}")
+    return _SentencePiece(path) if path.endswith(".model") else _Words(path)
+
+
+# --------------------------------------------------------------------------- sessions
+
+def _nvidia_driver_present():
+    """Whether an NVIDIA driver library loads here (without it CUDA cannot run)."""
+    import ctypes
+
+    for name in ("libcuda.so.1", "libcuda.so", "nvcuda.dll"):
+        try:
+            ctypes.CDLL(name)
+            return True
+        except OSError:
+            continue
+    return False
+
+
+def default_providers():
+    """CUDA (then CPU) when this ONNX Runtime has CUDA and a driver is present, otherwise CPU.
+
+    Checking for the driver first keeps a GPU build of ONNX Runtime on a
+    machine without a GPU from logging CUDA load errors before it falls back.
+    """
+    import onnxruntime as ort
+
+    if _CUDA in ort.get_available_providers() and _nvidia_driver_present():
+        return [_CUDA, _CPU]
+    return [_CPU]
+
+
+def _session(path, providers, num_threads):
+    import onnxruntime as ort
+
+    if not os.path.isfile(path):
+        raise ExportFileError(f"ONNX graph missing: {path}")
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    if num_threads is not None:
+        options.intra_op_num_threads = int(num_threads)
+    try:
+        return ort.InferenceSession(path, sess_options=options, providers=providers)
+    except Exception as error:  # onnxruntime raises its own exception types
+        raise ExportFileError(f"Cannot load the ONNX graph {path}: {error}") from error
+
+
+def _check_ids(name, array, rank=2):
+    array = np.asarray(array)
+    if array.ndim != rank:
+        raise ValueError(f"{name} must have rank {rank}. Received shape {array.shape}")
+    if not np.issubdtype(array.dtype, np.integer):
+        raise ValueError(f"{name} must hold integer token ids. Received dtype {array.dtype}")
+    return array.astype(np.int32, copy=False)
+
+
+class OnnxTranslator:
+    """Greedy and beam-search translation with the graphs written by `export_onnx`.
+
+    Args:
+        onnx_dir: the export folder (`manifest.json`, the `.onnx` graphs and
+            `spm.model` or `vocab.txt`).
+        providers: ONNX Runtime execution providers; default CUDA when usable,
+            otherwise CPU. `self.provider` says which one runs.
+        num_threads: intra-op threads (default: ONNX Runtime's choice).
+        precision: "float32", or "float16" for graphs exported with it.
+    """
+
+    def __init__(self, onnx_dir, providers=None, num_threads=None, precision="float32"):
+        self.onnx_dir = os.fspath(onnx_dir)
+        if not os.path.isdir(self.onnx_dir):
+            raise ExportFileError(f"ONNX export folder not found: {self.onnx_dir}")
+        manifest_path = os.path.join(self.onnx_dir, MANIFEST)
+        try:
+            with open(manifest_path, encoding="utf-8") as f:
+                self.manifest = json.load(f)
+            graphs = self.manifest["graphs"]
+            config = self.manifest["config"]
+        except FileNotFoundError as error:
+            raise ExportFileError(f"{MANIFEST} missing: {manifest_path}") from error
+        except (OSError, ValueError, KeyError, TypeError) as error:
+            raise ExportFileError(
+                f"{manifest_path} is not a valid export manifest: {error}"
+            ) from error
+        if precision not in self.manifest.get("precisions", ["float32"]):
+            raise ValueError(
+                f"This export has no {precision!r} graphs (it has "
+                f"{', '.join(self.manifest.get('precisions', ['float32']))})."
+            )
+        self.precision = precision
+        self.num_layers = int(config["num_layers"])
+        self.num_heads = int(config["num_heads"])
+        self.head_dim = int(config["hidden_dim"]) // self.num_heads
+        self.max_length = int(config["max_length"])
+        self.vocabulary_size = int(config["vocabulary_size"])
+        tokenizer = self.manifest.get("tokenizer")
+        self.tokenizer = (
+            load_tokenizer(os.path.join(self.onnx_dir, tokenizer)) if tokenizer else None
+        )
+        self._providers = list(providers) if providers is not None else default_providers()
+        self._num_threads = num_threads
+        self._graph_files = {name: entry[precision] for name, entry in graphs.items()}
+        self._sessions = {}
+        self.encoder_session = self.session("encoder")
+        self.step_session = self.session("decoder_step")
+        self.provider = self.step_session.get_providers()[0]
+
+    def session(self, name):
+        """The ONNX Runtime session of graph `name` ("encoder", "decoder_step" or "model")."""
+        if name not in self._sessions:
+            if name not in self._graph_files:
+                raise ExportFileError(f"{MANIFEST} in {self.onnx_dir} lists no {name!r} graph.")
+            path = os.path.join(self.onnx_dir, self._graph_files[name])
+            self._sessions[name] = _session(path, self._providers, self._num_threads)
+        return self._sessions[name]
+
+    # ----------------------------------------------------------------------- graphs
+
+    def encode(self, source_ids):
+        """Runs `encoder.onnx`: returns `(encoder_output, source_mask, cross_caches)`."""
+        source_ids = _check_ids("source_ids", source_ids)
+        encoded, mask, *cross = self.encoder_session.run(None, {"source_ids": source_ids})
+        return encoded, mask, cross
+
+    def empty_self_caches(self, batch_size):
+        shape = (batch_size, 2, 0, self.num_heads, self.head_dim)
+        return [np.zeros(shape, np.float32) for _ in range(self.num_layers)]
+
+    def decoder_step(self, token_ids, source_mask, cross_caches, self_caches):
+        """Runs `decoder_step.onnx` for one new token per sequence.
+
+        Args:
+            token_ids: int `(batch, 1)`, the newest token of each sequence.
+            source_mask: bool `(batch, source_len)` from `encode`.
+            cross_caches: the `num_layers` cross caches from `encode`.
+            self_caches: `num_layers` float32 `(batch, 2, t, heads, head_dim)`;
+                `empty_self_caches(batch)` at the first step.
+
+        Returns:
+            `(log_probs (batch, vocabulary), new_self_caches)` with caches one longer.
+        """
+        token_ids = _check_ids("token_ids", token_ids)
+        if token_ids.shape[1] != 1:
+            raise ValueError(f"token_ids must have shape (batch, 1). Received {token_ids.shape}")
+        source_mask = np.asarray(source_mask)
+        if source_mask.ndim != 2 or source_mask.dtype != np.bool_:
+            raise ValueError(
+                "source_mask must be a bool (batch, source_len) array. Received "
+                f"{source_mask.dtype} {source_mask.shape}"
+            )
+        feeds = {"token_ids": token_ids, "source_mask": source_mask}
+        for kind, caches in (("cross_cache", cross_caches), ("self_cache", self_caches)):
+            if len(caches) != self.num_layers:
+                raise ValueError(
+                    f"Expected {self.num_layers} {kind} arrays, one per layer. Received {len(caches)}"
+                )
+            for i, cache in enumerate(caches):
+                cache = np.asarray(cache)
+                expected = (len(token_ids), 2, None, self.num_heads, self.head_dim)
+                if cache.ndim != 5 or any(
+                    e is not None and e != d for e, d in zip(expected, cache.shape, strict=True)
+                ):
+                    raise ValueError(
+                        f"{kind}_{i} must have shape (batch={len(token_ids)}, 2, length, "
+                        f"{self.num_heads}, {self.head_dim}). Received {cache.shape}"
+                    )
+                if cache.dtype != np.float32:
+                    raise ValueError(f"{kind}_{i} must be float32. Received dtype {cache.dtype}")
+                feeds[f"{kind}_{i}"] = cache
+        log_probs, *new_caches = self.step_session.run(None, feeds)
+        return log_probs, new_caches
+
+    def logits(self, source_ids, target_ids):
+        """Teacher-forced logits from `model.onnx` (for parity checks)."""
+        feeds = {
+            "source_ids": _check_ids("source_ids", source_ids),
+            "target_ids": _check_ids("target_ids", target_ids),
+        }
+        return self.session("model").run(None, feeds)[0]
+
+    # ----------------------------------------------------------------------- search
+
+    def _prepare(self, source_ids, max_length):
+        source, lengths = source_array(source_ids, self.max_length)
+        return source, output_limits(lengths, max_length, self.max_length)
+
+    def greedy_search(self, source_ids, max_length=None):
+        """Greedy search; same arguments, rules and results as `keras_transformer.decoding`."""
+        source, limits = self._prepare(source_ids, max_length)
+        if (limits == 0).all():
+            return greedy_loop(None, limits)
+        _, mask, cross = self.encode(source)
+        state = {"caches": self.empty_self_caches(len(source))}
+
+        def step(inputs, t):
+            log_probs, state["caches"] = self.decoder_step(
+                inputs[:, -1:], mask, cross, state["caches"]
+            )
+            return log_probs
+
+        return greedy_loop(step, limits)
+
+    def beam_search(self, source_ids, beam_size=4, length_penalty=0.6, max_length=None):
+        """Beam search; same arguments, rules and results as `keras_transformer.decoding`."""
+        check_beam_arguments(beam_size, length_penalty)
+        source, limits = self._prepare(source_ids, max_length)
+        if (limits == 0).all():
+            return beam_loop(None, None, limits, beam_size, length_penalty)
+        _, mask, cross = self.encode(np.repeat(source, beam_size, axis=0))
+        state = {"caches": self.empty_self_caches(len(mask))}
+
+        def step(last, t):
+            log_probs, state["caches"] = self.decoder_step(
+                last[:, None], mask, cross, state["caches"]
+            )
+            return log_probs
+
+        def reorder(rows):
+            state["caches"] = [cache[rows] for cache in state["caches"]]
+
+        return beam_loop(step, reorder, limits, beam_size, length_penalty)
+
+    def translate(self, sentences, beam_size=4, max_length=None, batch_size=32, progress=False):
+        """Translates a list of strings; `beam_size=1` is greedy search.
+
+        Sentences are sorted by length into batches and put back in order.
+        An empty (or whitespace-only) string gives an empty string; a sentence
+        longer than the model's `max_length` raises a `ValueError` naming it.
+        """
+        if isinstance(sentences, str):
+            raise TypeError("translate takes a list of strings, not one string.")
+        if self.tokenizer is None:
+            raise ExportFileError(f"The export in {self.onnx_dir} has no tokenizer file.")
+        check_beam_arguments(beam_size, 0.6)
+        sentences = list(sentences)
+        for i, text in enumerate(sentences):
+            if not isinstance(text, str):
+                raise TypeError(f"Sentence {i} is a {type(text).__name__}, not a string.")
+        sources = []
+        for text in sentences:
+            ids = self.tokenizer.encode(text) if text.strip() else []
+            sources.append(ids + [EOS_ID] if ids else [])
+        too_long = [i for i, s in enumerate(sources) if len(s) > self.max_length]
+        if too_long:
+            i = too_long[0]
+            raise ValueError(
+                f"{len(too_long)} input sentence(s) are longer than the model's max_length="
+                f"{self.max_length} tokens; the first is line {i + 1} ({len(sources[i])} "
+                "tokens). Split long sentences before translating."
+            )
+        order = np.argsort([len(s) for s in sources], kind="stable")
+        outputs = [""] * len(sentences)
+        bar = Progress(len(sentences), progress)
+        for start in range(0, len(order), batch_size):
+            chunk = order[start : start + batch_size]
+            batch = [sources[i] for i in chunk]
+            if beam_size == 1:
+                tokens, _ = self.greedy_search(batch, max_length=max_length)
+            else:
+                tokens, _ = self.beam_search(batch, beam_size=beam_size, max_length=max_length)
+            for i, ids in zip(chunk, tokens, strict=True):
+                outputs[i] = self.tokenizer.decode(ids)
+            bar.update(len(chunk))
+        return outputs

@@ -1,0 +1,246 @@
+"""Greedy and beam search rules in numpy, shared by the Keras and ONNX Runtime decoders.
+
+Both decoders hand these loops a `step` function that returns the
+log-probabilities of the next token; the loops own everything else (which
+tokens may be produced, when a sentence stops, the length penalty, which
+beams survive). Keeping one copy is what makes the two decoders agree.
+
+This module needs numpy only: `export.runtime` imports it without
+TensorFlow or Keras.
+
+Conventions: padding id 0, BOS 1, EOS 2. Returned token ids exclude BOS and
+stop before EOS. An empty source gives an empty output with score 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
+EXTRA_OUTPUT_TOKENS = 50  # default maximum output length = source length + 50
+
+
+def length_penalty_factor(length, alpha=0.6):
+    """((5 + length) / 6) ** alpha, the length normalisation of Wu et al. (2016)."""
+    return ((5.0 + np.asarray(length, np.float64)) / 6.0) ** alpha
+
+
+def check_positive_int(name, value):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"{name} must be a positive integer. Received: {name}={value!r}")
+
+
+def check_beam_arguments(beam_size, length_penalty):
+    check_positive_int("beam_size", beam_size)
+    if (
+        isinstance(length_penalty, bool)
+        or not isinstance(length_penalty, (int, float))
+        or length_penalty < 0
+    ):
+        raise ValueError(
+            f"length_penalty must be a non-negative number. Received: {length_penalty!r}"
+        )
+
+
+def source_array(source_ids, model_max_length):
+    """Pads token-id lists (or checks an array) into an int32 `(batch, width)` array.
+
+    The width is a multiple of 8 so that a new source length rarely means a
+    new compiled shape. Returns `(array, lengths)`. A source longer than
+    `model_max_length` raises a `ValueError`: it is never truncated.
+    """
+    if isinstance(source_ids, np.ndarray):
+        if source_ids.ndim != 2:
+            raise ValueError(
+                "source_ids must have shape (batch_size, source_len). "
+                f"Received shape {source_ids.shape}"
+            )
+        if not np.issubdtype(source_ids.dtype, np.integer):
+            raise ValueError(
+                f"source_ids must hold integer token ids. Received dtype {source_ids.dtype}"
+            )
+        rows = [row[row != PAD_ID] for row in source_ids]
+    else:
+        if not isinstance(source_ids, Sequence) or isinstance(source_ids, (str, bytes)):
+            raise ValueError("source_ids must be a 2-D int array or a list of lists of token ids.")
+        rows = [np.asarray(list(row), np.int64) for row in source_ids]
+        for row in rows:
+            if row.size and not np.issubdtype(row.dtype, np.integer):
+                raise ValueError("source_ids must hold integer token ids.")
+    lengths = np.array([len(row) for row in rows], np.int64)
+    longest = int(lengths.max(initial=0))
+    if longest > model_max_length:
+        index = int(lengths.argmax())
+        raise ValueError(
+            f"Source sentence {index} has {longest} tokens but the model's max_length is "
+            f"{model_max_length}. Shorten or split it before decoding (it is not truncated)."
+        )
+    width = max(8, -(-longest // 8) * 8)
+    width = min(width, model_max_length) if longest else width
+    array = np.zeros((len(rows), max(width, 1)), np.int32)
+    for i, row in enumerate(rows):
+        array[i, : len(row)] = row
+    return array, lengths
+
+
+def output_limits(lengths, max_length, model_max_length):
+    """Per-sentence maximum number of generated tokens (EOS included); 0 for empty sources."""
+    if max_length is not None:
+        check_positive_int("max_length", max_length)
+        if max_length > model_max_length:
+            raise ValueError(
+                f"max_length={max_length} exceeds the model's max_length={model_max_length}."
+            )
+        limits = np.full(len(lengths), max_length, np.int64)
+    else:
+        limits = np.minimum(lengths + EXTRA_OUTPUT_TOKENS, model_max_length)
+    return np.where(lengths == 0, 0, limits)
+
+
+def banned_ids(ignore_eos=False):
+    """Ids never generated: padding and BOS (and EOS with `ignore_eos`)."""
+    return [PAD_ID, BOS_ID] + ([EOS_ID] if ignore_eos else [])
+
+
+def forbid_specials(log_probs, ignore_eos=False):
+    log_probs = log_probs.copy()
+    log_probs[..., banned_ids(ignore_eos)] = -np.inf
+    return log_probs
+
+
+def greedy_loop(step, limits, ignore_eos=False):
+    """Greedy search over a step function.
+
+    Args:
+        step: `step(inputs, t) -> log_probs`, where `inputs` is the int32
+            `(batch, t + 1)` decoder input so far (BOS first; a finished
+            sentence is fed EOS) and `log_probs` is `(batch, vocab)`.
+        limits: per-sentence maximum output length (EOS included); 0 = empty.
+        ignore_eos: never stop at EOS (for benchmarks).
+
+    Returns:
+        `(tokens, scores)`: int lists cut before EOS, and float64 summed
+        log-probabilities (EOS included when produced).
+    """
+    limits = np.asarray(limits)
+    batch = len(limits)
+    outputs = [[] for _ in range(batch)]
+    scores = np.zeros(batch, np.float64)
+    done = limits == 0
+    inputs = np.full((batch, 1), BOS_ID, np.int32)
+    for t in range(int(limits.max(initial=0))):
+        if done.all():
+            break
+        log_probs = np.asarray(step(inputs, t), np.float64)
+        next_ids = forbid_specials(log_probs, ignore_eos).argmax(-1).astype(np.int32)
+        for i in np.flatnonzero(~done):
+            scores[i] += log_probs[i, next_ids[i]]
+            if next_ids[i] == EOS_ID:
+                done[i] = True
+            else:
+                outputs[i].append(int(next_ids[i]))
+                done[i] = t + 1 >= limits[i]
+        inputs = np.concatenate([inputs, np.where(done, EOS_ID, next_ids)[:, None]], axis=1)
+    return outputs, scores
+
+
+def beam_loop(step, reorder, limits, beam_size, length_penalty=0.6, ignore_eos=False):
+    """Beam search over a step function; row `b * beam_size + j` is beam j of sentence b.
+
+    A hypothesis is finished when it produces EOS; its score is its summed
+    log-probability (EOS included) divided by the length penalty of its
+    length (EOS included). A sentence is done when no live beam can still
+    beat its best finished hypothesis (bounded with the penalty of the
+    maximum length), or when `beam_size` hypotheses have finished and no
+    live beam beats the best at its current length, or at its maximum length
+    (live beams are then scored as they are).
+
+    Args:
+        step: `step(last, t) -> log_probs`: `last` is the int32
+            `(batch * beam_size,)` newest token of every row, the result is
+            `(batch * beam_size, vocab)`.
+        reorder: `reorder(rows)`, called before every step after the first:
+            row i of the decoder state must become row `rows[i]` of the
+            previous state (the beams that survived).
+        limits: per-sentence maximum output length (EOS included); 0 = empty.
+        beam_size: beams kept per sentence.
+        length_penalty: alpha of the length penalty; 0 disables it.
+        ignore_eos: never finish at EOS (for benchmarks).
+
+    Returns:
+        `(tokens, scores)`: the best hypothesis of each sentence (int list cut
+        before EOS) and its length-penalized score (float64).
+    """
+    check_beam_arguments(beam_size, length_penalty)
+    limits = np.asarray(limits)
+    batch, k = len(limits), beam_size
+    best_tokens = [[] for _ in range(batch)]
+    best_scores = np.zeros(batch, np.float64)
+    done = limits == 0
+    if done.all():
+        return best_tokens, best_scores
+
+    def penalty(length):
+        return length_penalty_factor(length, length_penalty)
+
+    alive = [[[] for _ in range(k)] for _ in range(batch)]  # tokens of live beams
+    alive_scores = np.full((batch, k), -np.inf)
+    alive_scores[:, 0] = 0.0  # one live beam at the start
+    finished = [[] for _ in range(batch)]  # (normalized score, tokens)
+    last = np.full(batch * k, BOS_ID, np.int32)
+
+    for t in range(int(limits.max())):
+        log_probs = np.asarray(step(last, t), np.float64)
+        log_probs = forbid_specials(log_probs, ignore_eos)
+        vocab = log_probs.shape[-1]
+        candidates = (alive_scores[:, :, None] + log_probs.reshape(batch, k, vocab)).reshape(
+            batch, k * vocab
+        )
+        origin = np.tile(np.arange(k), batch)  # default: each row keeps its own state
+        # The 2k best candidates of every sentence, best first (ties: lower index).
+        width = min(2 * k, k * vocab)
+        best = np.argpartition(-candidates, width - 1, axis=1)[:, :width]
+        for b in np.flatnonzero(~done):
+            top = best[b][np.lexsort((best[b], -candidates[b, best[b]]))]
+            new_alive, new_scores = [], []
+            for rank, flat in enumerate(top):
+                score = candidates[b, flat]
+                if not np.isfinite(score):
+                    break
+                beam, token = divmod(int(flat), vocab)
+                if token == EOS_ID:
+                    if rank < k:
+                        finished[b].append((score / penalty(t + 1), alive[b][beam]))
+                    continue
+                new_alive.append((alive[b][beam] + [token], beam))
+                new_scores.append(score)
+                if len(new_alive) == k:
+                    break
+            if t + 1 >= limits[b]:  # out of room: live beams end here, without EOS
+                for (tokens, _), score in zip(new_alive, new_scores, strict=True):
+                    finished[b].append((score / penalty(t + 1), tokens))
+                new_alive = []
+            best_finished = max((s for s, _ in finished[b]), default=-np.inf)
+            can_improve = bool(new_scores) and (
+                max(new_scores) / penalty(limits[b]) > best_finished
+            )
+            settled = len(finished[b]) >= k and (
+                not new_scores or max(new_scores) / penalty(t + 1) <= best_finished
+            )
+            if settled or not can_improve:
+                done[b] = True
+                score, tokens = max(finished[b], key=lambda item: item[0], default=(-np.inf, []))
+                best_tokens[b], best_scores[b] = tokens, score
+                continue
+            alive_scores[b] = -np.inf
+            for j, ((tokens, beam), score) in enumerate(zip(new_alive, new_scores, strict=True)):
+                alive[b][j] = tokens
+                alive_scores[b, j] = score
+                origin[b * k + j] = beam
+                last[b * k + j] = tokens[-1]
+        if done.all():
+            break
+        reorder((np.arange(batch * k) // k * k + origin).astype(np.int32))
+    return best_tokens, best_scores

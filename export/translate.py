@@ -1,0 +1,62 @@
+"""Translate stdin to stdout with an ONNX export: `python -m export.translate ONNX_DIR [--beam N]`.
+
+One output line per input line, in order. Needs numpy, onnxruntime and
+sentencepiece only (no TensorFlow, no Keras).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from export.runtime import ExportFileError, OnnxTranslator
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(
+        prog="python -m export.translate",
+        description="Translate lines from stdin to stdout with an ONNX export of keras-transformer.",
+    )
+    parser.add_argument("onnx_dir", help="folder written by `keras-transformer export`")
+    parser.add_argument("--beam", type=int, default=4, help="beam size; 1 = greedy (default 4)")
+    parser.add_argument("--batch-size", type=int, default=32, help="sentences per batch")
+    parser.add_argument("--max-length", type=int, help="maximum output tokens per sentence")
+    parser.add_argument("--threads", type=int, help="ONNX Runtime intra-op threads")
+    parser.add_argument(
+        "--precision", default="float32", choices=["float32", "float16"], help="graphs to run"
+    )
+    parser.add_argument("--cpu", action="store_true", help="run on CPU even when CUDA is usable")
+    return parser
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
+    for name in ("beam", "batch_size", "max_length", "threads"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise SystemExit(f"error: --{name.replace('_', '-')} must be a positive integer.")
+    try:
+        translator = OnnxTranslator(
+            args.onnx_dir,
+            providers=["CPUExecutionProvider"] if args.cpu else None,
+            num_threads=args.threads,
+            precision=args.precision,
+        )
+        lines = [line.rstrip("\n") for line in sys.stdin]
+        outputs = translator.translate(
+            lines,
+            beam_size=args.beam,
+            max_length=args.max_length,
+            batch_size=args.batch_size,
+            progress=not sys.stdin.isatty() and len(lines) > args.batch_size,
+        )
+    except (ExportFileError, ValueError) as error:
+        raise SystemExit(f"error: {error}") from None
+    print(f"provider: {translator.provider}", file=sys.stderr)
+    sys.stdout.write("".join(line + "\n" for line in outputs))
+    sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
