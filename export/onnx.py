@@ -265,9 +265,7 @@ def _write_graphs(model, folder, opset, precision):
     config = transformer_parts(model).config
     graphs = {}
     for name, fn, signature, output_names in graph_functions(model):
-        proto, _ = tf2onnx.convert.from_function(
-            tf.function(fn), input_signature=signature, opset=opset
-        )
+        proto = _convert(tf2onnx, tf.function(fn, autograph=False), signature, opset)
         _rename_outputs(proto, output_names)
         _name_dynamic_axes(proto)
         onnx.checker.check_model(proto, full_check=True)
@@ -276,7 +274,7 @@ def _write_graphs(model, folder, opset, precision):
         graphs[name] = {"float32": f"{name}.onnx"}
         if precision == "float16":
             half = _float16(proto)
-            onnx.checker.check_model(half)
+            onnx.checker.check_model(half, full_check=True)
             onnx.save(half, os.path.join(folder, f"{name}_fp16.onnx"))
             graphs[name]["float16"] = f"{name}_fp16.onnx"
         graphs[name]["inputs"] = _describe(proto.graph.input)
@@ -296,6 +294,26 @@ def _write_graphs(model, folder, opset, precision):
         ),
         "versions": _versions(),
     }
+
+
+def _convert(tf2onnx, function, signature, opset):
+    """tf2onnx conversion; its optimizers run without a graph copy before each pass.
+
+    By default tf2onnx deep-copies the graph before every optimizer pass so
+    that a failing pass can be skipped; that copying is most of the export
+    time. Here a failing pass fails the export instead (the user's own
+    TF2ONNX_CATCH_ERRORS setting wins).
+    """
+    variable = "TF2ONNX_CATCH_ERRORS"
+    previous = os.environ.get(variable)
+    if previous is None:
+        os.environ[variable] = "FALSE"
+    try:
+        proto, _ = tf2onnx.convert.from_function(function, input_signature=signature, opset=opset)
+    finally:
+        if previous is None:
+            os.environ.pop(variable, None)
+    return proto
 
 
 def _rename_outputs(proto, names):
@@ -354,7 +372,33 @@ def _describe(values):
 def _float16(proto):
     from onnxruntime.transformers.float16 import convert_float_to_float16
 
-    return convert_float_to_float16(proto, keep_io_types=True, disable_shape_infer=False)
+    half = convert_float_to_float16(proto, keep_io_types=True, disable_shape_infer=False)
+    _sort_topologically(half.graph)  # the converter appends its input casts at the end
+    return half
+
+
+def _sort_topologically(graph):
+    """Reorders `graph.node` so that every node comes after the producers of its inputs."""
+    available = {""} | {v.name for v in graph.input} | {t.name for t in graph.initializer}
+    pending = list(graph.node)
+    ordered = []
+    while pending:
+        remaining = []
+        for node in pending:
+            if all(name in available for name in node.input):
+                ordered.append(node)
+                available.update(node.output)
+            else:
+                remaining.append(node)
+        if len(remaining) == len(pending):
+            missing = sorted({n for node in remaining for n in node.input} - available)
+            raise ExportError(f"The float16 graph has inputs nothing produces: {missing[:5]}")
+        pending = remaining
+    copies = [type(node)() for node in ordered]
+    for copy, node in zip(copies, ordered, strict=True):
+        copy.CopyFrom(node)
+    del graph.node[:]
+    graph.node.extend(copies)
 
 
 def _versions():

@@ -102,6 +102,7 @@ def load_tokenizer(path):
 
 # --------------------------------------------------------------------------- sessions
 
+
 def _nvidia_driver_present():
     """Whether an NVIDIA driver library loads here (without it CUDA cannot run)."""
     import ctypes

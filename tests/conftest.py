@@ -44,3 +44,46 @@ def toy_run(tmp_path_factory):
     model = keras.saving.load_model(f"{out}/model.keras")
     corpus = generate_toy_corpus(num_train=3000, num_valid=50, num_test=50, max_words=8, seed=0)
     return model, corpus, WordVocabulary.from_corpus(corpus), metrics
+
+
+def train_args(paths, out, *extra):
+    """`keras-transformer train` arguments for the tiny preset on the generated corpus files."""
+    return [
+        "train",
+        "--src-train", paths["train.src"], "--tgt-train", paths["train.tgt"],
+        "--src-valid", paths["valid.src"], "--tgt-valid", paths["valid.tgt"],
+        "--out", str(out), "--preset", "tiny", "--vocab-size", "400",
+        "--tokens-per-batch", "1024", "--warmup-steps", "100", *extra,
+    ]  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def corpus_files(tmp_path_factory):
+    """A generated corpus (seed 5) written as train/valid/test .src/.tgt files."""
+    from keras_transformer.data.toy import generate_toy_corpus
+
+    corpus = generate_toy_corpus(num_train=1000, num_valid=40, num_test=40, max_words=6, seed=5)
+    return corpus, corpus.write(str(tmp_path_factory.mktemp("toy_text")))
+
+
+@pytest.fixture(scope="session")
+def trained_run(corpus_files, tmp_path_factory):
+    """`keras-transformer train` (SentencePiece, mixed_bfloat16, 3 epochs, last 2 averaged)."""
+    from keras_transformer import cli
+
+    _, paths = corpus_files
+    out = tmp_path_factory.mktemp("runs") / "toy"
+    args = train_args(paths, out, "--epochs", "3", "--average-last", "2")
+    assert cli.main([*args, "--precision", "mixed_bfloat16"]) == 0
+    return out
+
+
+@pytest.fixture(scope="session")
+def float16_run(corpus_files, tmp_path_factory):
+    """`keras-transformer train` for one epoch under mixed_float16 (SentencePiece)."""
+    from keras_transformer import cli
+
+    _, paths = corpus_files
+    out = tmp_path_factory.mktemp("runs") / "float16"
+    assert cli.main([*train_args(paths, out, "--epochs", "1"), "--precision", "mixed_float16"]) == 0
+    return out

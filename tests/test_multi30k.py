@@ -28,8 +28,10 @@ def test_multi30k_files_are_parallel():
         assert len(de) == len(en) == lines
 
 
-def test_multi30k_train_evaluate_translate_smoke(tmp_path, monkeypatch, capsys):
-    out = tmp_path / "de-en"
+@pytest.fixture(scope="module")
+def multi30k_run(tmp_path_factory):
+    """The small preset trained 40 steps on Multi30k de->en."""
+    out = tmp_path_factory.mktemp("multi30k") / "de-en"
     args = [
         "train", "--out", str(out), "--preset", "small", "--max-steps", "40",
         "--src-train", str(DATA / "train.de.gz"), "--tgt-train", str(DATA / "train.en.gz"),
@@ -37,6 +39,11 @@ def test_multi30k_train_evaluate_translate_smoke(tmp_path, monkeypatch, capsys):
         "--vocab-size", "4000", "--tokens-per-batch", "2048", "--warmup-steps", "40",
     ]  # fmt: skip
     assert cli.main(args) == 0
+    return out
+
+
+def test_multi30k_train_evaluate_translate_smoke(multi30k_run, tmp_path, monkeypatch, capsys):
+    out = multi30k_run
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["train_data"]["total_pairs"] == 29000
     assert metrics["train_data"]["kept_pairs"] > 28900
@@ -53,3 +60,24 @@ def test_multi30k_train_evaluate_translate_smoke(tmp_path, monkeypatch, capsys):
         monkeypatch.setattr("sys.stdin", f)
         assert cli.main(["translate", str(out), "--greedy"]) == 0
     assert len(capsys.readouterr().out.splitlines()) == 40
+
+
+def test_onnx_export_translates_multi30k_like_keras(multi30k_run, tmp_path):
+    import numpy as np
+
+    from export.onnx import export_onnx
+    from export.runtime import OnnxTranslator
+    from keras_transformer.decoding import beam_search, greedy_search
+    from keras_transformer.translation import load_run
+
+    export_onnx(multi30k_run, tmp_path / "onnx")
+    translator = OnnxTranslator(tmp_path / "onnx")
+    model, tokenizer = load_run(str(multi30k_run))
+    lines = read_parallel(
+        str(DATA / "test_2016_flickr.de.gz"), str(DATA / "test_2016_flickr.en.gz")
+    )[0][:200]
+    sources = [tokenizer.encode(line) + [tokenizer.eos_id] for line in lines]
+    assert translator.greedy_search(sources)[0] == greedy_search(model, sources)[0]
+    keras_beam = beam_search(model, sources, beam_size=4)[0]
+    onnx_beam = translator.beam_search(sources, beam_size=4)[0]
+    assert np.mean([a == b for a, b in zip(keras_beam, onnx_beam, strict=True)]) >= 0.99

@@ -14,34 +14,9 @@ import pytest
 
 from keras_transformer import cli
 from keras_transformer.config import TransformerConfig
-from keras_transformer.data.toy import generate_toy_corpus
 from keras_transformer.model import build_transformer
 from keras_transformer.train import average_checkpoints
-
-
-def _train_args(paths, out, *extra):
-    return [
-        "train",
-        "--src-train", paths["train.src"], "--tgt-train", paths["train.tgt"],
-        "--src-valid", paths["valid.src"], "--tgt-valid", paths["valid.tgt"],
-        "--out", str(out), "--preset", "tiny", "--vocab-size", "400",
-        "--tokens-per-batch", "1024", "--warmup-steps", "100", *extra,
-    ]  # fmt: skip
-
-
-@pytest.fixture(scope="module")
-def corpus_files(tmp_path_factory):
-    corpus = generate_toy_corpus(num_train=1000, num_valid=40, num_test=40, max_words=6, seed=5)
-    return corpus, corpus.write(str(tmp_path_factory.mktemp("toy_text")))
-
-
-@pytest.fixture(scope="module")
-def trained_run(corpus_files, tmp_path_factory):
-    _, paths = corpus_files
-    out = tmp_path_factory.mktemp("runs") / "toy"
-    args = _train_args(paths, out, "--epochs", "3", "--average-last", "2")
-    assert cli.main([*args, "--precision", "mixed_bfloat16"]) == 0
-    return out
+from tests.conftest import train_args as _train_args
 
 
 def test_train_writes_a_complete_run_directory(trained_run):

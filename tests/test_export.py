@@ -1,0 +1,332 @@
+"""ONNX export and the ONNX Runtime translator, checked against Keras.
+
+Three exports of trained models: the demo's float32 toy model (word
+vocabulary, also exported in float16), and SentencePiece runs trained under
+mixed_bfloat16 and mixed_float16, which are compared with their float32
+rebuild. Sentences come from a corpus drawn with a seed no training run uses.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import keras
+import numpy as np
+import onnx
+import pytest
+
+pytestmark = pytest.mark.skipif(
+    keras.backend.backend() != "tensorflow", reason="ONNX export converts TensorFlow graphs"
+)
+
+from export.onnx import ExportError, export_onnx, float32_copy  # noqa: E402
+from export.runtime import ExportFileError, OnnxTranslator  # noqa: E402
+from keras_transformer import cli  # noqa: E402
+from keras_transformer.data.toy import generate_toy_corpus  # noqa: E402
+from keras_transformer.decoding import beam_search, greedy_search  # noqa: E402
+from keras_transformer.model import transformer_parts  # noqa: E402
+from keras_transformer.translation import load_run, translate_lines  # noqa: E402
+
+KINDS = ["float32", "mixed_bfloat16", "mixed_float16"]
+
+
+def held_out_lines(count=240, seed=31):
+    """Toy-language sentences from a seed that no training run here uses."""
+    corpus = generate_toy_corpus(num_train=1, num_valid=1, num_test=count, max_words=8, seed=seed)
+    return [source for source, _ in corpus.test]
+
+
+@pytest.fixture(scope="session")
+def exported(toy_run, trained_run, float16_run, tmp_path_factory):
+    """kind -> (float32 Keras model, tokenizer, OnnxTranslator, export dir)."""
+    cache = {}
+
+    def get(kind):
+        if kind not in cache:
+            run_dir = {
+                "float32": toy_run[3]["run_dir"],
+                "mixed_bfloat16": str(trained_run),
+                "mixed_float16": str(float16_run),
+            }[kind]
+            out = str(tmp_path_factory.mktemp("onnx") / kind)
+            if kind == "float32":  # through the CLI, with the float16 graphs too
+                assert cli.main(["export", run_dir, "--out", out, "--precision", "float16"]) == 0
+            else:
+                export_onnx(run_dir, out)
+            model, tokenizer = load_run(run_dir)
+            cache[kind] = (float32_copy(model), tokenizer, OnnxTranslator(out), out)
+        return cache[kind]
+
+    return get
+
+
+def _sources(tokenizer, lines):
+    return [tokenizer.encode(line) + [tokenizer.eos_id] for line in lines]
+
+
+def _padded(rows):
+    array = np.zeros((len(rows), max(map(len, rows))), np.int32)
+    for i, row in enumerate(rows):
+        array[i, : len(row)] = row
+    return array
+
+
+# --------------------------------------------------------------------------- the export itself
+
+
+def test_export_folder_is_complete_and_valid(exported):
+    model, _, translator, out = exported("float32")
+    names = set(os.listdir(out))
+    assert names == {
+        "encoder.onnx", "decoder_step.onnx", "model.onnx",
+        "encoder_fp16.onnx", "decoder_step_fp16.onnx", "model_fp16.onnx",
+        "manifest.json", "vocab.txt",
+    }  # fmt: skip
+    for name in names - {"manifest.json", "vocab.txt"}:
+        onnx.checker.check_model(os.path.join(out, name))
+    manifest = json.loads(open(os.path.join(out, "manifest.json")).read())
+    config = transformer_parts(model).config
+    assert manifest["config"] == config.to_dict()
+    assert manifest["special_ids"] == {"pad": 0, "bos": 1, "eos": 2, "unk": 3}
+    assert manifest["opset"] == 17 and manifest["precisions"] == ["float32", "float16"]
+    step = manifest["graphs"]["decoder_step"]
+    head = config.hidden_dim // config.num_heads
+    assert step["inputs"]["self_cache_0"]["shape"] == [
+        "batch",
+        2,
+        "past_len",
+        config.num_heads,
+        head,
+    ]
+    assert step["outputs"]["log_probs"] == {
+        "dtype": "float32",
+        "shape": ["batch", config.vocabulary_size],
+    }
+    assert manifest["graphs"]["model"]["inputs"]["target_ids"]["shape"] == ["batch", "target_len"]
+    assert {"tensorflow", "tf2onnx", "onnx", "onnxruntime", "keras"} <= set(manifest["versions"])
+    assert translator.provider == "CPUExecutionProvider" or "CUDA" in translator.provider
+
+
+def test_mixed_precision_models_are_rebuilt_in_float32(trained_run):
+    model, _ = load_run(str(trained_run))
+    assert model.get_layer("decoder_layer_0").dtype_policy.name == "mixed_bfloat16"
+    copy = float32_copy(model)
+    assert copy is not model
+    assert {layer.dtype_policy.name for layer in copy.layers} == {"float32"}
+    for a, b in zip(model.get_weights(), copy.get_weights(), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_export_refuses_foreign_or_existing_folders_and_leaves_nothing_on_failure(
+    toy_run, exported, tmp_path, monkeypatch
+):
+    run_dir = toy_run[3]["run_dir"]
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("keep me")
+    with pytest.raises(ExportError, match="is not an ONNX export"):
+        export_onnx(run_dir, foreign)
+    assert os.listdir(foreign) == ["notes.txt"]
+    with pytest.raises(ExportError, match="already holds an export"):
+        export_onnx(run_dir, exported("float32")[3])
+    with pytest.raises(SystemExit, match="already holds an export"):
+        cli.main(["export", run_dir, "--out", exported("float32")[3]])
+    with pytest.raises(ValueError, match="precision"):
+        export_onnx(run_dir, tmp_path / "x", precision="int8")
+
+    import export.onnx as export_module
+
+    def failing(*args, **kwargs):
+        raise RuntimeError("conversion failed")
+
+    monkeypatch.setattr(export_module, "_write_graphs", failing)
+    with pytest.raises(RuntimeError, match="conversion failed"):
+        export_onnx(run_dir, tmp_path / "new")
+    assert sorted(os.listdir(tmp_path)) == ["foreign"]  # no half-written folder
+
+
+# --------------------------------------------------------------------------- numeric parity
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_encoder_teacher_forced_and_step_outputs_match_keras(kind, exported):
+    model, tokenizer, translator, _ = exported(kind)
+    parts = transformer_parts(model)
+    rng = np.random.default_rng(0)
+    lines = held_out_lines(48, seed=41)
+    sources = _sources(tokenizer, lines)
+    # Targets of varied lengths, so that both sides carry padding.
+    targets = [[1] + list(rng.integers(4, 40, size=rng.integers(1, 14))) for _ in lines]
+    source, target = _padded(sources), _padded(targets)
+    assert (source == 0).any() and (target == 0).any()
+
+    encoded, mask, cross = translator.encode(source)
+    keras_encoded, keras_mask = parts.encode(source)
+    np.testing.assert_allclose(encoded, keras.ops.convert_to_numpy(keras_encoded), atol=1e-4)
+    np.testing.assert_array_equal(mask, keras.ops.convert_to_numpy(keras_mask))
+    for layer, cache in zip(parts.decoder_layers, cross, strict=True):
+        expected = layer.cross_attention.compute_key_value_cache(keras_encoded)
+        np.testing.assert_allclose(cache, keras.ops.convert_to_numpy(expected), atol=1e-4)
+
+    logits = keras.ops.convert_to_numpy(model({"source_ids": source, "target_ids": target}))
+    np.testing.assert_allclose(translator.logits(source, target), logits, atol=1e-4)
+
+    # The cached step, fed the targets one token at a time, gives the
+    # teacher-forced log-probabilities at every real position.
+    log_probs = keras.ops.convert_to_numpy(keras.ops.log_softmax(logits, axis=-1))
+    caches = translator.empty_self_caches(len(source))
+    real = target != 0
+    for t in range(target.shape[1]):
+        step_log_probs, caches = translator.decoder_step(target[:, t : t + 1], mask, cross, caches)
+        assert caches[0].shape[2] == t + 1
+        np.testing.assert_allclose(step_log_probs[real[:, t]], log_probs[real[:, t], t], atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_same_translations_as_keras_on_held_out_sentences(kind, exported):
+    model, tokenizer, translator, _ = exported(kind)
+    lines = held_out_lines(200)
+    sources = _sources(tokenizer, lines)
+    keras_greedy, keras_greedy_scores = greedy_search(model, sources)
+    onnx_greedy, onnx_greedy_scores = translator.greedy_search(sources)
+    assert onnx_greedy == keras_greedy  # every one of the 200
+    np.testing.assert_allclose(onnx_greedy_scores, keras_greedy_scores, atol=1e-3)
+
+    keras_beam, keras_scores = beam_search(model, sources, beam_size=4)
+    onnx_beam, onnx_scores = translator.beam_search(sources, beam_size=4)
+    same = np.mean([a == b for a, b in zip(onnx_beam, keras_beam, strict=True)])
+    assert same >= 0.99
+    np.testing.assert_allclose(onnx_scores, keras_scores, atol=1e-3)
+
+    # The text path: tokenization, batching by length, detokenization.
+    texts = lines[:64]
+    assert translator.translate(texts, beam_size=1) == translate_lines(
+        model, tokenizer, texts, beam_size=1
+    )
+
+
+def test_float16_graphs_translate_within_half_a_point_of_float32(exported, toy_run):
+    _, _, translator, out = exported("float32")
+    half = OnnxTranslator(out, precision="float16")
+    lines = held_out_lines(200, seed=47)
+    references = [toy_run[1].translate(line) for line in lines]  # the toy run's language
+    scores = {}
+    for name, runner in (("float32", translator), ("float16", half)):
+        outputs = runner.translate(lines, beam_size=1)
+        scores[name] = 100 * np.mean([o == r for o, r in zip(outputs, references, strict=True)])
+    assert scores["float32"] >= 10  # the briefly trained model gets a fair share right
+    assert abs(scores["float16"] - scores["float32"]) <= 0.5, scores
+
+
+# --------------------------------------------------------------------------- runtime contract
+
+
+def test_runtime_imports_neither_tensorflow_nor_keras(exported):
+    """A fresh interpreter translates through the module CLI without loading either."""
+    out = exported("mixed_bfloat16")[3]
+    code = (
+        "import io, sys\n"
+        "sys.stdin = io.StringIO('ka ko\\n\\nli lo mina\\n')\n"
+        "from export.translate import main\n"
+        f"main([{out!r}, '--beam', '2'])\n"
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('tensorflow', 'keras'))\n"
+        "print('HEAVY', heavy, file=sys.stderr)\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert "HEAVY []" in result.stderr
+    lines = result.stdout.split("\n")
+    assert len(lines) == 4 and lines[1] == "" and lines[3] == ""  # one line per input line
+
+
+def test_module_command_translates_stdin_in_order(exported):
+    model, tokenizer, _, out = exported("float32")
+    lines = held_out_lines(40, seed=43)
+    result = subprocess.run(
+        [sys.executable, "-m", "export.translate", out, "--beam", "1"],
+        input="".join(line + "\n" for line in lines),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "provider: CPUExecutionProvider" in result.stderr or "CUDA" in result.stderr
+    assert result.stdout.splitlines() == translate_lines(model, tokenizer, lines, beam_size=1)
+
+
+def test_empty_inputs_and_unseen_characters(exported):
+    _, _, translator, _ = exported("mixed_float16")  # SentencePiece with byte fallback
+    assert translator.translate([]) == []
+    assert translator.translate(["", "   "]) == ["", ""]
+    outputs = translator.translate(["ka 漢字 ko 🙂 ñandú", "ka ko"], beam_size=2)
+    assert len(outputs) == 2 and all(isinstance(o, str) for o in outputs)
+    _, _, words, _ = exported("float32")  # word vocabulary: unknown words become <unk>
+    assert len(words.translate(["ka zzzz ko"], beam_size=1)) == 1
+
+
+def test_bad_runtime_inputs_raise_clear_errors(exported):
+    _, _, translator, _ = exported("float32")
+    source = np.array([[5, 6, 2]], np.int32)
+    with pytest.raises(ValueError, match="integer token ids"):
+        translator.encode(source.astype(np.float32))
+    with pytest.raises(ValueError, match="rank 2"):
+        translator.encode(source[0])
+    _, mask, cross = translator.encode(source)
+    caches = translator.empty_self_caches(1)
+    with pytest.raises(ValueError, match=r"token_ids must have shape \(batch, 1\)"):
+        translator.decoder_step(np.array([[1, 1]]), mask, cross, caches)
+    with pytest.raises(ValueError, match="source_mask must be a bool"):
+        translator.decoder_step(np.array([[1]]), mask.astype(np.int32), cross, caches)
+    with pytest.raises(ValueError, match="self_cache_0 must be float32"):
+        translator.decoder_step(
+            np.array([[1]]), mask, cross, [c.astype(np.float64) for c in caches]
+        )
+    with pytest.raises(ValueError, match="cross_cache_1 must have shape"):
+        translator.decoder_step(np.array([[1]]), mask, [cross[0], cross[1][..., :2]], caches)
+    with pytest.raises(ValueError, match="Expected 2 self_cache arrays"):
+        translator.decoder_step(np.array([[1]]), mask, cross, caches[:1])
+    with pytest.raises(ValueError, match="beam_size must be a positive integer"):
+        translator.translate(["ka"], beam_size=0)
+    with pytest.raises(TypeError, match="list of strings"):
+        translator.translate("ka ko")
+    with pytest.raises(ValueError, match="longer than the model's max_length"):
+        translator.translate(["ka " * 200])
+
+
+@pytest.mark.parametrize(
+    "damage,match",
+    [
+        ("missing:decoder_step.onnx", "ONNX graph missing: .*decoder_step.onnx"),
+        ("corrupt:encoder.onnx", "Cannot load the ONNX graph .*encoder.onnx"),
+        ("missing:manifest.json", "manifest.json missing"),
+        ("corrupt:manifest.json", "manifest.json is not a valid export manifest"),
+        ("missing:vocab.txt", "Tokenizer file missing: .*vocab.txt"),
+        ("missing:spm.model", "Tokenizer file missing: .*spm.model"),
+        ("corrupt:spm.model", "Cannot read the SentencePiece model .*spm.model"),
+    ],
+)
+def test_damaged_export_folders_name_the_file(exported, tmp_path, damage, match):
+    import shutil
+
+    action, name = damage.split(":")
+    copy = tmp_path / "copy"
+    kind = "mixed_bfloat16" if name == "spm.model" else "float32"
+    shutil.copytree(exported(kind)[3], copy)
+    if action == "missing":
+        (copy / name).unlink()
+    else:
+        (copy / name).write_bytes(b"\x00 not what it should be")
+    with pytest.raises(ExportFileError, match=match):
+        OnnxTranslator(copy)
+    result = subprocess.run(
+        [sys.executable, "-m", "export.translate", str(copy)],
+        input="ka\n",
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode != 0 and "error:" in result.stderr and name in result.stderr
+    assert "Traceback" not in result.stderr
