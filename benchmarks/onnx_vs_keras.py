@@ -68,13 +68,17 @@ def main(argv=None):
     parser.add_argument("--out", help="JSON path")
     args = parser.parse_args(argv)
 
-    from export.onnx import export_onnx
+    from export.onnx import export_onnx, float32_copy
     from export.runtime import OnnxTranslator
     from keras_transformer.model import transformer_parts
     from keras_transformer.translation import load_run, translate_lines
 
     onnx_dir = args.onnx_dir or os.path.join(args.run_dir, "onnx")
     model, tokenizer = load_run(args.run_dir)
+    # The graphs are float32: compare with the same float32 model in Keras
+    # (a run trained in mixed precision is rebuilt, as the export does).
+    trained_precision = model.get_layer("decoder_layer_0").dtype_policy.name
+    model = float32_copy(model)
     if not os.path.isfile(os.path.join(onnx_dir, "manifest.json")):
         print(f"exporting {args.run_dir} to {onnx_dir}", flush=True)
         export_onnx(args.run_dir, onnx_dir)
@@ -169,6 +173,8 @@ def main(argv=None):
         "run_dir": args.run_dir,
         "config": config.to_dict(),
         "provider": translator.provider,
+        "trained_precision": trained_precision,
+        "keras_precision": "float32",
         "settings": vars(args),
         "rows": rows,
     }

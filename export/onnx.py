@@ -1,29 +1,28 @@
 """Export a trained model to ONNX: encoder, cached decoder step and the full model.
 
-Three graphs, converted with tf2onnx from `tf.function`s over the model's own
-layers (TensorFlow backend):
+Three graphs:
 
-- `encoder.onnx`: `source_ids (batch, source_len) int32` ->
-  `source_mask (batch, source_len) bool` and, per decoder layer i,
-  `cross_cache_i (batch, 2, source_len, num_heads, head_dim)`: the
-  cross-attention keys and values, computed once per sentence. Its
-  `encoder_output` is returned too, for parity checks and other uses.
-- `decoder_step.onnx`: `token_ids (batch, 1) int32`, `source_mask`, every
-  `cross_cache_i` and every `self_cache_i (batch, 2, past_len, num_heads,
-  head_dim)` -> `log_probs (batch, vocabulary) float32` and
-  `new_self_cache_i (batch, 2, past_len + 1, ...)`. The step index is the
-  cache length (`past_len`): the first step gets caches of length 0, so one
-  graph serves every step and the two can never disagree.
-- `model.onnx`: `source_ids`, `target_ids` -> teacher-forced `logits`.
+- `encoder.onnx` (tf2onnx, from the model's layers): `source_ids (batch,
+  source_len) int32` -> `encoder_output`, `source_mask (batch, source_len)
+  bool` and, per decoder layer i, `cross_key_i` and `cross_value_i (batch,
+  heads, source_len, head_dim)`: the cross-attention keys and values,
+  computed once per sentence.
+- `decoder_step.onnx` (built node by node, `export.step_graph`):
+  `token_ids (batch, 1) int32`, `source_mask`, the cross keys and values, and
+  `self_key_i`, `self_value_i (batch, heads, past_len, head_dim)` ->
+  `log_probs (batch, vocabulary) float32` and `new_self_key_i`,
+  `new_self_value_i` of length `past_len + 1`. The step index is the cache
+  length: the first step gets caches of length 0, so one graph serves every
+  step and the two can never disagree.
+- `model.onnx` (tf2onnx): `source_ids`, `target_ids` -> teacher-forced `logits`.
 
 Why one step graph rather than ONNX Runtime's split into a first step (that
 also computes the cross-attention keys and values) and later steps: the
 encoder graph already computes them once, so a second decoder graph would only
 duplicate every decoder weight on disk and in memory. Why a growing cache
 (concatenated) rather than a preallocated one: each step attends only to the
-positions produced so far instead of the longest output, ONNX has no
-dynamic-update-slice (tf2onnx cannot convert the XLA op the Keras step uses),
-and ONNX Runtime returns a fresh output buffer per step either way.
+positions produced so far instead of the longest output, and ONNX Runtime
+returns a fresh output buffer per step either way.
 
 A model trained under `mixed_float16`/`mixed_bfloat16` is first rebuilt as a
 float32 copy from its config and weights. `precision="float16"` also writes
@@ -40,6 +39,8 @@ import json
 import os
 import shutil
 import tempfile
+
+from export.step_graph import build_decoder_step
 
 GRAPHS = ("encoder", "decoder_step", "model")
 MANIFEST = "manifest.json"
@@ -67,7 +68,7 @@ def export_onnx(
         out_dir: the folder to create. An existing export there is replaced
             only with `overwrite=True`; any other existing non-empty folder
             is refused.
-        opset: ONNX opset (at least 13).
+        opset: ONNX opset (at least 17).
         precision: "float32", or "float16" to also write float16 graphs.
         tokenizer_path: the tokenizer file to copy when a model object is given.
 
@@ -76,8 +77,10 @@ def export_onnx(
     """
     if precision not in ("float32", "float16"):
         raise ValueError(f'precision must be "float32" or "float16". Received: {precision!r}')
-    if isinstance(opset, bool) or not isinstance(opset, int) or opset < 13:
-        raise ValueError(f"opset must be an integer >= 13. Received: opset={opset!r}")
+    if isinstance(opset, bool) or not isinstance(opset, int) or opset < 17:
+        raise ValueError(
+            f"opset must be an integer >= 17 (for LayerNormalization). Received: opset={opset!r}"
+        )
     out_dir = os.path.abspath(os.fspath(out_dir))
     _check_out_dir(out_dir, overwrite)
 
@@ -182,10 +185,10 @@ def float32_copy(model):
 
 
 def graph_functions(model):
-    """The three exported computations as `(name, tf.function, input_signature, output_names)`.
+    """The converted graphs as `(name, function, input_signature, output_names)`.
 
-    They use the model's layers, so the exported graphs compute exactly what
-    `keras_transformer.decoding` computes (up to the cache layout).
+    They call the model's own layers. The decoder step is built separately
+    (`export.step_graph`).
     """
     import tensorflow as tf
     from keras import ops
@@ -193,48 +196,22 @@ def graph_functions(model):
     from keras_transformer.model import transformer_parts
 
     parts = transformer_parts(model)
-    c = parts.config
-    layers = c.num_layers
-    head_dim = c.hidden_dim // c.num_heads
-    cache_spec = [None, 2, None, c.num_heads, head_dim]
+    layers = parts.config.num_layers
     ids_spec = tf.TensorSpec([None, None], tf.int32)
 
     def encoder(source_ids):
         encoded, mask = parts.encode(source_ids)
-        caches = [
-            layer.cross_attention.compute_key_value_cache(encoded) for layer in parts.decoder_layers
-        ]
+        caches = []
+        for layer in parts.decoder_layers:
+            attention = layer.cross_attention
+            for dense in (attention.key_dense, attention.value_dense):
+                caches.append(ops.transpose(dense(encoded), (0, 2, 1, 3)))  # (B, N, S, H)
         return [encoded, mask, *caches]
-
-    def decoder_step(token_ids, source_mask, *caches):
-        cross_caches, self_caches = caches[:layers], caches[layers:]
-        y = parts.target_embedding(token_ids, start_index=ops.shape(self_caches[0])[2])
-        new_caches = []
-        for layer, self_cache, cross_cache in zip(
-            parts.decoder_layers, self_caches, cross_caches, strict=True
-        ):
-            y, self_cache, _ = layer(
-                y,
-                encoder_padding_mask=source_mask,
-                self_attention_cache=self_cache,
-                append_to_self_attention_cache=True,
-                cross_attention_cache=cross_cache,
-            )
-            new_caches.append(self_cache)
-        log_probs = ops.log_softmax(parts.project(y)[:, 0], axis=-1)
-        return [log_probs, *new_caches]
 
     def full_model(source_ids, target_ids):
         return [model({"source_ids": source_ids, "target_ids": target_ids}, training=False)]
 
-    cross = [f"cross_cache_{i}" for i in range(layers)]
-    self_in = [f"self_cache_{i}" for i in range(layers)]
-    self_out = [f"new_self_cache_{i}" for i in range(layers)]
-    step_signature = [
-        tf.TensorSpec([None, 1], tf.int32, name="token_ids"),
-        tf.TensorSpec([None, None], tf.bool, name="source_mask"),
-        *[tf.TensorSpec(cache_spec, tf.float32, name=n) for n in cross + self_in],
-    ]
+    cross = [f"cross_{kind}_{i}" for i in range(layers) for kind in ("key", "value")]
     return [
         (
             "encoder",
@@ -242,7 +219,6 @@ def graph_functions(model):
             [tf.TensorSpec([None, None], tf.int32, name="source_ids")],
             ["encoder_output", "source_mask", *cross],
         ),
-        ("decoder_step", decoder_step, step_signature, ["log_probs", *self_out]),
         (
             "model",
             full_model,
@@ -262,12 +238,18 @@ def _write_graphs(model, folder, opset, precision):
 
     from keras_transformer.model import transformer_parts
 
-    config = transformer_parts(model).config
-    graphs = {}
+    parts = transformer_parts(model)
+    config = parts.config
+    converted = {}
     for name, fn, signature, output_names in graph_functions(model):
         proto = _convert(tf2onnx, tf.function(fn, autograph=False), signature, opset)
         _rename_outputs(proto, output_names)
         _name_dynamic_axes(proto)
+        converted[name] = proto
+    converted["decoder_step"] = build_decoder_step(parts, opset)
+    graphs = {}
+    for name in GRAPHS:
+        proto = converted[name]
         onnx.checker.check_model(proto, full_check=True)
         path = os.path.join(folder, f"{name}.onnx")
         onnx.save(proto, path)
@@ -288,9 +270,10 @@ def _write_graphs(model, folder, opset, precision):
         "num_layers": config.num_layers,
         "graphs": graphs,
         "decoder_step": (
-            "Feed token_ids (batch, 1), source_mask and cross_cache_i from encoder.onnx, and "
-            "self_cache_i of length t (0 at the first step); the new token is at position t. "
-            "Returns log_probs and new_self_cache_i of length t + 1."
+            "Feed token_ids (batch, 1), source_mask, cross_key_i and cross_value_i from "
+            "encoder.onnx, and self_key_i/self_value_i (batch, heads, t, head_dim), length 0 "
+            "at the first step; the new token is at position t. Returns log_probs and "
+            "new_self_key_i/new_self_value_i of length t + 1."
         ),
         "versions": _versions(),
     }
@@ -344,15 +327,11 @@ def _name_dynamic_axes(proto):
             if axis == 0:
                 dim.dim_param = "batch"
             elif value.name in ("source_ids", "source_mask", "encoder_output") or (
-                value.name.startswith("cross_cache")
+                value.name.startswith("cross_")
             ):
                 dim.dim_param = "source_len"
             elif value.name in ("target_ids", "logits"):
                 dim.dim_param = "target_len"
-            elif value.name.startswith("new_self_cache"):
-                dim.dim_param = "past_len_plus_1"
-            elif value.name.startswith("self_cache"):
-                dim.dim_param = "past_len"
 
 
 def _describe(values):

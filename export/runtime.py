@@ -200,6 +200,7 @@ class OnnxTranslator:
         self._num_threads = num_threads
         self._graph_files = {name: entry[precision] for name, entry in graphs.items()}
         self._sessions = {}
+        self._self_names = self.cache_names("self")
         self.encoder_session = self.session("encoder")
         self.step_session = self.session("decoder_step")
         self.provider = self.step_session.get_providers()[0]
@@ -216,14 +217,23 @@ class OnnxTranslator:
     # ----------------------------------------------------------------------- graphs
 
     def encode(self, source_ids):
-        """Runs `encoder.onnx`: returns `(encoder_output, source_mask, cross_caches)`."""
+        """Runs `encoder.onnx`: returns `(encoder_output, source_mask, cross_caches)`.
+
+        `cross_caches` is `[cross_key_0, cross_value_0, cross_key_1, ...]`,
+        each `(batch, heads, source_len, head_dim)`.
+        """
         source_ids = _check_ids("source_ids", source_ids)
         encoded, mask, *cross = self.encoder_session.run(None, {"source_ids": source_ids})
         return encoded, mask, cross
 
+    def cache_names(self, kind):
+        """`[kind_key_0, kind_value_0, kind_key_1, ...]` for kind "cross" or "self"."""
+        return [f"{kind}_{part}_{i}" for i in range(self.num_layers) for part in ("key", "value")]
+
     def empty_self_caches(self, batch_size):
-        shape = (batch_size, 2, 0, self.num_heads, self.head_dim)
-        return [np.zeros(shape, np.float32) for _ in range(self.num_layers)]
+        """The self-attention keys and values before the first step (length 0)."""
+        shape = (batch_size, self.num_heads, 0, self.head_dim)
+        return [np.zeros(shape, np.float32) for _ in range(2 * self.num_layers)]
 
     def decoder_step(self, token_ids, source_mask, cross_caches, self_caches):
         """Runs `decoder_step.onnx` for one new token per sequence.
@@ -231,9 +241,9 @@ class OnnxTranslator:
         Args:
             token_ids: int `(batch, 1)`, the newest token of each sequence.
             source_mask: bool `(batch, source_len)` from `encode`.
-            cross_caches: the `num_layers` cross caches from `encode`.
-            self_caches: `num_layers` float32 `(batch, 2, t, heads, head_dim)`;
-                `empty_self_caches(batch)` at the first step.
+            cross_caches: the cross keys and values from `encode`.
+            self_caches: `[self_key_0, self_value_0, ...]`, float32 `(batch,
+                heads, t, head_dim)`; `empty_self_caches(batch)` at the first step.
 
         Returns:
             `(log_probs (batch, vocabulary), new_self_caches)` with caches one longer.
@@ -248,24 +258,39 @@ class OnnxTranslator:
                 f"{source_mask.dtype} {source_mask.shape}"
             )
         feeds = {"token_ids": token_ids, "source_mask": source_mask}
-        for kind, caches in (("cross_cache", cross_caches), ("self_cache", self_caches)):
-            if len(caches) != self.num_layers:
+        for kind, caches in (("cross", cross_caches), ("self", self_caches)):
+            names = self.cache_names(kind)
+            if len(caches) != len(names):
                 raise ValueError(
-                    f"Expected {self.num_layers} {kind} arrays, one per layer. Received {len(caches)}"
+                    f"Expected {len(names)} {kind}-attention arrays ({', '.join(names[:2])}, "
+                    f"... one key and one value per layer). Received {len(caches)}"
                 )
-            for i, cache in enumerate(caches):
+            for name, cache in zip(names, caches, strict=True):
                 cache = np.asarray(cache)
-                expected = (len(token_ids), 2, None, self.num_heads, self.head_dim)
-                if cache.ndim != 5 or any(
-                    e is not None and e != d for e, d in zip(expected, cache.shape, strict=True)
+                batch, length = len(token_ids), kind == "cross" and source_mask.shape[1]
+                expected = (batch, self.num_heads, length or None, self.head_dim)
+                if cache.ndim != 4 or any(
+                    e is not None and e != got for e, got in zip(expected, cache.shape, strict=True)
                 ):
                     raise ValueError(
-                        f"{kind}_{i} must have shape (batch={len(token_ids)}, 2, length, "
-                        f"{self.num_heads}, {self.head_dim}). Received {cache.shape}"
+                        f"{name} must have shape (batch={batch}, heads={self.num_heads}, "
+                        f"length, head_dim={self.head_dim}). Received {cache.shape}"
                     )
                 if cache.dtype != np.float32:
-                    raise ValueError(f"{kind}_{i} must be float32. Received dtype {cache.dtype}")
-                feeds[f"{kind}_{i}"] = cache
+                    raise ValueError(f"{name} must be float32. Received dtype {cache.dtype}")
+                feeds[name] = cache
+        log_probs, *new_caches = self.step_session.run(None, feeds)
+        return log_probs, new_caches
+
+    def _search_feeds(self, mask, cross_caches):
+        feeds = {"source_mask": mask}
+        feeds.update(zip(self.cache_names("cross"), cross_caches, strict=True))
+        return feeds
+
+    def _run_step(self, token_ids, feeds, self_caches):
+        """`decoder_step` without the input checks, for the search loops."""
+        feeds["token_ids"] = token_ids
+        feeds.update(zip(self._self_names, self_caches, strict=True))
         log_probs, *new_caches = self.step_session.run(None, feeds)
         return log_probs, new_caches
 
@@ -289,12 +314,30 @@ class OnnxTranslator:
         if (limits == 0).all():
             return greedy_loop(None, limits)
         _, mask, cross = self.encode(source)
-        state = {"caches": self.empty_self_caches(len(source))}
+        state = {
+            "rows": np.arange(len(source)),  # the sentences still decoded, in cache order
+            "feeds": self._search_feeds(mask, cross),
+            "caches": self.empty_self_caches(len(source)),
+        }
+        log_probs = np.zeros((len(source), self.vocabulary_size), np.float32)
 
         def step(inputs, t):
-            log_probs, state["caches"] = self.decoder_step(
-                inputs[:, -1:], mask, cross, state["caches"]
+            # A finished sentence is fed EOS; drop it from the batch the graph sees.
+            live = np.flatnonzero(inputs[:, -1] != EOS_ID) if t else state["rows"]
+            if len(live) < len(state["rows"]):
+                keep = np.searchsorted(state["rows"], live)
+                state["rows"] = live
+                state["feeds"] = {
+                    k: v[keep]
+                    for k, v in state["feeds"].items()
+                    if k == "source_mask" or k.startswith("cross_")
+                }
+                state["caches"] = [cache[keep] for cache in state["caches"]]
+            rows = state["rows"]
+            out, state["caches"] = self._run_step(
+                np.ascontiguousarray(inputs[rows, -1:]), state["feeds"], state["caches"]
             )
+            log_probs[rows] = out
             return log_probs
 
         return greedy_loop(step, limits)
@@ -306,11 +349,12 @@ class OnnxTranslator:
         if (limits == 0).all():
             return beam_loop(None, None, limits, beam_size, length_penalty)
         _, mask, cross = self.encode(np.repeat(source, beam_size, axis=0))
+        feeds = self._search_feeds(mask, cross)
         state = {"caches": self.empty_self_caches(len(mask))}
 
         def step(last, t):
-            log_probs, state["caches"] = self.decoder_step(
-                last[:, None], mask, cross, state["caches"]
+            log_probs, state["caches"] = self._run_step(
+                last[:, None].copy(), feeds, state["caches"]
             )
             return log_probs
 

@@ -126,24 +126,30 @@ def greedy_loop(step, limits, ignore_eos=False):
     """
     limits = np.asarray(limits)
     batch = len(limits)
-    outputs = [[] for _ in range(batch)]
+    steps = int(limits.max(initial=0))
+    rows = np.arange(batch)
+    tokens = np.zeros((batch, steps), np.int32)
+    lengths = np.zeros(batch, np.int64)
     scores = np.zeros(batch, np.float64)
     done = limits == 0
     inputs = np.full((batch, 1), BOS_ID, np.int32)
-    for t in range(int(limits.max(initial=0))):
+    banned = banned_ids(ignore_eos)
+    for t in range(steps):
         if done.all():
             break
-        log_probs = np.asarray(step(inputs, t), np.float64)
-        next_ids = forbid_specials(log_probs, ignore_eos).argmax(-1).astype(np.int32)
-        for i in np.flatnonzero(~done):
-            scores[i] += log_probs[i, next_ids[i]]
-            if next_ids[i] == EOS_ID:
-                done[i] = True
-            else:
-                outputs[i].append(int(next_ids[i]))
-                done[i] = t + 1 >= limits[i]
+        log_probs = np.asarray(step(inputs, t))
+        masked = log_probs.copy()
+        masked[:, banned] = -np.inf
+        next_ids = masked.argmax(-1).astype(np.int32)
+        live = ~done
+        scores[live] += log_probs[rows, next_ids][live].astype(np.float64)
+        ended = next_ids == EOS_ID
+        grows = live & ~ended
+        tokens[grows, t] = next_ids[grows]
+        lengths[grows] += 1
+        done = done | ended | (t + 1 >= limits)
         inputs = np.concatenate([inputs, np.where(done, EOS_ID, next_ids)[:, None]], axis=1)
-    return outputs, scores
+    return [tokens[i, : lengths[i]].tolist() for i in range(batch)], scores
 
 
 def beam_loop(step, reorder, limits, beam_size, length_penalty=0.6, ignore_eos=False):

@@ -92,13 +92,13 @@ def test_export_folder_is_complete_and_valid(exported):
     assert manifest["opset"] == 17 and manifest["precisions"] == ["float32", "float16"]
     step = manifest["graphs"]["decoder_step"]
     head = config.hidden_dim // config.num_heads
-    assert step["inputs"]["self_cache_0"]["shape"] == [
-        "batch",
-        2,
-        "past_len",
-        config.num_heads,
-        head,
-    ]
+    assert step["inputs"]["self_key_0"]["shape"] == ["batch", config.num_heads, "past_len", head]
+    assert step["outputs"]["new_self_value_1"]["shape"] == [
+        "batch", config.num_heads, "past_len_plus_1", head,
+    ]  # fmt: skip
+    assert manifest["graphs"]["encoder"]["outputs"]["cross_key_0"]["shape"] == [
+        "batch", config.num_heads, "source_len", head,
+    ]  # fmt: skip
     assert step["outputs"]["log_probs"] == {
         "dtype": "float32",
         "shape": ["batch", config.vocabulary_size],
@@ -165,9 +165,16 @@ def test_encoder_teacher_forced_and_step_outputs_match_keras(kind, exported):
     keras_encoded, keras_mask = parts.encode(source)
     np.testing.assert_allclose(encoded, keras.ops.convert_to_numpy(keras_encoded), atol=1e-4)
     np.testing.assert_array_equal(mask, keras.ops.convert_to_numpy(keras_mask))
-    for layer, cache in zip(parts.decoder_layers, cross, strict=True):
-        expected = layer.cross_attention.compute_key_value_cache(keras_encoded)
-        np.testing.assert_allclose(cache, keras.ops.convert_to_numpy(expected), atol=1e-4)
+    expected = []
+    for layer in parts.decoder_layers:
+        for dense in (layer.cross_attention.key_dense, layer.cross_attention.value_dense):
+            # (batch, source_len, heads, head_dim) in Keras; heads first in the export.
+            expected.append(
+                np.transpose(keras.ops.convert_to_numpy(dense(keras_encoded)), (0, 2, 1, 3))
+            )
+    assert len(cross) == len(expected) == 2 * len(parts.decoder_layers)
+    for cache, keras_cache in zip(cross, expected, strict=True):
+        np.testing.assert_allclose(cache, keras_cache, atol=1e-4)
 
     logits = keras.ops.convert_to_numpy(model({"source_ids": source, "target_ids": target}))
     np.testing.assert_allclose(translator.logits(source, target), logits, atol=1e-4)
@@ -179,7 +186,7 @@ def test_encoder_teacher_forced_and_step_outputs_match_keras(kind, exported):
     real = target != 0
     for t in range(target.shape[1]):
         step_log_probs, caches = translator.decoder_step(target[:, t : t + 1], mask, cross, caches)
-        assert caches[0].shape[2] == t + 1
+        assert all(cache.shape[2] == t + 1 for cache in caches)
         np.testing.assert_allclose(step_log_probs[real[:, t]], log_probs[real[:, t], t], atol=1e-4)
 
 
@@ -280,14 +287,18 @@ def test_bad_runtime_inputs_raise_clear_errors(exported):
         translator.decoder_step(np.array([[1, 1]]), mask, cross, caches)
     with pytest.raises(ValueError, match="source_mask must be a bool"):
         translator.decoder_step(np.array([[1]]), mask.astype(np.int32), cross, caches)
-    with pytest.raises(ValueError, match="self_cache_0 must be float32"):
+    with pytest.raises(ValueError, match="self_key_0 must be float32"):
         translator.decoder_step(
             np.array([[1]]), mask, cross, [c.astype(np.float64) for c in caches]
         )
-    with pytest.raises(ValueError, match="cross_cache_1 must have shape"):
-        translator.decoder_step(np.array([[1]]), mask, [cross[0], cross[1][..., :2]], caches)
-    with pytest.raises(ValueError, match="Expected 2 self_cache arrays"):
+    with pytest.raises(ValueError, match="cross_value_0 must have shape"):
+        translator.decoder_step(
+            np.array([[1]]), mask, [cross[0], cross[1][..., :2], *cross[2:]], caches
+        )
+    with pytest.raises(ValueError, match="Expected 4 self-attention arrays"):
         translator.decoder_step(np.array([[1]]), mask, cross, caches[:1])
+    log_probs, grown = translator.decoder_step(np.array([[1]]), mask, cross, caches)
+    assert log_probs.shape == (1, translator.vocabulary_size) and grown[0].shape[2] == 1
     with pytest.raises(ValueError, match="beam_size must be a positive integer"):
         translator.translate(["ka"], beam_size=0)
     with pytest.raises(TypeError, match="list of strings"):

@@ -38,9 +38,6 @@ class DecoderLayer(ResidualBlockMixin, keras.layers.Layer):
         self_attention_cache_update_index: int or scalar tensor, the absolute
             position of the first token of `decoder_sequence`.
         cross_attention_cache: `(batch_size, 2, source_len, num_heads, head_dim)`.
-        append_to_self_attention_cache: bool. The self-attention cache holds
-            the keys and values of the positions before `decoder_sequence` and
-            comes back with this call's appended (no update index then).
         training: bool. Whether dropout is active.
         return_attention_scores: bool. Also return the cross-attention weights
             `(batch_size, num_heads, target_len, source_len)`.
@@ -124,21 +121,15 @@ class DecoderLayer(ResidualBlockMixin, keras.layers.Layer):
         self_attention_cache=None,
         self_attention_cache_update_index=None,
         cross_attention_cache=None,
-        append_to_self_attention_cache=False,
         training=None,
         return_attention_scores=False,
     ):
         use_cache = self_attention_cache is not None
         if encoder_sequence is None and cross_attention_cache is None:
             raise ValueError("DecoderLayer needs `encoder_sequence` or `cross_attention_cache`.")
-        if (
-            use_cache
-            and self_attention_cache_update_index is None
-            and not append_to_self_attention_cache
-        ):
+        if use_cache and self_attention_cache_update_index is None:
             raise ValueError(
-                "`self_attention_cache_update_index` (or `append_to_self_attention_cache=True`) "
-                "is required with `self_attention_cache`."
+                "`self_attention_cache_update_index` is required with `self_attention_cache`."
             )
         state = {}
 
@@ -149,7 +140,6 @@ class DecoderLayer(ResidualBlockMixin, keras.layers.Layer):
                 use_causal_mask=True,
                 cache=self_attention_cache,
                 cache_update_index=self_attention_cache_update_index,
-                append_to_cache=append_to_self_attention_cache,
                 training=training,
             )
             if use_cache:

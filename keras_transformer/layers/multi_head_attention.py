@@ -49,10 +49,6 @@ class MultiHeadAttention(keras.layers.Layer):
             this call are written into `cache`. With `cache` given and
             `cache_update_index=None`, the cache is read as is (precomputed
             cross-attention keys and values).
-        append_to_cache: bool. Concatenate this call's keys and values after
-            `cache` (which comes back `query_len` longer) instead of writing
-            them at `cache_update_index`; the queries are then at positions
-            `cache_len ..`. The ONNX decoder step uses this growing cache.
         training: bool. Whether dropout is active.
         return_attention_scores: bool. Also return the attention weights
             `(batch_size, num_heads, query_len, key_len)`.
@@ -148,7 +144,6 @@ class MultiHeadAttention(keras.layers.Layer):
         use_causal_mask=False,
         cache=None,
         cache_update_index=None,
-        append_to_cache=False,
         training=None,
         return_attention_scores=False,
     ):
@@ -157,13 +152,7 @@ class MultiHeadAttention(keras.layers.Layer):
         # Scale the queries, not the scores: smaller numbers in float16.
         q = self.query_dense(query) * ops.cast(1.0 / math.sqrt(self.head_dim), self.compute_dtype)
         query_offset = 0
-        if append_to_cache:
-            if cache is None or cache_update_index is not None:
-                raise ValueError("append_to_cache needs a `cache` and no `cache_update_index`.")
-            query_offset = ops.shape(cache)[2]
-            cache = ops.concatenate([cache, self.compute_key_value_cache(value, key)], axis=2)
-            k, v = cache[:, 0], cache[:, 1]
-        elif cache is not None:
+        if cache is not None:
             if cache_update_index is None:  # read-only (cross-attention)
                 k, v = cache[:, 0], cache[:, 1]
             else:
