@@ -2,7 +2,7 @@
 
 One new token per sequence in, log-probabilities and the grown self-attention
 caches out. Written directly with `onnx.helper` rather than converted from a
-TensorFlow function: the converted step had 362 nodes after ONNX Runtime's
+TensorFlow function: the converted step had several hundred nodes after ONNX Runtime's
 optimizations, mostly the shape arithmetic of the einsum projections and
 decomposed layer norms, and per-node overhead dominated a batch-1 step. This
 one has about 30 nodes per layer: fused projections (`Gemm`), ONNX
