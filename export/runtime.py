@@ -17,7 +17,6 @@ import os
 
 import numpy as np
 
-from export.progress import Progress
 from export.search import (
     EOS_ID,
     beam_loop,
@@ -25,6 +24,7 @@ from export.search import (
     greedy_loop,
     output_limits,
     source_array,
+    translate_texts,
 )
 
 MANIFEST = "manifest.json"
@@ -390,29 +390,18 @@ class OnnxTranslator:
         for i, text in enumerate(sentences):
             if not isinstance(text, str):
                 raise TypeError(f"Sentence {i} is a {type(text).__name__}, not a string.")
-        sources = []
-        for text in sentences:
-            ids = self.tokenizer.encode(text) if text.strip() else []
-            sources.append(ids + [EOS_ID] if ids else [])
-        too_long = [i for i, s in enumerate(sources) if len(s) > self.max_length]
-        if too_long:
-            i = too_long[0]
-            raise ValueError(
-                f"{len(too_long)} input sentence(s) are longer than the model's max_length="
-                f"{self.max_length} tokens; the first is line {i + 1} ({len(sources[i])} "
-                "tokens). Split long sentences before translating."
-            )
-        order = np.argsort([len(s) for s in sources], kind="stable")
-        outputs = [""] * len(sentences)
-        bar = Progress(len(sentences), progress)
-        for start in range(0, len(order), batch_size):
-            chunk = order[start : start + batch_size]
-            batch = [sources[i] for i in chunk]
+
+        def search(batch):
             if beam_size == 1:
-                tokens, _ = self.greedy_search(batch, max_length=max_length)
-            else:
-                tokens, _ = self.beam_search(batch, beam_size=beam_size, max_length=max_length)
-            for i, ids in zip(chunk, tokens, strict=True):
-                outputs[i] = self.tokenizer.decode(ids)
-            bar.update(len(chunk))
-        return outputs
+                return self.greedy_search(batch, max_length=max_length)[0]
+            return self.beam_search(batch, beam_size=beam_size, max_length=max_length)[0]
+
+        return translate_texts(
+            sentences,
+            self.tokenizer.encode,
+            self.tokenizer.decode,
+            search,
+            self.max_length,
+            batch_size=batch_size,
+            progress=progress,
+        )

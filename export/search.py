@@ -18,6 +18,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from export.progress import Progress
+
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 EXTRA_OUTPUT_TOKENS = 50  # default maximum output length = source length + 50
 
@@ -250,3 +252,36 @@ def beam_loop(step, reorder, limits, beam_size, length_penalty=0.6, ignore_eos=F
             break
         reorder((np.arange(batch * k) // k * k + origin).astype(np.int32))
     return best_tokens, best_scores
+
+
+def translate_texts(texts, encode, decode, search, model_max_length, batch_size=32, progress=False):
+    """Translates strings in order with a batched `search(sources) -> token lists`.
+
+    Each text becomes `encode(text) + [EOS]` (an empty or whitespace-only text
+    stays empty and translates to ""); texts are sorted by length into
+    batches, so padding stays small, and the outputs are put back in input
+    order. A text longer than `model_max_length` tokens raises a `ValueError`
+    naming the first such line before anything is translated.
+    """
+    sources = []
+    for text in texts:
+        ids = encode(text) if text.strip() else []
+        sources.append(ids + [EOS_ID] if ids else [])
+    too_long = [i for i, s in enumerate(sources) if len(s) > model_max_length]
+    if too_long:
+        i = too_long[0]
+        raise ValueError(
+            f"{len(too_long)} input line(s) are longer than the model's max_length="
+            f"{model_max_length} tokens; the first is line {i + 1} ({len(sources[i])} tokens). "
+            "Split long sentences before translating."
+        )
+    order = np.argsort([len(s) for s in sources], kind="stable")
+    outputs = [""] * len(sources)
+    bar = Progress(len(sources), progress)
+    for start in range(0, len(order), batch_size):
+        chunk = order[start : start + batch_size]
+        tokens = search([sources[i] for i in chunk])
+        for i, ids in zip(chunk, tokens, strict=True):
+            outputs[i] = decode(ids)
+        bar.update(len(chunk))
+    return outputs

@@ -5,9 +5,8 @@ from __future__ import annotations
 import os
 
 import keras
-import numpy as np
 
-from export.progress import Progress
+from export.search import translate_texts
 from keras_transformer.decoding import beam_search, greedy_search
 from keras_transformer.model import transformer_parts
 
@@ -57,28 +56,13 @@ def translate_lines(
     Sentences are sorted by length into batches, so padding stays small, and
     the outputs are put back in input order. Empty lines give empty lines.
     """
-    encoded = [tokenizer.encode(line) if line.strip() else [] for line in lines]
-    sources = [ids + [tokenizer.eos_id] if ids else [] for ids in encoded]
     limit = transformer_parts(model).config.max_length
-    too_long = [i for i, s in enumerate(sources) if len(s) > limit]
-    if too_long:
-        i = too_long[0]
-        raise ValueError(
-            f"{len(too_long)} input line(s) are longer than the model's max_length={limit} "
-            f"tokens; the first is line {i + 1} ({len(sources[i])} tokens). Split long "
-            "sentences before translating."
-        )
-    order = np.argsort([len(s) for s in sources], kind="stable")
-    outputs = [""] * len(lines)
-    bar = Progress(len(lines), progress)
-    for start in range(0, len(order), batch_size):
-        chunk = order[start : start + batch_size]
-        batch = [sources[i] for i in chunk]
+
+    def search(batch):
         if beam_size is None or beam_size == 1:
-            tokens, _ = greedy_search(model, batch, max_length=max_length)
-        else:
-            tokens, _ = beam_search(model, batch, beam_size=beam_size, max_length=max_length)
-        for i, ids in zip(chunk, tokens, strict=True):
-            outputs[i] = tokenizer.decode(ids)
-        bar.update(len(chunk))
-    return outputs
+            return greedy_search(model, batch, max_length=max_length)[0]
+        return beam_search(model, batch, beam_size=beam_size, max_length=max_length)[0]
+
+    return translate_texts(
+        lines, tokenizer.encode, tokenizer.decode, search, limit, batch_size, progress
+    )
