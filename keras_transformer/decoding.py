@@ -206,11 +206,8 @@ def greedy_search(model, source_ids, max_length=None, use_cache=True, ignore_eos
     source, lengths = _as_source_array(source_ids, cap)
     limits = output_limits(lengths, max_length, cap)
     batch = len(source)
-    outputs = [[] for _ in range(batch)]
-    scores = np.zeros(batch, np.float64)
-    done = limits == 0
-    if done.all():
-        return outputs, scores
+    if (limits == 0).all():  # only empty sources
+        return greedy_loop(None, limits)
 
     encoded, source_mask, cross_caches = decoder._encode(ops.convert_to_tensor(source))
     steps = int(limits.max())
@@ -225,9 +222,10 @@ def greedy_search(model, source_ids, max_length=None, use_cache=True, ignore_eos
             ops.convert_to_tensor(banned),
         )
         ids = _to_numpy(ids)
+        outputs = []
         for i in range(batch):
             row = [int(x) for x in ids[i, : limits[i]]]
-            outputs[i] = row[: row.index(EOS_ID)] if EOS_ID in row else row
+            outputs.append(row[: row.index(EOS_ID)] if EOS_ID in row else row)
         return outputs, _to_numpy(sums).astype(np.float64)
 
     def full_step(inputs, t):
