@@ -12,10 +12,12 @@ TensorFlow backend only.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
 import tempfile
+import types
 
 STRATEGIES = ("default", "mirrored", "multi-worker")
 
@@ -30,8 +32,20 @@ def _require_tensorflow_backend():
         )
 
 
+_TF_CONFIG_EXAMPLE = (
+    '{"cluster": {"worker": ["host1:12345", "host2:12345"]}, '
+    '"task": {"type": "worker", "index": 0}}'
+)
+
+
 def cluster_spec() -> dict | None:
-    """The parsed `TF_CONFIG`, or None when it is unset. Malformed JSON raises a clear error."""
+    """The parsed and checked `TF_CONFIG`, or None when it is unset.
+
+    Raises:
+        ValueError: naming what is wrong, when `TF_CONFIG` is not JSON, lacks
+            `cluster` or `task`, lists a job that is not a list of `"host:port"`
+            addresses, or names a task that is not in the cluster.
+    """
     raw = os.environ.get("TF_CONFIG")
     if not raw:
         return None
@@ -40,9 +54,33 @@ def cluster_spec() -> dict | None:
     except json.JSONDecodeError as error:
         raise ValueError(f"TF_CONFIG is not valid JSON: {error}") from error
     if not isinstance(spec, dict) or "cluster" not in spec or "task" not in spec:
+        raise ValueError(f'TF_CONFIG must hold "cluster" and "task", e.g. {_TF_CONFIG_EXAMPLE}.')
+    cluster, task = spec["cluster"], spec["task"]
+    if not isinstance(cluster, dict) or not cluster:
         raise ValueError(
-            'TF_CONFIG must hold "cluster" and "task", e.g. {"cluster": {"worker": '
-            '["host1:12345", "host2:12345"]}, "task": {"type": "worker", "index": 0}}.'
+            'TF_CONFIG\'s "cluster" must map job names to address lists, e.g. '
+            f'{{"worker": ["host1:12345", "host2:12345"]}}. Received: {cluster!r}'
+        )
+    for job, addresses in cluster.items():
+        if (
+            not isinstance(addresses, list)
+            or not addresses
+            or not all(isinstance(a, str) and a.rpartition(":")[2].isdigit() for a in addresses)
+        ):
+            raise ValueError(
+                f'TF_CONFIG\'s cluster job "{job}" must be a list of "host:port" addresses. '
+                f"Received: {addresses!r}"
+            )
+    if not isinstance(task, dict) or task.get("type") not in cluster:
+        raise ValueError(
+            'TF_CONFIG\'s "task" must name a job of the cluster '
+            f'({", ".join(cluster)}), e.g. {{"type": "worker", "index": 0}}. Received: {task!r}'
+        )
+    index, addresses = task.get("index", 0), cluster[task["type"]]
+    if not isinstance(index, int) or not 0 <= index < len(addresses):
+        raise ValueError(
+            f"TF_CONFIG's task index must be between 0 and {len(addresses) - 1} (the cluster "
+            f'lists {len(addresses)} "{task["type"]}" addresses). Received: index={index!r}'
         )
     return spec
 
@@ -107,3 +145,89 @@ def working_directory(out_dir: str) -> str:
     )
     os.makedirs(path, exist_ok=True)
     return path
+
+
+def is_multi_worker(strategy) -> bool:
+    """True for a `MultiWorkerMirroredStrategy` whose cluster has more than one task."""
+    import tensorflow as tf
+
+    return (
+        isinstance(strategy, tf.distribute.MultiWorkerMirroredStrategy)
+        and strategy.extended._in_multi_worker_mode()
+    )
+
+
+# ------------------------------------------------ Keras 3 fit under MultiWorkerMirroredStrategy
+#
+# Keras 3 (checked on 3.15) `Model.fit` on the TensorFlow backend fails under a
+# multi-worker MultiWorkerMirroredStrategy in two places
+# (keras-team/keras#20585, #20329), both in keras/src/backend/tensorflow/trainer.py:
+#
+# 1. `TensorFlowTrainer._maybe_symbolic_build` takes the first distributed batch
+#    and `strategy.reduce("MEAN", batch)`s it across workers only to learn its
+#    shapes: a collective over integer token ids whose shapes differ between
+#    workers (each holds its own share of a token-budget batch).
+# 2. `reduce_per_replica(..., reduction="auto")` turns the step's scalar logs
+#    into `strategy.reduce("MEAN", value, axis=0)`: `axis` there means an axis
+#    *inside* each value, which a scalar does not have. The single-machine path
+#    of the same function averages over replicas (`tf.reduce_mean` of the local
+#    results, axis 0 being the replica axis); the multi-worker equivalent is
+#    `strategy.reduce("MEAN", value, axis=None)`.
+#
+# `enable_multi_worker_fit` fixes both, for multi-worker strategies only: the
+# symbolic build reads shapes from the dataset's `element_spec` instead of a
+# reduced batch, and the logs are averaged over replicas with `axis=None`. The
+# gradients, the optimizer step and the loss are Keras' and TensorFlow's own.
+
+
+def _symbolic_build_from_specs(model, iterator=None, data_batch=None):
+    """`_maybe_symbolic_build` that needs no collective: shapes come from the dataset's specs."""
+    if data_batch is None and iterator is not None:
+        data_batch = iterator.data_adapter.get_tf_dataset().element_spec
+    with model.distribute_strategy.scope():
+        model._symbolic_build(data_batch=data_batch)
+
+
+def _reduce_per_replica_multi_worker(original, values, strategy, reduction):
+    if reduction in ("auto", "mean") and is_multi_worker(strategy):
+        from keras import tree
+
+        return tree.map_structure(lambda v: strategy.reduce("MEAN", v, axis=None), values)
+    return original(values, strategy, reduction)
+
+
+def enable_multi_worker_fit(model, strategy):
+    """Lets `model.fit` and `model.evaluate` run under a multi-worker `strategy` (Keras 3).
+
+    A no-op for any other strategy. See the comment above for the two Keras
+    bugs this works around; remove it when Keras fixes them.
+
+    Args:
+        model: a compiled `keras.Model` built under `strategy.scope()`.
+        strategy: the `tf.distribute.Strategy` the model was built under.
+
+    Returns:
+        `model`.
+    """
+    if strategy is None or not is_multi_worker(strategy):
+        return model
+    from keras.src.backend.tensorflow import trainer
+
+    if not (
+        hasattr(trainer, "reduce_per_replica")
+        and hasattr(trainer.TensorFlowTrainer, "_maybe_symbolic_build")
+        and hasattr(trainer.TensorFlowTrainer, "_symbolic_build")
+    ):
+        raise RuntimeError(
+            "This Keras version changed the trainer internals that "
+            "keras_transformer.distribute.enable_multi_worker_fit patches; check whether "
+            "keras-team/keras#20585 is fixed and update the workaround."
+        )
+    if not getattr(trainer.reduce_per_replica, "_keras_transformer_patch", False):
+        patched = functools.partial(_reduce_per_replica_multi_worker, trainer.reduce_per_replica)
+        patched._keras_transformer_patch = True
+        # Looked up at trace time by `TensorFlowTrainer._make_function`; the
+        # patched function behaves as before for every other strategy.
+        trainer.reduce_per_replica = patched
+    model._maybe_symbolic_build = types.MethodType(_symbolic_build_from_specs, model)
+    return model

@@ -56,16 +56,6 @@ RESUMABLE_FIELDS = (
 KEEP_CHECKPOINTS = 5
 
 
-# Keras 3 (3.15 here) `fit` fails under MultiWorkerMirroredStrategy on the
-# TensorFlow backend: it reduces nested distributed batches and scalar logs with
-# collective ops that cannot take them (keras-team/keras#20585, #20329).
-MULTI_WORKER_UNSUPPORTED = (
-    "--strategy multi-worker is not available: Keras 3's model.fit does not run under "
-    "tf.distribute.MultiWorkerMirroredStrategy (keras-team/keras#20585). Use --strategy "
-    "mirrored for the devices of one machine."
-)
-
-
 class RunDirectoryError(ValueError):
     """The run directory belongs to another configuration or is not a run directory."""
 
@@ -292,7 +282,9 @@ def build_and_compile(
             metrics=[MaskedAccuracy()],
             jit_compile=jit_compile,
         )
-    return model
+    from keras_transformer.distribute import enable_multi_worker_fit
+
+    return enable_multi_worker_fit(model, strategy)
 
 
 def train(settings: TrainSettings, out_dir: str, verbose: int = 1, strategy=None) -> dict:
@@ -305,8 +297,6 @@ def train(settings: TrainSettings, out_dir: str, verbose: int = 1, strategy=None
     """
     from keras_transformer.distribute import is_chief, make_strategy, working_directory
 
-    if settings.strategy == "multi-worker" and strategy is None:
-        raise NotImplementedError(MULTI_WORKER_UNSUPPORTED)
     if strategy is None and (
         settings.strategy != "default" or keras.backend.backend() == "tensorflow"
     ):

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -162,17 +163,29 @@ def test_global_token_mean_inside_a_replica_step(mirrored_strategy):
     assert sum(values) == pytest.approx(float(loss(labels, logits)), rel=1e-5)
 
 
-def test_train_refuses_multi_worker_with_a_clear_message(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize(
+    "tf_config, message",
+    [
+        ('{"cluster": {}}', 'must hold "cluster" and "task"'),
+        ('{"cluster": {"worker": "127.0.0.1:1"}, "task": {"type": "worker", "index": 0}}',
+         'job "worker" must be a list of "host:port" addresses'),
+        ('{"cluster": {"worker": ["127.0.0.1"]}, "task": {"type": "worker", "index": 0}}',
+         'job "worker" must be a list of "host:port" addresses'),
+        ('{"cluster": {"worker": ["127.0.0.1:1"]}, "task": {"type": "chief", "index": 0}}',
+         '"task" must name a job of the cluster'),
+        ('{"cluster": {"worker": ["127.0.0.1:1", "127.0.0.1:2"]}, "task": {"type": "worker", "index": 2}}',
+         "task index must be between 0 and 1"),
+    ],
+)  # fmt: skip
+def test_train_rejects_a_bad_tf_config_before_writing(tf_config, message, tmp_path, monkeypatch):
     from keras_transformer import cli
 
     for name in ("s", "t"):
         (tmp_path / name).write_text("a b\n")
-    monkeypatch.setenv("TF_CONFIG", json.dumps(
-        {"cluster": {"worker": ["127.0.0.1:1"]}, "task": {"type": "worker", "index": 0}}
-    ))  # fmt: skip
+    monkeypatch.setenv("TF_CONFIG", tf_config)
     files = ["--src-train", "s", "--tgt-train", "t", "--src-valid", "s", "--tgt-valid", "t"]
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(SystemExit, match="keras-team/keras#20585"):
+    with pytest.raises(SystemExit, match=re.escape(message)):
         cli.main(["train", *files, "--out", "run", "--strategy", "multi-worker"])
     assert not (tmp_path / "run").exists()
 
@@ -219,11 +232,6 @@ def test_chief_and_working_directories(monkeypatch, tmp_path):
 
 
 # ----------------------------------------------------------------- two worker processes
-
-multi_worker_fit_unavailable = pytest.mark.skip(
-    reason="keras.Model.fit does not run under MultiWorkerMirroredStrategy in "
-    "Keras 3 (keras-team/keras#20585); train refuses --strategy multi-worker"
-)
 
 
 def _free_ports(count):
@@ -309,7 +317,6 @@ def _worker_dir(out, index):
 
 
 @pytest.mark.slow
-@multi_worker_fit_unavailable
 def test_two_worker_processes_end_with_identical_weights(toy_files, tmp_path):
     out = tmp_path / "run"
     codes = _wait(_start_workers(toy_files, out, 2, _free_ports(2)), timeout=480)
@@ -335,7 +342,6 @@ def test_two_worker_processes_end_with_identical_weights(toy_files, tmp_path):
 
 
 @pytest.mark.slow
-@multi_worker_fit_unavailable
 def test_killed_worker_job_resumes_from_the_last_backup(toy_files, tmp_path):
     out = tmp_path / "run"
     processes = _start_workers(toy_files, out, 3, _free_ports(2))
