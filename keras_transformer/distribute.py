@@ -19,6 +19,9 @@ import os
 import tempfile
 import types
 
+import keras
+import numpy as np
+
 STRATEGIES = ("default", "mirrored", "multi-worker")
 
 
@@ -231,3 +234,104 @@ def enable_multi_worker_fit(model, strategy):
         trainer.reduce_per_replica = patched
     model._maybe_symbolic_build = types.MethodType(_symbolic_build_from_specs, model)
     return model
+
+
+# ------------------------------------------------------------ agreement between workers
+
+
+def _sum_over_workers(strategy, values, chief_only=False):
+    """The sum over workers of each of `values` (numpy arrays), on every worker.
+
+    Each worker contributes once (through its first device); with
+    `chief_only`, only the chief does (replica 0 is the chief's first device),
+    which broadcasts the chief's values exactly, since x + 0 == x.
+    """
+    import tensorflow as tf
+
+    local_replicas = len(strategy.extended.worker_devices)
+
+    @tf.function
+    def reduce(tensors):
+        def replica_fn(tensors):
+            context = tf.distribute.get_replica_context()
+            replica = context.replica_id_in_sync_group
+            contributes = tf.equal(replica if chief_only else replica % local_replicas, 0)
+            tensors = [tf.where(contributes, t, tf.zeros_like(t)) for t in tensors]
+            # One batched all-reduce per dtype: a batch must share its dtype.
+            reduced = list(tensors)
+            for dtype in sorted({t.dtype for t in tensors}, key=lambda d: d.name):
+                indices = [i for i, t in enumerate(tensors) if t.dtype == dtype]
+                for i, t in zip(
+                    indices, context.all_reduce("SUM", [tensors[i] for i in indices]), strict=True
+                ):
+                    reduced[i] = t
+            return reduced
+
+        return strategy.experimental_local_results(strategy.run(replica_fn, args=(tensors,)))[0]
+
+    return [np.asarray(t) for t in reduce([tf.constant(v) for v in values])]
+
+
+def chief_value(strategy, value: int) -> int:
+    """The chief's `value` on every worker (a collective: every worker must call it).
+
+    For decisions that must be the same everywhere, such as when to stop
+    training on a time budget that each worker measures with its own clock.
+    `value` itself outside multi-worker runs.
+    """
+    if strategy is None or not is_multi_worker(strategy):
+        return value
+    return int(_sum_over_workers(strategy, [np.int64(value)], chief_only=True)[0])
+
+
+def check_workers_agree(strategy, **values: int) -> None:
+    """Raises on every worker when some worker's `values` differ from the chief's.
+
+    Every worker builds its own SentencePiece model and batches from its own
+    copy of the files; different files or tokenizers would train silently on
+    mismatched batches. No-op outside multi-worker runs.
+
+    Raises:
+        ValueError: naming the values that differ.
+    """
+    if strategy is None or not is_multi_worker(strategy):
+        return
+    local = np.asarray(list(values.values()), np.int64)
+    (chief,) = _sum_over_workers(strategy, [local], chief_only=True)
+    # Every worker must raise, or the others would wait for it in the next collective.
+    (differs,) = _sum_over_workers(strategy, [(chief != local).astype(np.int64)])
+    if differs.any():
+        names = [name for name, count in zip(values, differs, strict=True) if count]
+        raise ValueError(
+            f"The workers disagree on: {', '.join(names)} (the chief has "
+            f"{dict(zip(names, chief[differs > 0].tolist(), strict=True))}, this worker "
+            f"{dict(zip(names, local[differs > 0].tolist(), strict=True))}). Every worker "
+            "must read the same training files with the same settings."
+        )
+
+
+class SyncWithChief(keras.callbacks.Callback):
+    """Makes every worker start `fit` from the chief's weights, optimizer state and epoch.
+
+    Goes after `keras.callbacks.BackupAndRestore` in the callback list. That
+    callback restores each worker from its own backup; a worker killed between
+    the chief's backup and its own would otherwise resume an epoch behind, with
+    other weights, and the job would diverge or hang. A no-op outside
+    multi-worker runs.
+    """
+
+    def __init__(self, strategy):
+        super().__init__()
+        self.strategy = strategy
+
+    def on_train_begin(self, logs=None):
+        if not is_multi_worker(self.strategy):
+            return
+        variables = list(self.model.weights) + list(self.model.optimizer.variables)
+        epoch = np.asarray(self.model._initial_epoch or 0, np.int64)
+        values = _sum_over_workers(
+            self.strategy, [np.asarray(v.numpy()) for v in variables] + [epoch], chief_only=True
+        )
+        for variable, value in zip(variables, values, strict=False):
+            variable.assign(value)
+        self.model._initial_epoch = int(values[-1]) or None

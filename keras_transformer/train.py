@@ -24,6 +24,7 @@ import os
 import re
 import sys
 import time
+import zlib
 
 import keras
 import numpy as np
@@ -34,6 +35,15 @@ from keras_transformer.data.tokenizer import (
     DEFAULT_VOCABULARY_SIZE,
     SentencePieceTokenizer,
     train_sentencepiece,
+)
+from keras_transformer.distribute import (
+    SyncWithChief,
+    check_workers_agree,
+    chief_value,
+    enable_multi_worker_fit,
+    is_chief,
+    make_strategy,
+    working_directory,
 )
 from keras_transformer.io_utils import atomic_path, atomic_save_model, atomic_write_json
 from keras_transformer.model import build_transformer
@@ -170,8 +180,17 @@ class _RunRecorder(keras.callbacks.Callback):
     `max_steps` optimizer steps.
     """
 
-    def __init__(self, out_dir, history, max_steps=None, max_minutes=None, keep=KEEP_CHECKPOINTS):
+    def __init__(
+        self,
+        out_dir,
+        history,
+        max_steps=None,
+        max_minutes=None,
+        keep=KEEP_CHECKPOINTS,
+        strategy=None,
+    ):
         super().__init__()
+        self.strategy = strategy
         self.out_dir = out_dir
         self.history = history
         self.max_steps = max_steps
@@ -211,7 +230,8 @@ class _RunRecorder(keras.callbacks.Callback):
         for old in _epoch_checkpoints(self.out_dir)[: -self.keep]:
             os.remove(old)
         atomic_write_json(os.path.join(self.out_dir, "history.json"), self.history)
-        if self.budget_spent():
+        # Each worker times itself; all stop when the chief does.
+        if chief_value(self.strategy, self.budget_spent()):
             self.model.stop_training = True
 
 
@@ -230,6 +250,14 @@ def average_checkpoints(model, paths) -> None:
         weights = [np.asarray(w, np.float64) for w in model.get_weights()]
         total = weights if total is None else [t + w for t, w in zip(total, weights, strict=True)]
     model.set_weights([t / len(paths) for t in total])
+
+
+def _portable_identity(settings) -> bytes:
+    """The settings that every worker of a run must share, without machine-specific file paths."""
+    values = settings.identity()
+    for name in ("src_train", "tgt_train", "src_valid", "tgt_valid"):
+        values.pop(name)
+    return json.dumps(values, sort_keys=True).encode()
 
 
 def _load_or_train_tokenizer(out_dir, settings, resume, sources, targets):
@@ -282,8 +310,6 @@ def build_and_compile(
             metrics=[MaskedAccuracy()],
             jit_compile=jit_compile,
         )
-    from keras_transformer.distribute import enable_multi_worker_fit
-
     return enable_multi_worker_fit(model, strategy)
 
 
@@ -295,8 +321,6 @@ def train(settings: TrainSettings, out_dir: str, verbose: int = 1, strategy=None
     their files in a private temporary folder (see
     `keras_transformer.distribute.working_directory`) and return `{}`.
     """
-    from keras_transformer.distribute import is_chief, make_strategy, working_directory
-
     if strategy is None and (
         settings.strategy != "default" or keras.backend.backend() == "tensorflow"
     ):
@@ -340,6 +364,16 @@ def train(settings: TrainSettings, out_dir: str, verbose: int = 1, strategy=None
         settings.tokens_per_batch,
         shuffle=False,
     )
+    check_workers_agree(
+        strategy,
+        **{
+            "SentencePiece model (CRC-32)": zlib.crc32(tokenizer.model_proto),
+            "training settings (CRC-32)": zlib.crc32(_portable_identity(settings)),
+            "training pairs": train_stats.kept_pairs,
+            "training target tokens": train_stats.target_tokens,
+            "validation pairs": valid_stats.kept_pairs,
+        },
+    )
     log(train_stats.describe("train"))
     log(valid_stats.describe("valid"))
     if replicas > 1:
@@ -375,6 +409,7 @@ def train(settings: TrainSettings, out_dir: str, verbose: int = 1, strategy=None
         settings.max_steps,
         settings.max_minutes,
         keep=max(KEEP_CHECKPOINTS, settings.average_last or 0),
+        strategy=strategy,
     )
     epochs = settings.epochs if settings.epochs is not None else 10_000
     callbacks = [
@@ -382,10 +417,13 @@ def train(settings: TrainSettings, out_dir: str, verbose: int = 1, strategy=None
         # kill in between makes the resumed run redo that epoch, never skip it.
         recorder,
         keras.callbacks.BackupAndRestore(os.path.join(out_dir, "backup"), delete_checkpoint=False),
+        # Multi-worker: everyone resumes from the chief's backup, whatever its own holds.
+        SyncWithChief(strategy),
         keras.callbacks.TensorBoard(os.path.join(out_dir, "logs"), update_freq="epoch"),
     ]
     steps_done = history[-1]["steps"] if history else 0
-    if recorder.budget_spent() or (settings.max_steps and steps_done >= settings.max_steps):
+    spent = recorder.budget_spent() or bool(settings.max_steps and steps_done >= settings.max_steps)
+    if chief_value(strategy, spent):  # the workers follow the chief's history
         log(f"{out_dir}: the training budget is already spent; finishing the run.")
     else:
         if resume and history:
@@ -397,10 +435,10 @@ def train(settings: TrainSettings, out_dir: str, verbose: int = 1, strategy=None
             callbacks=callbacks,
             verbose=verbose,
         )
-    if not history:
-        raise RuntimeError("Training stopped before completing an epoch; nothing to save.")
     if not chief:
         return {}
+    if not history:
+        raise RuntimeError("Training stopped before completing an epoch; nothing to save.")
     if replicas > 1:
         # Decode and save a one-device copy: the distributed model's variables
         # belong to the strategy.
