@@ -329,20 +329,35 @@ def test_two_worker_processes_end_with_identical_weights(toy_files, tmp_path):
     worker = _worker_dir(out, 1)
     try:
         assert not (worker / "model.keras").exists()  # the worker never finishes a run of its own
-        chief = _h5_arrays(out / "checkpoints" / "epoch-002.weights.h5")
-        other = _h5_arrays(worker / "checkpoints" / "epoch-002.weights.h5")
-        model_weights = [k for k in chief if "optimizer" not in k]
-        assert model_weights and set(chief) == set(other)
-        for key in model_weights:
-            np.testing.assert_array_equal(chief[key], other[key], err_msg=key)
+        assert (worker / "spm.model").read_bytes() == (out / "spm.model").read_bytes()
+        _assert_same_weights(
+            out / "checkpoints" / "epoch-002.weights.h5",
+            worker / "checkpoints" / "epoch-002.weights.h5",
+        )
     finally:
         import shutil
 
         shutil.rmtree(worker, ignore_errors=True)
 
 
+def _assert_same_weights(chief_file, worker_file):
+    chief, other = _h5_arrays(chief_file), _h5_arrays(worker_file)
+    model_weights = [k for k in chief if "optimizer" not in k]
+    assert model_weights and set(chief) == set(other)
+    for key in model_weights:
+        np.testing.assert_array_equal(chief[key], other[key], err_msg=key)
+
+
 @pytest.mark.slow
 def test_killed_worker_job_resumes_from_the_last_backup(toy_files, tmp_path):
+    """Kill a worker mid-run, tear the job down, restart it: it resumes from the chief's backup.
+
+    The killed worker also loses its temporary folder (as on a replaced
+    machine), so it has no backup of its own: it must take the chief's
+    weights, optimizer state and epoch, or the two would diverge or hang.
+    """
+    import shutil
+
     out = tmp_path / "run"
     processes = _start_workers(toy_files, out, 3, _free_ports(2))
     metadata = out / "backup" / "training_metadata.json"
@@ -355,14 +370,23 @@ def test_killed_worker_job_resumes_from_the_last_backup(toy_files, tmp_path):
     _wait(processes, timeout=30)
     assert metadata.exists(), "no epoch completed before the kill"
     first = json.loads((out / "history.json").read_text())
+    worker = _worker_dir(out, 1)
+    shutil.rmtree(worker, ignore_errors=True)
 
-    codes = _wait(_start_workers(toy_files, out, 3, _free_ports(2)), timeout=480)
-    logs = "\n".join((tmp_path / f"worker{i}.log").read_text()[-2000:] for i in range(2))
-    assert codes == [0, 0], logs
-    history = json.loads((out / "history.json").read_text())
-    assert [e["epoch"] for e in history] == [1, 2, 3]
-    assert history[0] == first[0]
-    assert "Resuming" in (tmp_path / "worker0.log").read_text()
-    import shutil
-
-    shutil.rmtree(_worker_dir(out, 1), ignore_errors=True)
+    try:
+        codes = _wait(_start_workers(toy_files, out, 3, _free_ports(2)), timeout=480)
+        logs = "\n".join((tmp_path / f"worker{i}.log").read_text()[-2000:] for i in range(2))
+        assert codes == [0, 0], logs
+        history = json.loads((out / "history.json").read_text())
+        assert [e["epoch"] for e in history] == [1, 2, 3]
+        assert history[0] == first[0]
+        assert "Resuming" in (tmp_path / "worker0.log").read_text()
+        # The worker ran only the epochs after the chief's backup, from the chief's state.
+        worker_epochs = [e["epoch"] for e in json.loads((worker / "history.json").read_text())]
+        assert worker_epochs == [e["epoch"] for e in history[len(first) :]]
+        _assert_same_weights(
+            out / "checkpoints" / "epoch-003.weights.h5",
+            worker / "checkpoints" / "epoch-003.weights.h5",
+        )
+    finally:
+        shutil.rmtree(worker, ignore_errors=True)
