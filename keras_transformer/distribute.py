@@ -152,6 +152,8 @@ def working_directory(out_dir: str) -> str:
 
 def is_multi_worker(strategy) -> bool:
     """True for a `MultiWorkerMirroredStrategy` whose cluster has more than one task."""
+    if strategy is None:
+        return False
     import tensorflow as tf
 
     return (
@@ -212,7 +214,7 @@ def enable_multi_worker_fit(model, strategy):
     Returns:
         `model`.
     """
-    if strategy is None or not is_multi_worker(strategy):
+    if not is_multi_worker(strategy):
         return model
     from keras.src.backend.tensorflow import trainer
 
@@ -279,7 +281,7 @@ def chief_value(strategy, value: int) -> int:
     training on a time budget that each worker measures with its own clock.
     `value` itself outside multi-worker runs.
     """
-    if strategy is None or not is_multi_worker(strategy):
+    if not is_multi_worker(strategy):
         return value
     return int(_sum_over_workers(strategy, [np.int64(value)], chief_only=True)[0])
 
@@ -294,7 +296,7 @@ def check_workers_agree(strategy, **values: int) -> None:
     Raises:
         ValueError: naming the values that differ.
     """
-    if strategy is None or not is_multi_worker(strategy):
+    if not is_multi_worker(strategy):
         return
     local = np.asarray(list(values.values()), np.int64)
     (chief,) = _sum_over_workers(strategy, [local], chief_only=True)
