@@ -99,14 +99,20 @@ def label_smoothed_token_losses(y_true, logits, label_smoothing):
     """Per-token label-smoothed cross-entropy, float32, shape of `y_true`.
 
     The smoothed target puts `1 - label_smoothing` on the true token and
-    spreads `label_smoothing` uniformly over the whole vocabulary.
+    spreads `label_smoothing` uniformly over the whole vocabulary:
+    `(1 - e) * nll + e * mean_v(-log p_v)`, with
+    `mean_v(-log p_v) = logsumexp(logits) - mean(logits)`. The nll term is the
+    backend's fused sparse cross-entropy, whose gradient is computed in the
+    same kernel; picking the true token's log-probability out of a
+    `(batch, length, vocabulary)` tensor would instead scatter its gradient
+    back into a tensor of that size.
     """
-    log_probs = ops.log_softmax(ops.cast(logits, "float32"), axis=-1)  # (B, T, V)
-    labels = ops.expand_dims(ops.cast(y_true, "int32"), -1)
-    nll = -ops.squeeze(ops.take_along_axis(log_probs, labels, axis=-1), -1)  # (B, T)
+    logits = ops.cast(logits, "float32")
+    labels = ops.cast(y_true, "int32")
+    nll = ops.sparse_categorical_crossentropy(labels, logits, from_logits=True)  # (B, T)
     if not label_smoothing:
         return nll
-    uniform = -ops.mean(log_probs, axis=-1)  # (B, T)
+    uniform = ops.logsumexp(logits, axis=-1) - ops.mean(logits, axis=-1)  # (B, T)
     return (1.0 - label_smoothing) * nll + label_smoothing * uniform
 
 

@@ -131,7 +131,28 @@ class MultiHeadAttention(keras.layers.Layer):
             `(batch_size, 2, key_len, num_heads, head_dim)`.
         """
         key = value if key is None else key
-        return ops.stack([self.key_dense(key), self.value_dense(value)], axis=1)
+        return ops.stack(
+            [self._project(self.key_dense, key), self._project(self.value_dense, value)], axis=1
+        )
+
+    def _project(self, dense, x):
+        """`dense` applied as one 2-D matmul: `(B, T, D)` -> `(B, T, N, H)`, or back.
+
+        The `EinsumDense` layers hold the weights (so checkpoints and the ONNX
+        export read them as before), but calling them would make TensorFlow
+        broadcast the kernel over the batch in a batched matmul, whose kernel
+        gradient is a per-sentence product summed over the batch. Flattening
+        the batch and time axes gives one plain matmul forward and backward.
+        """
+        kernel = ops.cast(dense.kernel, self.compute_dtype)
+        bias = ops.cast(dense.bias, self.compute_dtype)
+        batch_size, length = ops.shape(x)[0], ops.shape(x)[1]
+        rows = ops.reshape(x, (-1, self.hidden_dim))
+        y = ops.matmul(rows, ops.reshape(kernel, (self.hidden_dim, -1)))
+        y = y + ops.reshape(bias, (-1,))
+        if dense is self.output_dense:
+            return ops.reshape(y, (batch_size, length, self.hidden_dim))
+        return ops.reshape(y, (batch_size, length, self.num_heads, self.head_dim))
 
     def call(
         self,
@@ -150,20 +171,21 @@ class MultiHeadAttention(keras.layers.Layer):
         value = query if value is None else value
         key = value if key is None else key
         # Scale the queries, not the scores: smaller numbers in float16.
-        q = self.query_dense(query) * ops.cast(1.0 / math.sqrt(self.head_dim), self.compute_dtype)
+        q = self._project(self.query_dense, query)
+        q = q * ops.cast(1.0 / math.sqrt(self.head_dim), self.compute_dtype)
         query_offset = 0
         if cache is not None:
             if cache_update_index is None:  # read-only (cross-attention)
                 k, v = cache[:, 0], cache[:, 1]
             else:
                 start = (0, cache_update_index, 0, 0)
-                k = ops.slice_update(cache[:, 0], start, self.key_dense(key))
-                v = ops.slice_update(cache[:, 1], start, self.value_dense(value))
+                k = ops.slice_update(cache[:, 0], start, self._project(self.key_dense, key))
+                v = ops.slice_update(cache[:, 1], start, self._project(self.value_dense, value))
                 cache = ops.stack([k, v], axis=1)
                 query_offset = cache_update_index
         else:
-            k = self.key_dense(key)  # (B, S, N, H)
-            v = self.value_dense(value)  # (B, S, N, H)
+            k = self._project(self.key_dense, key)  # (B, S, N, H)
+            v = self._project(self.value_dense, value)  # (B, S, N, H)
 
         scores = ops.einsum("btnh,bsnh->bnts", q, k)  # (B, N, T, S)
         scores = ops.cast(scores, "float32")
@@ -190,7 +212,7 @@ class MultiHeadAttention(keras.layers.Layer):
         attended = ops.einsum(
             "bnts,bsnh->btnh", self.dropout_layer(weights, training=training), v
         )  # (B, T, N, H)
-        output = self.output_dense(attended)  # (B, T, D)
+        output = self._project(self.output_dense, attended)  # (B, T, D)
 
         outputs = (output,) if cache is None else (output, cache)
         if return_attention_scores:
