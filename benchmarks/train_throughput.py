@@ -1,0 +1,684 @@
+"""Training throughput of this package next to its peers, and against the matmul peak.
+
+Every peer is built to the same shapes (`paper-base`: 6+6 layers, d_model 512,
+d_ff 2048, 8 heads, a 37000-token vocabulary; `small`: the package's preset),
+trained with Adam and label-smoothed cross-entropy (0.1) on the same fixed
+batches, in this one process, one after another, with the repetitions
+interleaved; the median repetition is reported, with ratios to ours.
+
+Peers (`--peers`):
+    ours            this package, float32
+    ours-bf16       this package under the `mixed_bfloat16` policy
+    keras-hub       keras_hub.layers TransformerEncoder/TransformerDecoder
+    keras-mha       a plain build on keras.layers.MultiHeadAttention (the
+                    architecture of TensorFlow's Transformer tutorial)
+    torch           torch.nn.Transformer (float32; autocast bfloat16 on a GPU)
+
+The batches mimic `keras_transformer.data.make_dataset`: sentence pairs of
+varied length (log-normal, median 24 tokens), grouped in the pipeline's length
+buckets and padded to the bucket width, `tokens_per_batch // width` pairs per
+batch. Throughput counts real (non-padding) tokens.
+
+Model FLOPs are counted analytically (forward: every projection, the attention
+scores and weighted values, the feed-forward layers and the output layer;
+training = 3 x forward) on the real tokens of each batch; utilization divides
+model FLOP/s by the dense float32 matmul peak that this process measures on
+this machine in the same run (the best of the backend's and torch's matmul).
+
+    python -m benchmarks.train_throughput                      # everything
+    python -m benchmarks.train_throughput --shapes small --budgets 4096
+    KERAS_BACKEND=jax python -m benchmarks.train_throughput    # on a GPU machine
+
+Prints a table and writes benchmarks/results/train_throughput-<backend>-<device>.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import os
+import statistics
+import sys
+import threading
+import time
+
+import numpy as np
+
+from benchmarks.machine import describe_machine
+
+PEERS = ("ours", "ours-bf16", "keras-hub", "keras-mha", "torch")
+SHAPES = ("small", "paper-base")
+BUDGETS = (4096, 25000)
+
+
+# ----------------------------------------------------------------------------
+# Batches and FLOPs
+
+
+def make_batches(max_length, tokens_per_batch, count, vocabulary_size, seed=0):
+    """`count` padded batches of ~`tokens_per_batch` tokens per side.
+
+    Returns a list of dicts with int32 arrays `source`, `target_in`, `labels`
+    (padding id 0, BOS 1, EOS 2) and the real lengths `source_lengths`,
+    `target_lengths`.
+    """
+    from keras_transformer.data.pipeline import bucket_boundaries
+
+    rng = np.random.default_rng(seed)
+    boundaries = bucket_boundaries(max_length)
+    pairs = 20000
+    source_len = np.clip(np.round(rng.lognormal(math.log(24), 0.5, pairs)), 3, max_length - 1)
+    ratio = rng.lognormal(0.0, 0.15, pairs)
+    target_len = np.clip(np.round(source_len * ratio), 3, max_length - 1)
+    source_len, target_len = source_len.astype(int) + 1, target_len.astype(int) + 1  # EOS/BOS
+    longest = np.maximum(source_len, target_len)
+    width_of = np.array([next(b for b in boundaries if b >= n) for n in longest])
+    # Pick the buckets of the batches as the pipeline would meet them: a batch's
+    # bucket is drawn with probability proportional to the tokens it holds.
+    widths, weights = np.unique(width_of, return_counts=True)
+    weights = weights * widths
+    chosen = rng.choice(widths, size=count, replace=False, p=weights / weights.sum())
+    batches = []
+    for width in sorted(chosen):
+        members = np.flatnonzero(width_of == width)
+        size = max(1, tokens_per_batch // width)
+        picked = rng.choice(members, size=min(size, len(members)), replace=False)
+        if len(picked) < size:  # a rare bucket: reuse pairs to fill the batch
+            picked = rng.choice(members, size=size, replace=True)
+        src = np.zeros((size, width), np.int32)
+        tin = np.zeros((size, width), np.int32)
+        lab = np.zeros((size, width), np.int32)
+        for row, k in enumerate(picked):
+            s, t = source_len[k], target_len[k]
+            src[row, : s - 1] = rng.integers(3, vocabulary_size, s - 1)
+            src[row, s - 1] = 2
+            words = rng.integers(3, vocabulary_size, t - 1)
+            tin[row, 0] = 1
+            tin[row, 1:t] = words
+            lab[row, : t - 1] = words
+            lab[row, t - 1] = 2
+        batches.append(
+            {
+                "source": src,
+                "target_in": tin,
+                "labels": lab,
+                "source_lengths": source_len[picked],
+                "target_lengths": target_len[picked],
+            }
+        )
+    return batches
+
+
+def training_flops(config, source_lengths, target_lengths):
+    """Model FLOPs of one training step on these real lengths (3 x forward).
+
+    A multiply-add counts 2. Attention scores and values are counted over the
+    whole key range (causal or not), as every implementation computes them.
+    """
+    d, ff, layers, vocab = (
+        config.hidden_dim,
+        config.intermediate_dim,
+        config.num_layers,
+        config.vocabulary_size,
+    )
+    s = np.asarray(source_lengths, np.float64)
+    t = np.asarray(target_lengths, np.float64)
+    encoder = layers * (
+        2 * s.sum() * 4 * d * d  # Q, K, V, output projections
+        + 2 * 2 * (s * s).sum() * d  # scores and weighted values
+        + 2 * s.sum() * 2 * d * ff  # feed-forward
+    )
+    decoder = layers * (
+        2 * t.sum() * 4 * d * d  # self-attention projections
+        + 2 * 2 * (t * t).sum() * d
+        + 2 * t.sum() * 2 * d * d  # cross-attention Q and output
+        + 2 * s.sum() * 2 * d * d  # cross-attention K and V
+        + 2 * 2 * (t * s).sum() * d
+        + 2 * t.sum() * 2 * d * ff
+    )
+    output = 2 * t.sum() * d * vocab
+    return 3.0 * (encoder + decoder + output)
+
+
+# ----------------------------------------------------------------------------
+# Matmul peak and memory
+
+
+def matmul_peak(backend, size=4096, repeats=5, dtype="float32"):
+    """Best dense matmul GFLOP/s of `backend` on size x size operands."""
+    flops = 2.0 * size**3
+    if backend == "torch":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        torch_dtype = getattr(torch, dtype)
+        a = torch.randn(size, size, device=device).to(torch_dtype)
+        b = torch.randn(size, size, device=device).to(torch_dtype)
+
+        def run():
+            c = a @ b
+            if device == "cuda":
+                torch.cuda.synchronize()
+            return c
+
+    elif backend == "tensorflow":
+        import tensorflow as tf
+
+        a = tf.cast(tf.random.normal((size, size)), dtype)
+        b = tf.cast(tf.random.normal((size, size)), dtype)
+        matmul = tf.function(lambda x, y: tf.reduce_sum(tf.matmul(x, y)[:1, :1]))
+
+        def run():
+            return matmul(a, b).numpy()
+
+    elif backend == "jax":
+        import jax
+        import jax.numpy as jnp
+
+        a = jnp.asarray(np.random.default_rng(0).standard_normal((size, size)), dtype)
+        b = jnp.asarray(np.random.default_rng(1).standard_normal((size, size)), dtype)
+        matmul = jax.jit(lambda x, y: x @ y)
+
+        def run():
+            return matmul(a, b).block_until_ready()
+
+    else:
+        raise ValueError(f"no matmul peak for backend {backend!r}")
+    run()
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        best = min(best, time.perf_counter() - start)
+    return flops / best / 1e9
+
+
+def _rss_bytes():
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def release_free_memory():
+    """Collects garbage and hands freed heap memory back to the OS (glibc).
+
+    Without it, memory one peer freed stays in the process and another peer
+    reuses it, so RSS would not tell the peers' needs apart.
+    """
+    gc.collect()
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+class PeakMemory:
+    """Peak RSS above the RSS at entry, sampled in a thread every `interval` s."""
+
+    def __init__(self, interval=0.01):
+        self.interval = interval
+        self._stop = threading.Event()
+
+    def __enter__(self):
+        release_free_memory()
+        self.start_rss = self.peak = _rss_bytes()
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self):
+        while not self._stop.wait(self.interval):
+            self.peak = max(self.peak, _rss_bytes())
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, _rss_bytes())
+
+    @property
+    def increase(self):
+        return self.peak - self.start_rss
+
+
+# ----------------------------------------------------------------------------
+# Peers
+
+
+def _keras_compile(model, config, jit_compile):
+    from keras_transformer.training import LabelSmoothedCrossEntropy, transformer_optimizer
+
+    model.compile(
+        optimizer=transformer_optimizer(config.hidden_dim, warmup_steps=4000),
+        loss=LabelSmoothedCrossEntropy(0.1),
+        jit_compile=jit_compile,
+    )
+    return model
+
+
+def build_ours(config):
+    from keras_transformer import build_transformer
+
+    return build_transformer(config)
+
+
+def build_keras_hub(config):
+    import keras
+    import keras_hub
+    from keras import ops
+
+    from keras_transformer.layers import PaddingMask
+
+    source_ids = keras.Input(shape=(None,), dtype="int32", name="source_ids")
+    target_ids = keras.Input(shape=(None,), dtype="int32", name="target_ids")
+    source_mask = PaddingMask()(source_ids)
+    target_mask = PaddingMask()(target_ids)
+    embedding = keras_hub.layers.ReversibleEmbedding(
+        config.vocabulary_size, config.hidden_dim, tie_weights=True
+    )
+    position = keras_hub.layers.SinePositionEncoding()
+    scale = math.sqrt(config.hidden_dim)
+
+    def embed(ids):
+        x = keras.layers.Lambda(lambda e: e * ops.cast(scale, e.dtype))(embedding(ids))
+        x = keras.layers.Add()([x, position(x)])
+        return keras.layers.Dropout(config.dropout)(x)
+
+    block = dict(
+        intermediate_dim=config.intermediate_dim,
+        num_heads=config.num_heads,
+        dropout=config.dropout,
+        activation="relu",
+        layer_norm_epsilon=config.layer_norm_epsilon,
+    )
+    x = embed(source_ids)
+    for _ in range(config.num_layers):
+        x = keras_hub.layers.TransformerEncoder(**block)(x, padding_mask=source_mask)
+    y = embed(target_ids)
+    for _ in range(config.num_layers):
+        y = keras_hub.layers.TransformerDecoder(**block)(
+            y,
+            encoder_sequence=x,
+            decoder_padding_mask=target_mask,
+            encoder_padding_mask=source_mask,
+        )
+    logits = keras.layers.Activation("linear", dtype="float32")(embedding(y, reverse=True))
+    return keras.Model({"source_ids": source_ids, "target_ids": target_ids}, logits)
+
+
+def build_keras_mha(config):
+    """TensorFlow's Transformer tutorial architecture on keras.layers.MultiHeadAttention.
+
+    Post-norm residual blocks (MHA + Add + LayerNorm, FFN + Add + LayerNorm),
+    scaled embeddings plus the sinusoid table, separate source/target
+    embeddings and an untied output Dense, as in the tutorial; the per-head
+    key size is d_model / heads, as in the paper, so the shapes match.
+    """
+    import keras
+    from keras import ops
+
+    from keras_transformer.layers import PaddingMask
+    from keras_transformer.layers.positional_embedding import sinusoid_table
+
+    d, heads = config.hidden_dim, config.num_heads
+    table = sinusoid_table(config.max_length, d)
+
+    class TableAdd(keras.layers.Layer):
+        def call(self, x):
+            positions = ops.convert_to_tensor(table[None], self.compute_dtype)
+            return x * ops.cast(math.sqrt(d), x.dtype) + positions[:, : ops.shape(x)[1]]
+
+    source_ids = keras.Input(shape=(None,), dtype="int32", name="source_ids")
+    target_ids = keras.Input(shape=(None,), dtype="int32", name="target_ids")
+    source_mask = PaddingMask()(source_ids)
+    target_mask = PaddingMask()(target_ids)
+
+    def embed(ids):
+        x = keras.layers.Embedding(config.vocabulary_size, d)(ids)
+        return keras.layers.Dropout(config.dropout)(TableAdd()(x))
+
+    def attention(x, context, query_mask, key_mask, causal):
+        mha = keras.layers.MultiHeadAttention(heads, d // heads, dropout=config.dropout)
+        out = mha(x, context, query_mask=query_mask, value_mask=key_mask, use_causal_mask=causal)
+        return keras.layers.LayerNormalization(epsilon=config.layer_norm_epsilon)(
+            keras.layers.Add()([x, out])
+        )
+
+    def feed_forward(x):
+        h = keras.layers.Dense(config.intermediate_dim, activation="relu")(x)
+        h = keras.layers.Dropout(config.dropout)(keras.layers.Dense(d)(h))
+        return keras.layers.LayerNormalization(epsilon=config.layer_norm_epsilon)(
+            keras.layers.Add()([x, h])
+        )
+
+    x = embed(source_ids)
+    for _ in range(config.num_layers):
+        x = feed_forward(attention(x, x, source_mask, source_mask, False))
+    y = embed(target_ids)
+    for _ in range(config.num_layers):
+        y = attention(y, y, target_mask, target_mask, True)
+        y = feed_forward(attention(y, x, target_mask, source_mask, False))
+    logits = keras.layers.Dense(config.vocabulary_size, dtype="float32")(y)
+    return keras.Model({"source_ids": source_ids, "target_ids": target_ids}, logits)
+
+
+class KerasPeer:
+    def __init__(self, name, builder, config, policy="float32", jit_compile=False):
+        import keras
+
+        self.name = name
+        previous = keras.mixed_precision.global_policy().name
+        keras.mixed_precision.set_global_policy(policy)
+        try:
+            keras.utils.set_random_seed(0)
+            self.model = _keras_compile(builder(config), config, jit_compile)
+        finally:
+            keras.mixed_precision.set_global_policy(previous)
+        self.parameters = self.model.count_params()
+
+    def prepare(self, batch):
+        from keras import ops
+
+        x = {
+            "source_ids": ops.convert_to_tensor(batch["source"]),
+            "target_ids": ops.convert_to_tensor(batch["target_in"]),
+        }
+        return x, ops.convert_to_tensor(batch["labels"])
+
+    def step(self, prepared):
+        x, y = prepared
+        return float(self.model.train_on_batch(x, y))
+
+
+class TorchPeer:
+    """torch.nn.Transformer with tied sinusoid-position embeddings, post-norm."""
+
+    def __init__(self, config, autocast=None):
+        import torch
+        from torch import nn
+
+        from keras_transformer.layers.positional_embedding import sinusoid_table
+
+        self.name = "torch"
+        torch.manual_seed(0)
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.autocast = autocast
+        self.config = config
+        d = config.hidden_dim
+
+        class Seq2Seq(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.embedding = nn.Embedding(config.vocabulary_size, d, padding_idx=0)
+                nn.init.normal_(self.embedding.weight, std=d**-0.5)
+                self.register_buffer(
+                    "table", torch.from_numpy(sinusoid_table(config.max_length, d))
+                )
+                self.dropout = nn.Dropout(config.dropout)
+                self.transformer = nn.Transformer(
+                    d_model=d,
+                    nhead=config.num_heads,
+                    num_encoder_layers=config.num_layers,
+                    num_decoder_layers=config.num_layers,
+                    dim_feedforward=config.intermediate_dim,
+                    dropout=config.dropout,
+                    layer_norm_eps=config.layer_norm_epsilon,
+                    batch_first=True,
+                )
+
+            def embed(self, ids):
+                x = self.embedding(ids) * math.sqrt(d) + self.table[: ids.shape[1]]
+                return self.dropout(x)
+
+            def forward(self, source, target):
+                causal = nn.Transformer.generate_square_subsequent_mask(
+                    target.shape[1], device=target.device
+                )
+                source_pad, target_pad = source == 0, target == 0
+                hidden = self.transformer(
+                    self.embed(source),
+                    self.embed(target),
+                    tgt_mask=causal,
+                    src_key_padding_mask=source_pad,
+                    tgt_key_padding_mask=target_pad,
+                    memory_key_padding_mask=source_pad,
+                    tgt_is_causal=True,
+                )
+                return hidden @ self.embedding.weight.t()
+
+        self.model = Seq2Seq().to(self.device).train()
+        self.parameters = sum(p.numel() for p in self.model.parameters())
+        warmup = 4000
+        self.optimizer = torch.optim.Adam(
+            self.model.parameters(), lr=1.0, betas=(0.9, 0.98), eps=1e-9
+        )
+        self.schedule = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer,
+            lambda step: d**-0.5 * min((step + 1) ** -0.5, (step + 1) * warmup**-1.5),
+        )
+
+    def prepare(self, batch):
+        import torch
+
+        return tuple(
+            torch.from_numpy(batch[k].astype(np.int64)).to(self.device)
+            for k in ("source", "target_in", "labels")
+        )
+
+    def step(self, prepared):
+        import torch
+        import torch.nn.functional as F
+
+        source, target, labels = prepared
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.autocast:
+            context = torch.autocast(self.device, dtype=getattr(torch, self.autocast))
+        else:
+            context = torch.autocast(self.device, enabled=False)
+        with context:
+            logits = self.model(source, target)
+        loss = F.cross_entropy(
+            logits.float().reshape(-1, logits.shape[-1]),
+            labels.reshape(-1),
+            ignore_index=0,
+            label_smoothing=0.1,
+        )
+        loss.backward()
+        self.optimizer.step()
+        self.schedule.step()
+        value = float(loss.detach())  # waits for the step
+        return value
+
+
+def make_peer(name, config, args):
+    mixed = "mixed_bfloat16" if args.mixed_precision == "bfloat16" else "mixed_float16"
+    if name == "ours":
+        return KerasPeer(name, build_ours, config, jit_compile=args.jit_compile)
+    if name == "ours-bf16":
+        return KerasPeer(name, build_ours, config, policy=mixed, jit_compile=args.jit_compile)
+    if name == "keras-hub":
+        return KerasPeer(name, build_keras_hub, config, jit_compile=args.jit_compile)
+    if name == "keras-mha":
+        return KerasPeer(name, build_keras_mha, config, jit_compile=args.jit_compile)
+    if name == "torch":
+        import torch
+
+        autocast = args.mixed_precision if torch.cuda.is_available() else None
+        return TorchPeer(config, autocast=autocast)
+    raise ValueError(f"unknown peer {name!r}; choose from {', '.join(PEERS)}")
+
+
+# ----------------------------------------------------------------------------
+# The run
+
+
+def benchmark(config_name, budget, peers, args, peak_gflops):
+    from keras_transformer import TransformerConfig
+
+    overrides = {"vocabulary_size": 37000} if config_name.startswith("paper") else {}
+    config = TransformerConfig.from_preset(config_name, **overrides)
+    batches = make_batches(config.max_length, budget, args.batches, config.vocabulary_size)
+    real_target = int(sum(b["target_lengths"].sum() for b in batches))
+    real_source = int(sum(b["source_lengths"].sum() for b in batches))
+    padded = int(sum(b["source"].size for b in batches))
+    flops = sum(training_flops(config, b["source_lengths"], b["target_lengths"]) for b in batches)
+    print(
+        f"\n{config_name}, ~{budget} tokens per batch: {len(batches)} batches "
+        f"{[b['source'].shape for b in batches]}, {real_source} source + {real_target} "
+        f"target real tokens ({1 - real_target / padded:.0%} of the target positions "
+        f"are padding), {flops / 1e12:.2f} TFLOP per pass",
+        flush=True,
+    )
+    built = {}
+    for name in peers:
+        with PeakMemory() as memory:
+            start = time.perf_counter()
+            peer = make_peer(name, config, args)
+            prepared = [peer.prepare(b) for b in batches]
+            for item in prepared:  # warm-up: traces and compiles every shape
+                peer.step(item)
+            warm = time.perf_counter() - start
+        release_free_memory()
+        built[name] = {
+            "peer": peer,
+            "prepared": prepared,
+            "warmup_seconds": warm,
+            # What the peer keeps (weights, optimizer state, compiled steps).
+            "resident": _rss_bytes() - memory.start_rss,
+            "step_memory": [],
+            "times": [],
+            "cpu": [],
+            "losses": [],
+        }
+        print(f"  {name}: built and warmed up in {warm:.1f} s", flush=True)
+    for repeat in range(args.repeats):
+        for name in peers:  # interleaved
+            entry = built[name]
+            with PeakMemory() as memory:
+                cpu = time.process_time()
+                start = time.perf_counter()
+                losses = [entry["peer"].step(item) for item in entry["prepared"]]
+                elapsed = time.perf_counter() - start
+                cpu = time.process_time() - cpu
+            entry["step_memory"].append(memory.increase)
+            entry["times"].append(elapsed)
+            entry["cpu"].append(cpu)
+            entry["losses"].append(losses)
+            print(f"  repeat {repeat + 1} {name}: {elapsed:.2f} s ({cpu:.1f} s CPU)", flush=True)
+    rows = []
+    for name in peers:
+        entry = built[name]
+        median = statistics.median(entry["times"])
+        rows.append(
+            {
+                "shape": config_name,
+                "tokens_per_batch": budget,
+                "peer": name,
+                "parameters": int(entry["peer"].parameters),
+                "median_seconds": median,
+                "seconds": entry["times"],
+                "cpu_seconds": entry["cpu"],
+                "target_tokens_per_second": real_target / median,
+                "tokens_per_second": (real_source + real_target) / median,
+                "model_tflops_per_second": flops / median / 1e12,
+                "mfu": flops / median / 1e9 / peak_gflops,
+                # Peak memory of the peer: what it keeps plus its largest step.
+                "peak_rss_gib": (entry["resident"] + max(entry["step_memory"])) / 2**30,
+                "resident_gib": entry["resident"] / 2**30,
+                "step_rss_increase_gib": [m / 2**30 for m in entry["step_memory"]],
+                "warmup_seconds": entry["warmup_seconds"],
+                "first_loss": entry["losses"][0][0],
+                "batches": [list(b["source"].shape) for b in batches],
+                "real_source_tokens": real_source,
+                "real_target_tokens": real_target,
+                "padded_tokens_per_side": padded,
+                "model_tflop_per_pass": flops / 1e12,
+            }
+        )
+    built.clear()
+    import keras
+
+    keras.backend.clear_session()
+    release_free_memory()
+    base = next((r for r in rows if r["peer"] == "ours"), None)
+    for row in rows:
+        row["ours_speedup"] = (
+            base["target_tokens_per_second"] / row["target_tokens_per_second"] if base else None
+        )
+    return rows
+
+
+def print_table(rows, peak):
+    print(f"\nfloat32 matmul peak measured in this run: {peak:.0f} GFLOP/s")
+    header = (
+        f"{'shape':<11}{'tok/batch':>10} {'peer':<10}{'tgt tok/s':>11}{'all tok/s':>11}"
+        f"{'TFLOP/s':>9}{'MFU':>7}{'peak RSS':>10}{'ours/peer':>11}"
+    )
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        ratio = f"{r['ours_speedup']:.2f}x" if r["ours_speedup"] else "-"
+        print(
+            f"{r['shape']:<11}{r['tokens_per_batch']:>10} {r['peer']:<10}"
+            f"{r['target_tokens_per_second']:>11.0f}{r['tokens_per_second']:>11.0f}"
+            f"{r['model_tflops_per_second']:>9.3f}{r['mfu']:>7.1%}"
+            f"{r['peak_rss_gib']:>8.1f}Gi{ratio:>11}"
+        )
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=SHAPES)
+    parser.add_argument("--budgets", nargs="+", type=int, default=list(BUDGETS))
+    parser.add_argument("--peers", nargs="+", default=list(PEERS), choices=PEERS)
+    parser.add_argument("--batches", type=int, default=2, help="distinct batches per pass")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--mixed-precision", choices=("bfloat16", "float16"), default="bfloat16")
+    parser.add_argument("--jit-compile", action="store_true", help="compile Keras peers with XLA")
+    parser.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/...)")
+    args = parser.parse_args(argv)
+
+    import keras
+
+    backend = keras.backend.backend()
+    peaks = {backend: matmul_peak(backend)}
+    if "torch" in args.peers:
+        peaks["torch"] = matmul_peak("torch")
+    peak = max(peaks.values())
+    print("float32 matmul GFLOP/s: " + ", ".join(f"{k} {v:.0f}" for k, v in peaks.items()))
+    machine = describe_machine()
+    device = "cpu"
+    if backend == "jax":
+        import jax
+
+        device = jax.devices()[0].platform
+    machine["device"] = device if device == "cpu" else jax.devices()[0].device_kind
+    out = args.out or os.path.join(
+        os.path.dirname(__file__), "results", f"train_throughput-{backend}-{device}.json"
+    )
+    from keras_transformer.io_utils import atomic_write_json
+
+    rows = []
+    for shape in args.shapes:
+        for budget in args.budgets:
+            rows.extend(benchmark(shape, budget, args.peers, args, peak))
+            print_table(rows, peak)
+            atomic_write_json(  # after every configuration, so a long run keeps what it measured
+                out,
+                {
+                    "command": "python -m benchmarks.train_throughput "
+                    + " ".join(sys.argv[1:] if argv is None else argv),
+                    "machine": machine,
+                    "matmul_peak_gflops": peaks,
+                    "peak_used_gflops": peak,
+                    "settings": vars(args),
+                    "rows": rows,
+                },
+            )
+            print(f"wrote {out}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
