@@ -514,7 +514,16 @@ def make_peer(name, config, args):
 # The run
 
 
+def _precision(name, args):
+    """The matmul peak a peer is held to: bfloat16 for mixed peers on a GPU, else float32."""
+    mixed = name == "ours-bf16" or (name == "torch" and args.device != "cpu")
+    if mixed and args.device != "cpu" and args.mixed_precision == "bfloat16":
+        return "bfloat16"
+    return "float32"
+
+
 def benchmark(config_name, budget, peers, args, peak_gflops):
+    """Runs `peers` on one configuration; `peak_gflops` maps precision -> matmul peak."""
     from keras_transformer import TransformerConfig
 
     overrides = {"vocabulary_size": 37000} if config_name.startswith("paper") else {}
@@ -532,10 +541,15 @@ def benchmark(config_name, budget, peers, args, peak_gflops):
         flush=True,
     )
     built = {}
-    for name in peers:
+    for name in list(peers):
         with PeakMemory() as memory:
             start = time.perf_counter()
-            peer = make_peer(name, config, args)
+            try:
+                peer = make_peer(name, config, args)
+            except ImportError as error:  # e.g. no torch or keras-hub on this machine
+                print(f"  {name}: skipped ({error}); pip install '.[bench]' installs the peers")
+                peers = [p for p in peers if p != name]
+                continue
             prepared = [peer.prepare(b) for b in batches]
             for item in prepared:  # warm-up: traces and compiles every shape
                 peer.step(item)
@@ -583,7 +597,8 @@ def benchmark(config_name, budget, peers, args, peak_gflops):
                 "target_tokens_per_second": real_target / median,
                 "tokens_per_second": (real_source + real_target) / median,
                 "model_tflops_per_second": flops / median / 1e12,
-                "mfu": flops / median / 1e9 / peak_gflops,
+                "mfu": flops / median / 1e9 / peak_gflops[_precision(name, args)],
+                "peak_precision": _precision(name, args),
                 # Peak memory of the peer: what it keeps plus its largest step.
                 "peak_rss_gib": (entry["resident"] + max(entry["step_memory"])) / 2**30,
                 "resident_gib": entry["resident"] / 2**30,
@@ -602,29 +617,35 @@ def benchmark(config_name, budget, peers, args, peak_gflops):
 
     keras.backend.clear_session()
     release_free_memory()
-    base = next((r for r in rows if r["peer"] == "ours"), None)
-    for row in rows:
-        row["ours_speedup"] = (
-            base["target_tokens_per_second"] / row["target_tokens_per_second"] if base else None
-        )
+    for key, ours in (("ours_speedup", "ours"), ("ours_bf16_speedup", "ours-bf16")):
+        base = next((r for r in rows if r["peer"] == ours), None)
+        for row in rows:  # > 1: ours is faster than this peer
+            row[key] = (
+                base["target_tokens_per_second"] / row["target_tokens_per_second"] if base else None
+            )
     return rows
 
 
 def print_table(rows, peak):
-    print(f"\nfloat32 matmul peak measured in this run: {peak:.0f} GFLOP/s")
+    print(
+        "\nmatmul peak measured in this run: "
+        + ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in peak.items())
+    )
     header = (
         f"{'shape':<11}{'tok/batch':>10} {'peer':<10}{'tgt tok/s':>11}{'all tok/s':>11}"
-        f"{'TFLOP/s':>9}{'MFU':>7}{'peak RSS':>10}{'ours/peer':>11}"
+        f"{'TFLOP/s':>9}{'MFU':>7}{'peak RSS':>10}{'ours/peer':>11}{'bf16/peer':>11}"
     )
     print(header)
     print("-" * len(header))
     for r in rows:
-        ratio = f"{r['ours_speedup']:.2f}x" if r["ours_speedup"] else "-"
+        ratios = [
+            f"{r[key]:.2f}x" if r.get(key) else "-" for key in ("ours_speedup", "ours_bf16_speedup")
+        ]
         print(
             f"{r['shape']:<11}{r['tokens_per_batch']:>10} {r['peer']:<10}"
             f"{r['target_tokens_per_second']:>11.0f}{r['tokens_per_second']:>11.0f}"
             f"{r['model_tflops_per_second']:>9.3f}{r['mfu']:>7.1%}"
-            f"{r['peak_rss_gib']:>8.1f}Gi{ratio:>11}"
+            f"{r['peak_rss_gib']:>8.1f}Gi{ratios[0]:>11}{ratios[1]:>11}"
         )
 
 
@@ -643,11 +664,6 @@ def main(argv=None):
     import keras
 
     backend = keras.backend.backend()
-    peaks = {backend: matmul_peak(backend)}
-    if "torch" in args.peers:
-        peaks["torch"] = matmul_peak("torch")
-    peak = max(peaks.values())
-    print("float32 matmul GFLOP/s: " + ", ".join(f"{k} {v:.0f}" for k, v in peaks.items()))
     machine = describe_machine()
     device = "cpu"
     if backend == "jax":
@@ -655,6 +671,22 @@ def main(argv=None):
 
         device = jax.devices()[0].platform
     machine["device"] = device if device == "cpu" else jax.devices()[0].device_kind
+    args.device = device
+    # The peak: the best of the backend's and torch's dense matmul, measured now.
+    peaks = {f"{backend}-float32": matmul_peak(backend)}
+    libraries = [backend]
+    if "torch" in args.peers:
+        try:
+            peaks["torch-float32"] = matmul_peak("torch")
+            libraries.append("torch")
+        except ImportError:
+            pass
+    peak = {"float32": max(peaks.values())}
+    if device != "cpu":  # mixed-precision peers on a GPU are held to the bfloat16 peak
+        for library in libraries:
+            peaks[f"{library}-bfloat16"] = matmul_peak(library, dtype="bfloat16")
+        peak["bfloat16"] = max(v for k, v in peaks.items() if k.endswith("bfloat16"))
+    print("matmul GFLOP/s: " + ", ".join(f"{k} {v:.0f}" for k, v in peaks.items()), flush=True)
     out = args.out or os.path.join(
         os.path.dirname(__file__), "results", f"train_throughput-{backend}-{device}.json"
     )
