@@ -36,9 +36,11 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import math
 import os
 import statistics
+import subprocess
 import sys
 import threading
 import time
@@ -522,13 +524,79 @@ def _precision(name, args):
     return "float32"
 
 
-def benchmark(config_name, budget, peers, args, peak_gflops):
-    """Runs `peers` on one configuration; `peak_gflops` maps precision -> matmul peak."""
+def _setup(config_name, budget, args):
     from keras_transformer import TransformerConfig
 
     overrides = {"vocabulary_size": 37000} if config_name.startswith("paper") else {}
     config = TransformerConfig.from_preset(config_name, **overrides)
-    batches = make_batches(config.max_length, budget, args.batches, config.vocabulary_size)
+    return config, make_batches(config.max_length, budget, args.batches, config.vocabulary_size)
+
+
+def memory_probe(config_name, budget, name, args):
+    """In a fresh process: RSS with the frameworks loaded, then the peak over training steps.
+
+    Prints one JSON line. Peers that share a process also share freed memory,
+    so their peaks can only be told apart one process each.
+    """
+    import resource
+
+    import keras
+
+    config, batches = _setup(config_name, budget, args)
+    keras.ops.convert_to_numpy(keras.ops.ones((2, 2)) @ keras.ops.ones((2, 2)))
+    if name == "torch":
+        import torch
+
+        (torch.ones(2, 2) @ torch.ones(2, 2)).sum().item()
+    baseline = _rss_bytes()
+    peer = make_peer(name, config, args)
+    prepared = [peer.prepare(b) for b in batches]
+    for _ in range(2):
+        for item in prepared:
+            peer.step(item)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(
+        json.dumps(
+            {
+                "shape": config_name,
+                "tokens_per_batch": budget,
+                "peer": name,
+                "peak_rss_gib": peak / 2**30,
+                "framework_rss_gib": baseline / 2**30,
+                "peak_above_framework_gib": (peak - baseline) / 2**30,
+            }
+        )
+    )
+
+
+def measure_memory(args, out):
+    """Runs `memory_probe` in a subprocess for every configuration and peer."""
+    rows = []
+    for shape in args.shapes:
+        for budget in args.budgets:
+            for name in args.peers:
+                command = [sys.executable, "-m", "benchmarks.train_throughput", "--memory-probe"]
+                command += [name, "--shapes", shape, "--budgets", str(budget)]
+                command += ["--batches", str(args.batches)]
+                command += ["--mixed-precision", args.mixed_precision]
+                done = subprocess.run(command, capture_output=True, text=True)
+                if done.returncode:
+                    tail = done.stderr.strip().splitlines()[-1:] or ["(no output)"]
+                    print(f"  {shape} {budget} {name}: failed: {tail[0]}", flush=True)
+                    continue
+                row = json.loads(done.stdout.strip().splitlines()[-1])
+                rows.append(row)
+                print(
+                    f"  {shape:<11}{budget:>6} {name:<10} peak RSS {row['peak_rss_gib']:.2f} GiB "
+                    f"({row['peak_above_framework_gib']:.2f} GiB above the loaded framework)",
+                    flush=True,
+                )
+    return rows
+
+
+def benchmark(config_name, budget, peers, args, peak_gflops):
+    """Runs `peers` on one configuration; `peak_gflops` maps precision -> matmul peak."""
+    config, batches = _setup(config_name, budget, args)
     real_target = int(sum(b["target_lengths"].sum() for b in batches))
     real_source = int(sum(b["source_lengths"].sum() for b in batches))
     padded = int(sum(b["source"].size for b in batches))
@@ -599,8 +667,9 @@ def benchmark(config_name, budget, peers, args, peak_gflops):
                 "model_tflops_per_second": flops / median / 1e12,
                 "mfu": flops / median / 1e9 / peak_gflops[_precision(name, args)],
                 "peak_precision": _precision(name, args),
-                # Peak memory of the peer: what it keeps plus its largest step.
-                "peak_rss_gib": (entry["resident"] + max(entry["step_memory"])) / 2**30,
+                # In-process RSS figures, for the record: peers in one process
+                # reuse each other's freed memory, so `--memory` (one process
+                # per peer) is what tells their needs apart.
                 "resident_gib": entry["resident"] / 2**30,
                 "step_rss_increase_gib": [m / 2**30 for m in entry["step_memory"]],
                 "warmup_seconds": entry["warmup_seconds"],
@@ -633,7 +702,7 @@ def print_table(rows, peak):
     )
     header = (
         f"{'shape':<11}{'tok/batch':>10} {'peer':<10}{'tgt tok/s':>11}{'all tok/s':>11}"
-        f"{'TFLOP/s':>9}{'MFU':>7}{'peak RSS':>10}{'ours/peer':>11}{'bf16/peer':>11}"
+        f"{'TFLOP/s':>9}{'MFU':>7}{'ours/peer':>11}{'bf16/peer':>11}"
     )
     print(header)
     print("-" * len(header))
@@ -645,7 +714,7 @@ def print_table(rows, peak):
             f"{r['shape']:<11}{r['tokens_per_batch']:>10} {r['peer']:<10}"
             f"{r['target_tokens_per_second']:>11.0f}{r['tokens_per_second']:>11.0f}"
             f"{r['model_tflops_per_second']:>9.3f}{r['mfu']:>7.1%}"
-            f"{r['peak_rss_gib']:>8.1f}Gi{ratios[0]:>11}{ratios[1]:>11}"
+            f"{ratios[0]:>11}{ratios[1]:>11}"
         )
 
 
@@ -659,7 +728,16 @@ def main(argv=None):
     parser.add_argument("--mixed-precision", choices=("bfloat16", "float16"), default="bfloat16")
     parser.add_argument("--jit-compile", action="store_true", help="compile Keras peers with XLA")
     parser.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/...)")
+    parser.add_argument(
+        "--memory",
+        action="store_true",
+        help="measure peak RSS instead, each peer in a process of its own",
+    )
+    parser.add_argument("--memory-probe", choices=PEERS, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.memory_probe:
+        args.device = "cpu"
+        return memory_probe(args.shapes[0], args.budgets[0], args.memory_probe, args)
 
     import keras
 
@@ -691,6 +769,21 @@ def main(argv=None):
         os.path.dirname(__file__), "results", f"train_throughput-{backend}-{device}.json"
     )
     from keras_transformer.io_utils import atomic_write_json
+
+    if args.memory:
+        out = args.out or out.replace("train_throughput-", "train_memory-")
+        rows = measure_memory(args, out)
+        atomic_write_json(
+            out,
+            {
+                "command": "python -m benchmarks.train_throughput "
+                + " ".join(sys.argv[1:] if argv is None else argv),
+                "machine": machine,
+                "rows": rows,
+            },
+        )
+        print(f"wrote {out}")
+        return
 
     rows = []
     for shape in args.shapes:
