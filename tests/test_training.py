@@ -135,3 +135,30 @@ def test_sentence_weights_combine_with_the_padding_mask():
     metric.update_state(labels, logits, sample_weight=np.array([0.0, 1.0]))
     expected = (logits[1].argmax(-1) == labels[1]).mean()
     assert float(to_numpy(metric.result())) == pytest.approx(expected)
+
+
+def _loss_gradient(loss, labels, logits):
+    if keras.backend.backend() == "jax":
+        import jax
+
+        return np.asarray(jax.grad(lambda x: loss(labels, x))(logits))
+    import tensorflow as tf
+
+    x = tf.constant(logits)
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        value = loss(labels, x)
+    return tape.gradient(value, x).numpy()
+
+
+def test_loss_gradient_is_softmax_minus_smoothed_target():
+    eps, vocabulary = 0.1, 7
+    rng = np.random.default_rng(2)
+    labels = np.array([[3, 1, 6, 0], [2, 5, 0, 0]], "int32")
+    logits = rng.normal(size=(2, 4, vocabulary)).astype("float32")
+    gradient = _loss_gradient(LabelSmoothedCrossEntropy(eps), labels, logits)
+    softmax = np.exp(logits) / np.exp(logits).sum(-1, keepdims=True)
+    target = np.full(logits.shape, eps / vocabulary)
+    target[np.arange(2)[:, None], np.arange(4)[None], labels] += 1 - eps
+    expected = (softmax - target) * (labels != 0)[..., None] / (labels != 0).sum()
+    np.testing.assert_allclose(gradient, expected, atol=1e-6)
