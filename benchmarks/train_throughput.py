@@ -581,8 +581,15 @@ def measure_memory(args, out):
                 command += ["--mixed-precision", args.mixed_precision]
                 done = subprocess.run(command, capture_output=True, text=True)
                 if done.returncode:
-                    tail = done.stderr.strip().splitlines()[-1:] or ["(no output)"]
-                    print(f"  {shape} {budget} {name}: failed: {tail[0]}", flush=True)
+                    if done.returncode == -9:
+                        reason = "killed by SIGKILL (out of memory: see dmesg)"
+                    else:
+                        lines = done.stderr.strip().splitlines()
+                        reason = lines[-1] if lines else f"exit status {done.returncode}"
+                    rows.append(
+                        {"shape": shape, "tokens_per_batch": budget, "peer": name, "error": reason}
+                    )
+                    print(f"  {shape:<11}{budget:>6} {name:<10} failed: {reason}", flush=True)
                     continue
                 row = json.loads(done.stdout.strip().splitlines()[-1])
                 rows.append(row)
