@@ -569,8 +569,11 @@ def memory_probe(config_name, budget, name, args):
     )
 
 
-def measure_memory(args, out):
-    """Runs `memory_probe` in a subprocess for every configuration and peer."""
+def measure_memory(args, out, save):
+    """Runs `memory_probe` in a subprocess for every configuration and peer.
+
+    `save(rows)` is called after every probe, so a long run keeps what it measured.
+    """
     rows = []
     for shape in args.shapes:
         for budget in args.budgets:
@@ -590,6 +593,7 @@ def measure_memory(args, out):
                         {"shape": shape, "tokens_per_batch": budget, "peer": name, "error": reason}
                     )
                     print(f"  {shape:<11}{budget:>6} {name:<10} failed: {reason}", flush=True)
+                    save(rows)
                     continue
                 row = json.loads(done.stdout.strip().splitlines()[-1])
                 rows.append(row)
@@ -598,6 +602,7 @@ def measure_memory(args, out):
                     f"({row['peak_above_framework_gib']:.2f} GiB above the loaded framework)",
                     flush=True,
                 )
+                save(rows)
     return rows
 
 
@@ -779,15 +784,15 @@ def main(argv=None):
 
     if args.memory:
         out = args.out or out.replace("train_throughput-", "train_memory-")
-        rows = measure_memory(args, out)
-        atomic_write_json(
+        command = "python -m benchmarks.train_throughput " + " ".join(
+            sys.argv[1:] if argv is None else argv
+        )
+        measure_memory(
+            args,
             out,
-            {
-                "command": "python -m benchmarks.train_throughput "
-                + " ".join(sys.argv[1:] if argv is None else argv),
-                "machine": machine,
-                "rows": rows,
-            },
+            lambda rows: atomic_write_json(
+                out, {"command": command, "machine": machine, "rows": rows}
+            ),
         )
         print(f"wrote {out}")
         return
