@@ -569,7 +569,7 @@ def memory_probe(config_name, budget, name, args):
     )
 
 
-def measure_memory(args, out, save):
+def measure_memory(args, save):
     """Runs `memory_probe` in a subprocess for every configuration and peer.
 
     `save(rows)` is called after every probe, so a long run keeps what it measured.
@@ -789,7 +789,6 @@ def main(argv=None):
         )
         measure_memory(
             args,
-            out,
             lambda rows: atomic_write_json(
                 out, {"command": command, "machine": machine, "rows": rows}
             ),
