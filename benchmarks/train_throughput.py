@@ -762,6 +762,25 @@ def main(argv=None):
         device = jax.devices()[0].platform
     machine["device"] = device if device == "cpu" else jax.devices()[0].device_kind
     args.device = device
+    out = args.out or os.path.join(
+        os.path.dirname(__file__), "results", f"train_throughput-{backend}-{device}.json"
+    )
+    from keras_transformer.io_utils import atomic_write_json
+
+    command = "python -m benchmarks.train_throughput " + " ".join(
+        sys.argv[1:] if argv is None else argv
+    )
+    if args.memory:  # no matmul peak needed: each probe is a process of its own
+        out = args.out or out.replace("train_throughput-", "train_memory-")
+        measure_memory(
+            args,
+            lambda rows: atomic_write_json(
+                out, {"command": command, "machine": machine, "rows": rows}
+            ),
+        )
+        print(f"wrote {out}")
+        return
+
     # The peak: the best of the backend's and torch's dense matmul, measured now.
     peaks = {f"{backend}-float32": matmul_peak(backend)}
     libraries = [backend]
@@ -777,25 +796,6 @@ def main(argv=None):
             peaks[f"{library}-bfloat16"] = matmul_peak(library, dtype="bfloat16")
         peak["bfloat16"] = max(v for k, v in peaks.items() if k.endswith("bfloat16"))
     print("matmul GFLOP/s: " + ", ".join(f"{k} {v:.0f}" for k, v in peaks.items()), flush=True)
-    out = args.out or os.path.join(
-        os.path.dirname(__file__), "results", f"train_throughput-{backend}-{device}.json"
-    )
-    from keras_transformer.io_utils import atomic_write_json
-
-    if args.memory:
-        out = args.out or out.replace("train_throughput-", "train_memory-")
-        command = "python -m benchmarks.train_throughput " + " ".join(
-            sys.argv[1:] if argv is None else argv
-        )
-        measure_memory(
-            args,
-            lambda rows: atomic_write_json(
-                out, {"command": command, "machine": machine, "rows": rows}
-            ),
-        )
-        print(f"wrote {out}")
-        return
-
     rows = []
     for shape in args.shapes:
         for budget in args.budgets:
@@ -804,8 +804,7 @@ def main(argv=None):
             atomic_write_json(  # after every configuration, so a long run keeps what it measured
                 out,
                 {
-                    "command": "python -m benchmarks.train_throughput "
-                    + " ".join(sys.argv[1:] if argv is None else argv),
+                    "command": command,
                     "machine": machine,
                     "matmul_peak_gflops": peaks,
                     "peak_used_gflops": peak,
