@@ -100,33 +100,77 @@ def label_smoothed_token_losses(y_true, logits, label_smoothing):
 
     The smoothed target puts `1 - label_smoothing` on the true token and
     spreads `label_smoothing` uniformly over the whole vocabulary:
-    `(1 - e) * nll + e * mean_v(-log p_v)`. With `nll = logsumexp - logit_y`
-    and `mean_v(-log p_v) = logsumexp - mean_v(logit_v)` this is
-    `nll + e * (logit_y - mean_v(logit_v))`: the backend's fused sparse
-    cross-entropy (loss and gradient in one kernel) plus two cheap terms.
-    Nothing of size `(batch, length, vocabulary)` is kept for the backward
-    pass but the fused kernel's gradient, which matters at a 37000-token
-    vocabulary (25000 tokens x 37000 x 4 bytes = 3.7 GB per such tensor).
+    `(1 - e) * nll + e * mean_v(-log p_v)`, which is
+    `logsumexp - (1 - e) * logit_y - e * mean_v(logit_v)`.
+
+    The gradient is written by hand: `softmax - smoothed target`, times the
+    incoming gradient. The backward pass keeps only the logits and one
+    logsumexp per token, and builds the gradient in a few passes over one
+    `(batch, length, vocabulary)` tensor. Left to automatic differentiation,
+    the same loss keeps the fused kernel's softmax and scatters the gradient
+    of the label gather into a zero tensor, which at a 37000-token vocabulary
+    (25000 tokens x 37000 x 4 bytes = 3.7 GB per such tensor) costs seconds
+    and gigabytes per step on a CPU.
     """
     logits = ops.cast(logits, "float32")
     labels = ops.cast(y_true, "int32")
-    nll = ops.sparse_categorical_crossentropy(labels, logits, from_logits=True)  # (B, T)
-    if not label_smoothing:
-        return nll
-    return nll + label_smoothing * (_true_logits(labels, logits) - ops.mean(logits, axis=-1))
+    return _smoothed_cross_entropy(labels, float(label_smoothing))(logits)
+
+
+def _smoothed_cross_entropy(labels, label_smoothing):
+    """`logits -> per-token losses` with the hand-written gradient, for fixed `labels`."""
+    smoothing = label_smoothing
+    confidence = 1.0 - label_smoothing
+
+    @ops.custom_gradient
+    def losses(logits):
+        vocabulary_size = ops.shape(logits)[-1]
+        log_normalizer = ops.logsumexp(logits, axis=-1)  # (B, T)
+        loss = log_normalizer - confidence * _true_logits(labels, logits)
+        if smoothing:
+            loss = loss - smoothing * ops.mean(logits, axis=-1)
+
+        def grad(*args, upstream=None):
+            upstream = args[0] if upstream is None else upstream
+            upstream = ops.cast(upstream, "float32")
+            probs = ops.exp(logits - ops.expand_dims(log_normalizer, -1))
+            if smoothing:
+                probs = probs - smoothing / ops.cast(vocabulary_size, "float32")
+            gradient = probs * ops.expand_dims(upstream, -1)
+            return _add_at_labels(gradient, labels, -confidence * upstream)
+
+        return loss, grad
+
+    return losses
+
+
+def _flat_label_positions(labels, vocabulary_size):
+    """Positions of `labels` in the flattened `(B, T, V)` logits, int64."""
+    # int64: B*T*V passes 2**31 at 58k tokens with a 37000-token vocabulary.
+    rows = ops.arange(ops.size(labels), dtype="int64")
+    return rows * ops.cast(vocabulary_size, "int64") + ops.cast(ops.reshape(labels, (-1,)), "int64")
 
 
 def _true_logits(labels, logits):
     """`logits[b, t, labels[b, t]]`, shape `(B, T)`."""
     if keras.backend.backend() != "tensorflow":
         return ops.squeeze(ops.take_along_axis(logits, ops.expand_dims(labels, -1), axis=-1), -1)
-    # On TensorFlow the gradient of take_along_axis over the vocabulary axis is
-    # a slow segment sum; a gather of B*T scalars from the flattened logits
-    # (int64 positions: B*T*V passes 2**31 at 58k tokens) is cheap both ways.
-    vocabulary_size = ops.cast(ops.shape(logits)[-1], "int64")
-    rows = ops.arange(ops.size(labels), dtype="int64")
-    flat_index = rows * vocabulary_size + ops.cast(ops.reshape(labels, (-1,)), "int64")
-    return ops.reshape(ops.take(ops.reshape(logits, (-1,)), flat_index), ops.shape(labels))
+    positions = _flat_label_positions(labels, ops.shape(logits)[-1])
+    return ops.reshape(ops.take(ops.reshape(logits, (-1,)), positions), ops.shape(labels))
+
+
+def _add_at_labels(values, labels, amounts):
+    """`values` with `amounts[b, t]` added at `[b, t, labels[b, t]]`."""
+    if keras.backend.backend() != "tensorflow":
+        one_hot = ops.one_hot(labels, ops.shape(values)[-1], dtype=values.dtype)
+        return values + one_hot * ops.expand_dims(amounts, -1)
+    # On TensorFlow, a scatter of B*T scalars into the flattened tensor: no
+    # second (B, T, V) tensor.
+    positions = _flat_label_positions(labels, ops.shape(values)[-1])
+    flat = ops.reshape(values, (-1,))
+    updated = ops.take(flat, positions) + ops.reshape(amounts, (-1,))
+    flat = ops.scatter_update(flat, ops.expand_dims(positions, -1), updated)
+    return ops.reshape(flat, ops.shape(values))
 
 
 @keras.saving.register_keras_serializable(package="keras_transformer")
