@@ -201,17 +201,26 @@ class MultiHeadAttention(keras.layers.Layer):
         if mask is not None:
             mask = ops.expand_dims(mask, 1)  # (B, 1, T, S)
             scores = ops.where(mask, scores, MASKED_SCORE)
-        # Written out rather than ops.softmax, which warns on a length-1 key axis
-        # (the first decoding step).
-        weights = ops.exp(scores - ops.max(scores, axis=-1, keepdims=True))
-        weights = weights / ops.sum(weights, axis=-1, keepdims=True)
-        if mask is not None:
-            # A fully masked row has uniform weights here; zero it.
-            weights = weights * ops.cast(mask, "float32")
+        if scores.shape[-1] == 1:
+            # One key: every weight is 1 (ops.softmax would warn here, at the
+            # first step of uncached decoding).
+            weights = ops.ones_like(scores)
+        else:
+            # The backend's fused softmax: its gradient needs only its output.
+            weights = ops.softmax(scores, axis=-1)
         weights = ops.cast(weights, self.compute_dtype)
         attended = ops.einsum(
             "bnts,bsnh->btnh", self.dropout_layer(weights, training=training), v
         )  # (B, T, N, H)
+        if mask is not None:
+            # A query whose every key is masked got uniform weights: zero its
+            # output here, on (B, T, N, H) rather than on the larger weights.
+            has_key = ops.any(mask, axis=-1)  # (B, 1, T)
+            attended = attended * ops.cast(
+                ops.expand_dims(ops.transpose(has_key, (0, 2, 1)), -1), self.compute_dtype
+            )
+            if return_attention_scores:
+                weights = weights * ops.cast(ops.expand_dims(has_key, -1), self.compute_dtype)
         output = self._project(self.output_dense, attended)  # (B, T, D)
 
         outputs = (output,) if cache is None else (output, cache)
