@@ -3,8 +3,10 @@
 Every peer is built to the same shapes (`paper-base`: 6+6 layers, d_model 512,
 d_ff 2048, 8 heads, a 37000-token vocabulary; `small`: the package's preset),
 trained with Adam and label-smoothed cross-entropy (0.1) on the same fixed
-batches, in this one process, one after another, with the repetitions
-interleaved; the median repetition is reported, with ratios to ours.
+batches, one after another in one process per configuration (shape and
+token budget), with the repetitions interleaved; the median repetition is
+reported, with ratios to ours. A configuration whose process runs out of
+memory is reported as such and the run goes on.
 
 Peers (`--peers`):
     ours            this package, float32
@@ -42,6 +44,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -52,6 +55,7 @@ from benchmarks.machine import describe_machine
 PEERS = ("ours", "ours-bf16", "keras-hub", "keras-mha", "torch")
 SHAPES = ("small", "paper-base")
 BUDGETS = (4096, 25000)
+RESULTS = os.path.join(os.path.dirname(__file__), "results")
 
 
 # ----------------------------------------------------------------------------
@@ -707,6 +711,46 @@ def benchmark(config_name, budget, peers, args, peak_gflops):
     return rows
 
 
+ROWS_MARKER = "train_throughput rows: "
+
+
+def run_configuration(shape, budget, args, peak):
+    """`benchmark` for one configuration, in a child process; returns its rows.
+
+    All peers of a configuration still share that one process (built one
+    after another, repetitions interleaved). A configuration that needs more
+    memory than the machine has is then killed alone: its row says so and the
+    run goes on with the next configuration.
+    """
+    command = [sys.executable, "-u", "-m", "benchmarks.train_throughput"]
+    command += ["--configuration-child", json.dumps(peak)]
+    command += ["--shapes", shape, "--budgets", str(budget), "--peers", *args.peers]
+    command += ["--batches", str(args.batches), "--repeats", str(args.repeats)]
+    command += ["--mixed-precision", args.mixed_precision]
+    command += ["--jit-compile"] if args.jit_compile else []
+    child = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    rows = None
+    for line in child.stdout:
+        if line.startswith(ROWS_MARKER):
+            rows = json.loads(line[len(ROWS_MARKER) :])
+        else:
+            print(line, end="", flush=True)
+    status = child.wait()
+    if status == 0 and rows is not None:
+        return rows
+    if status == -9:
+        reason = (
+            "killed by SIGKILL, most likely out of memory (see dmesg): the peers of a "
+            "configuration share one process; `--memory` measures each peer alone"
+        )
+    else:
+        reason = f"failed with exit status {status} (its error is printed above)"
+    print(f"\n{shape}, ~{budget} tokens per batch: {reason}", flush=True)
+    return [
+        {"shape": shape, "tokens_per_batch": budget, "peers": list(args.peers), "error": reason}
+    ]
+
+
 def print_table(rows, peak):
     print(
         "\nmatmul peak measured in this run: "
@@ -719,6 +763,9 @@ def print_table(rows, peak):
     print(header)
     print("-" * len(header))
     for r in rows:
+        if "error" in r:
+            print(f"{r['shape']:<11}{r['tokens_per_batch']:>10} (all)      {r['error']}")
+            continue
         ratios = [
             f"{r[key]:.2f}x" if r.get(key) else "-" for key in ("ours_speedup", "ours_bf16_speedup")
         ]
@@ -728,6 +775,17 @@ def print_table(rows, peak):
             f"{r['model_tflops_per_second']:>9.3f}{r['mfu']:>7.1%}"
             f"{ratios[0]:>11}{ratios[1]:>11}"
         )
+
+
+def _device():
+    """ "cpu", or the platform of the JAX backend's first device ("gpu")."""
+    import keras
+
+    if keras.backend.backend() != "jax":
+        return "cpu"
+    import jax
+
+    return jax.devices()[0].platform
 
 
 def main(argv=None):
@@ -746,42 +804,96 @@ def main(argv=None):
         help="measure peak RSS instead, each peer in a process of its own",
     )
     parser.add_argument("--memory-probe", choices=PEERS, help=argparse.SUPPRESS)
+    parser.add_argument("--configuration-child", help=argparse.SUPPRESS)
+    parser.add_argument("--peak-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.memory_probe:
         args.device = "cpu"
         return memory_probe(args.shapes[0], args.budgets[0], args.memory_probe, args)
-
-    import keras
-
-    backend = keras.backend.backend()
-    machine = describe_machine()
-    device = "cpu"
-    if backend == "jax":
-        import jax
-
-        device = jax.devices()[0].platform
-    machine["device"] = device if device == "cpu" else jax.devices()[0].device_kind
-    args.device = device
-    out = args.out or os.path.join(
-        os.path.dirname(__file__), "results", f"train_throughput-{backend}-{device}.json"
-    )
-    from keras_transformer.io_utils import atomic_write_json
+    if args.configuration_child:
+        args.device = _device()
+        peak = json.loads(args.configuration_child)
+        rows = benchmark(args.shapes[0], args.budgets[0], args.peers, args, peak)
+        print(ROWS_MARKER + json.dumps(rows), flush=True)
+        return
+    if args.peak_child:
+        print(ROWS_MARKER + json.dumps(measure_peaks(args)), flush=True)
+        return
 
     command = "python -m benchmarks.train_throughput " + " ".join(
         sys.argv[1:] if argv is None else argv
     )
     if args.memory:  # no matmul peak needed: each probe is a process of its own
-        out = args.out or out.replace("train_throughput-", "train_memory-")
+        import keras
+
+        out = args.out or os.path.join(
+            RESULTS, f"train_memory-{keras.backend.backend()}-{_device()}.json"
+        )
+        machine = describe_machine()
         measure_memory(
             args,
-            lambda rows: atomic_write_json(
-                out, {"command": command, "machine": machine, "rows": rows}
-            ),
+            lambda rows: _write_json(out, {"command": command, "machine": machine, "rows": rows}),
         )
         print(f"wrote {out}")
         return
 
-    # The peak: the best of the backend's and torch's dense matmul, measured now.
+    # This process imports no framework: the children get the whole machine
+    # (and, on a GPU, the whole device memory).
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "benchmarks.train_throughput",
+            "--peak-child",
+            "--peers",
+            *args.peers,
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    reply = [line for line in done.stdout.splitlines() if line.startswith(ROWS_MARKER)]
+    if done.returncode or not reply:
+        sys.exit(f"error: measuring the matmul peak failed (exit status {done.returncode})")
+    measured = json.loads(reply[-1][len(ROWS_MARKER) :])
+    peaks, peak = measured["peaks"], measured["peak"]
+    args.device = measured["device"]
+    out = args.out or os.path.join(
+        RESULTS, f"train_throughput-{measured['backend']}-{measured['device']}.json"
+    )
+    print("matmul GFLOP/s: " + ", ".join(f"{k} {v:.0f}" for k, v in peaks.items()), flush=True)
+    rows = []
+    for shape in args.shapes:
+        for budget in args.budgets:
+            rows.extend(run_configuration(shape, budget, args, peak))
+            print_table(rows, peak)
+            _write_json(  # after every configuration, so a long run keeps what it measured
+                out,
+                {
+                    "command": command,
+                    "machine": measured["machine"],
+                    "matmul_peak_gflops": peaks,
+                    "peak_used_gflops": peak,
+                    "settings": vars(args),
+                    "rows": rows,
+                },
+            )
+            print(f"wrote {out}", flush=True)
+
+
+def measure_peaks(args):
+    """The dense matmul peaks of the backend (and torch), measured in this process."""
+    import keras
+
+    backend = keras.backend.backend()
+    device = _device()
+    machine = describe_machine()
+    if device != "cpu":
+        import jax
+
+        machine["device"] = jax.devices()[0].device_kind
+    else:
+        machine["device"] = device
+    # The peak: the best of the backend's and torch's dense matmul.
     peaks = {f"{backend}-float32": matmul_peak(backend)}
     libraries = [backend]
     if "torch" in args.peers:
@@ -795,24 +907,22 @@ def main(argv=None):
         for library in libraries:
             peaks[f"{library}-bfloat16"] = matmul_peak(library, dtype="bfloat16")
         peak["bfloat16"] = max(v for k, v in peaks.items() if k.endswith("bfloat16"))
-    print("matmul GFLOP/s: " + ", ".join(f"{k} {v:.0f}" for k, v in peaks.items()), flush=True)
-    rows = []
-    for shape in args.shapes:
-        for budget in args.budgets:
-            rows.extend(benchmark(shape, budget, args.peers, args, peak))
-            print_table(rows, peak)
-            atomic_write_json(  # after every configuration, so a long run keeps what it measured
-                out,
-                {
-                    "command": command,
-                    "machine": machine,
-                    "matmul_peak_gflops": peaks,
-                    "peak_used_gflops": peak,
-                    "settings": vars(args),
-                    "rows": rows,
-                },
-            )
-            print(f"wrote {out}", flush=True)
+    return {"backend": backend, "device": device, "machine": machine, "peaks": peaks, "peak": peak}
+
+
+def _write_json(path, payload):
+    """Writes `path` atomically (temp file, then rename), without importing the package."""
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(payload, f, indent=2)
+            f.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
 
 
 if __name__ == "__main__":
