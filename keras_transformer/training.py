@@ -117,10 +117,9 @@ def label_smoothed_token_losses(y_true, logits, label_smoothing):
     return _smoothed_cross_entropy(labels, float(label_smoothing))(logits)
 
 
-def _smoothed_cross_entropy(labels, label_smoothing):
+def _smoothed_cross_entropy(labels, smoothing):
     """`logits -> per-token losses` with the hand-written gradient, for fixed `labels`."""
-    smoothing = label_smoothing
-    confidence = 1.0 - label_smoothing
+    confidence = 1.0 - smoothing
 
     @ops.custom_gradient
     def losses(logits):
