@@ -124,8 +124,13 @@ def _smoothed_cross_entropy(labels, smoothing):
     @ops.custom_gradient
     def losses(logits):
         vocabulary_size = ops.shape(logits)[-1]
+        # On TensorFlow the true labels are read and written as B*T scalars of
+        # the flattened logits; found once here, used forward and backward.
+        positions = None
+        if keras.backend.backend() == "tensorflow":
+            positions = _flat_label_positions(labels, vocabulary_size)
         log_normalizer = ops.logsumexp(logits, axis=-1)  # (B, T)
-        loss = log_normalizer - confidence * _true_logits(labels, logits)
+        loss = log_normalizer - confidence * _true_logits(labels, logits, positions)
         if smoothing:
             loss = loss - smoothing * ops.mean(logits, axis=-1)
 
@@ -136,7 +141,7 @@ def _smoothed_cross_entropy(labels, smoothing):
             if smoothing:
                 probs = probs - smoothing / ops.cast(vocabulary_size, "float32")
             gradient = probs * ops.expand_dims(upstream, -1)
-            return _add_at_labels(gradient, labels, -confidence * upstream)
+            return _add_at_labels(gradient, labels, -confidence * upstream, positions)
 
         return loss, grad
 
@@ -150,22 +155,19 @@ def _flat_label_positions(labels, vocabulary_size):
     return rows * ops.cast(vocabulary_size, "int64") + ops.cast(ops.reshape(labels, (-1,)), "int64")
 
 
-def _true_logits(labels, logits):
-    """`logits[b, t, labels[b, t]]`, shape `(B, T)`."""
-    if keras.backend.backend() != "tensorflow":
+def _true_logits(labels, logits, positions=None):
+    """`logits[b, t, labels[b, t]]`, shape `(B, T)`; `positions` from `_flat_label_positions`."""
+    if positions is None:
         return ops.squeeze(ops.take_along_axis(logits, ops.expand_dims(labels, -1), axis=-1), -1)
-    positions = _flat_label_positions(labels, ops.shape(logits)[-1])
     return ops.reshape(ops.take(ops.reshape(logits, (-1,)), positions), ops.shape(labels))
 
 
-def _add_at_labels(values, labels, amounts):
+def _add_at_labels(values, labels, amounts, positions=None):
     """`values` with `amounts[b, t]` added at `[b, t, labels[b, t]]`."""
-    if keras.backend.backend() != "tensorflow":
+    if positions is None:
         one_hot = ops.one_hot(labels, ops.shape(values)[-1], dtype=values.dtype)
         return values + one_hot * ops.expand_dims(amounts, -1)
-    # On TensorFlow, a scatter of B*T scalars into the flattened tensor: no
-    # second (B, T, V) tensor.
-    positions = _flat_label_positions(labels, ops.shape(values)[-1])
+    # A scatter of B*T scalars into the flattened tensor: no second (B, T, V) tensor.
     flat = ops.reshape(values, (-1,))
     updated = ops.take(flat, positions) + ops.reshape(amounts, (-1,))
     flat = ops.scatter_update(flat, ops.expand_dims(positions, -1), updated)
