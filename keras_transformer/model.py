@@ -9,6 +9,7 @@ from keras import ops
 
 from keras_transformer.config import TransformerConfig
 from keras_transformer.layers import DecoderLayer, EncoderLayer, PaddingMask, PositionalEmbedding
+from keras_transformer.layers.layer_normalization import LayerNormalization
 from keras_transformer.layers.masks import padding_mask_from_ids
 
 
@@ -84,7 +85,7 @@ def build_transformer(config: TransformerConfig, name: str = "transformer") -> k
 
 
 def _final_norm(config, name):
-    return keras.layers.LayerNormalization(epsilon=config.layer_norm_epsilon, name=name)
+    return LayerNormalization(epsilon=config.layer_norm_epsilon, name=name)
 
 
 @dataclasses.dataclass

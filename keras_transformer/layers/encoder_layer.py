@@ -5,6 +5,7 @@ from __future__ import annotations
 import keras
 
 from keras_transformer.layers.feed_forward import FeedForward, clone_initializer
+from keras_transformer.layers.layer_normalization import LayerNormalization
 from keras_transformer.layers.multi_head_attention import MultiHeadAttention
 from keras_transformer.validation import check_positive_int, check_rate
 
@@ -23,7 +24,7 @@ class ResidualBlockMixin:
         return x if self.normalize_first else norm(x)
 
     def _norm(self, name):
-        return keras.layers.LayerNormalization(
+        return LayerNormalization(
             epsilon=self.layer_norm_epsilon, dtype=self.dtype_policy, name=name
         )
 
