@@ -901,7 +901,7 @@ def main(argv=None):
                     "command": command,
                     "machine": measured["machine"],
                     "matmul_peak_gflops": peaks,
-                    "first_peak_gflops": peak,
+                    "highest_peak_gflops": peak,  # the highest seen so far in the run
                     "settings": vars(args),
                     "rows": rows,
                 },
