@@ -5,6 +5,8 @@ from __future__ import annotations
 import keras
 from keras import ops
 
+from keras_transformer.layers.linear import column_sum
+
 
 @keras.saving.register_keras_serializable(package="keras_transformer")
 class LayerNormalization(keras.layers.LayerNormalization):
@@ -70,8 +72,8 @@ def _normalize_last_axis(epsilon):
                 - normalized * ops.mean(scaled * normalized, axis=-1, keepdims=True)
             )
             width = ops.shape(x)[-1]
-            dgamma = ops.sum(ops.reshape(upstream * normalized, (-1, width)), axis=0)
-            dbeta = ops.sum(ops.reshape(upstream, (-1, width)), axis=0)
+            dgamma = column_sum(ops.reshape(upstream * normalized, (-1, width)))
+            dbeta = column_sum(ops.reshape(upstream, (-1, width)))
             return dx, dgamma, dbeta
 
         return normalized * gamma + beta, grad

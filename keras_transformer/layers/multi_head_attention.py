@@ -7,6 +7,7 @@ import math
 import keras
 from keras import ops
 
+from keras_transformer.layers.linear import linear
 from keras_transformer.layers.masks import merge_masks
 from keras_transformer.validation import check_positive_int, check_rate
 
@@ -142,14 +143,14 @@ class MultiHeadAttention(keras.layers.Layer):
         export read them as before), but calling them would make TensorFlow
         broadcast the kernel over the batch in a batched matmul, whose kernel
         gradient is a per-sentence product summed over the batch. Flattening
-        the batch and time axes gives one plain matmul forward and backward.
+        the batch and time axes gives one plain matmul forward and backward
+        (`linear`, whose bias gradient is a matrix-vector product).
         """
         kernel = ops.cast(dense.kernel, self.compute_dtype)
         bias = ops.cast(dense.bias, self.compute_dtype)
         batch_size, length = ops.shape(x)[0], ops.shape(x)[1]
         rows = ops.reshape(x, (-1, self.hidden_dim))
-        y = ops.matmul(rows, ops.reshape(kernel, (self.hidden_dim, -1)))
-        y = y + ops.reshape(bias, (-1,))
+        y = linear(rows, ops.reshape(kernel, (self.hidden_dim, -1)), ops.reshape(bias, (-1,)))
         if dense is self.output_dense:
             return ops.reshape(y, (batch_size, length, self.hidden_dim))
         return ops.reshape(y, (batch_size, length, self.num_heads, self.head_dim))
