@@ -22,7 +22,6 @@ Prints one line per product and a summary; writes JSON
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -98,9 +97,7 @@ def _timer(product, repeats):
     if backend == "tensorflow":
         import tensorflow as tf
 
-        fn = tf.function(
-            lambda a, b: tf.matmul(a, b, transpose_a=ta, transpose_b=tb)[..., :1, :1]
-        )
+        fn = tf.function(lambda a, b: tf.matmul(a, b, transpose_a=ta, transpose_b=tb)[..., :1, :1])
 
         def run():
             fn(a, b).numpy()
