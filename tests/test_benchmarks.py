@@ -31,7 +31,18 @@ def test_the_step_products_add_up_to_the_analytic_flop_count():
 def test_ceiling_benchmark_runs_and_writes_json(tmp_path):
     out = tmp_path / "ceiling.json"
     summary = ceiling_main(
-        ["--shape", "small", "--budget", "128", "--repeats", "1", "--out", str(out)]
+        [
+            "--shape",
+            "small",
+            "--budget",
+            "128",
+            "--repeats",
+            "1",
+            "--rounds",
+            "2",
+            "--out",
+            str(out),
+        ]
     )
     written = json.loads(out.read_text())
     assert written["summary"] == summary
@@ -41,3 +52,9 @@ def test_ceiling_benchmark_runs_and_writes_json(tmp_path):
     assert summary["matmul_seconds"] > 0 and all(p > 0 for p in summary["peaks_measured_gflops"])
     assert 0 < summary["mfu_ceiling"] < 1.5
     assert {p["name"] for p in written["products"]} >= {"output dE", "encoder ffn in dW"}
+    # Two rounds: every product timed twice, keeping the best; peaks at the
+    # start and after each round.
+    for product in written["products"]:
+        assert len(product["seconds_by_round"]) == 2
+        assert product["seconds"] == min(product["seconds_by_round"])
+    assert len(summary["peaks_measured_gflops"]) == 3
