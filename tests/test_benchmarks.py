@@ -58,3 +58,13 @@ def test_ceiling_benchmark_runs_and_writes_json(tmp_path):
         assert len(product["seconds_by_round"]) == 2
         assert product["seconds"] == min(product["seconds_by_round"])
     assert len(summary["peaks_measured_gflops"]) == 3
+
+
+def test_ablations_run_and_agree():
+    from benchmarks.ablations import main as ablations_main
+
+    # Each experiment checks that its variants compute the same thing before timing.
+    results = ablations_main(["column-sum", "qkv", "xla-matmul", "--rows", "200", "--rounds", "1"])
+    assert set(results) == {"column-sum", "qkv", "xla-matmul"}
+    assert set(results["qkv"]) == {"separate", "fused, split", "fused, sliced"}
+    assert all(s > 0 for medians in results.values() for s in medians.values())

@@ -1,0 +1,151 @@
+"""Small side-by-side timings behind design choices of the training step.
+
+Each experiment builds its variants in one process and times them
+interleaved, over `--rounds` rounds; it prints the median per variant.
+TensorFlow backend only (the choices are about TensorFlow's CPU kernels).
+
+    column-sum  sum over the rows of a (rows, 512) matrix: TensorFlow's
+                reduce_sum, BiasAddGrad, and the product ones(1, rows) @ g
+                (what keras_transformer.layers.linear.column_sum does)
+    qkv         the three attention projections forward and backward:
+                separate 512 x 512 products, or one fused 512 x 1536 product
+                split with tf.split, or sliced from a (B, T, 3, N, H) view
+    xla-matmul  a (rows, 512) x (512, 2048) product, plain and under XLA
+
+    python -m benchmarks.ablations column-sum qkv xla-matmul --rows 25000
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+EXPERIMENTS = ("column-sum", "qkv", "xla-matmul")
+
+
+def _interleaved(fns, rounds):
+    """Median seconds of each zero-argument function, timed round-robin."""
+    for fn in fns.values():
+        fn()
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def column_sum_variants(rows):
+    import tensorflow as tf
+
+    g = tf.random.normal((rows, 512))
+    ones = tf.ones((1, rows))
+    fns = {
+        "reduce_sum": tf.function(lambda g: tf.reduce_sum(g, 0)),
+        "BiasAddGrad": tf.function(lambda g: tf.raw_ops.BiasAddGrad(out_backprop=g)),
+        "ones @ g": tf.function(lambda g: tf.matmul(ones, g)[0]),
+    }
+    reference = fns["reduce_sum"](g).numpy()
+    for name, fn in fns.items():
+        error = abs(fn(g).numpy() - reference).max()
+        assert error < 1e-2 * max(1.0, abs(reference).max()), (name, error)
+    return {name: (lambda fn=fn: fn(g).numpy()) for name, fn in fns.items()}, None
+
+
+def qkv_variants(rows):
+    import tensorflow as tf
+
+    batch, length, heads, head = rows // 20, 20, 8, 64
+    width = heads * head
+    x = tf.Variable(tf.random.normal((batch, length, width)))
+    kernels = [tf.Variable(tf.random.normal((width, width)) * 0.05) for _ in range(3)]
+    biases = [tf.Variable(tf.zeros((width,))) for _ in range(3)]
+    upstream = [tf.random.normal((batch, length, heads, head)) for _ in range(3)]
+
+    def separate(rows_2d):
+        return [
+            tf.reshape(tf.matmul(rows_2d, k) + b, (batch, length, heads, head))
+            for k, b in zip(kernels, biases, strict=True)
+        ]
+
+    def fused(rows_2d):
+        y = tf.matmul(rows_2d, tf.concat(kernels, axis=1)) + tf.concat(biases, axis=0)
+        return [tf.reshape(t, (batch, length, heads, head)) for t in tf.split(y, 3, axis=1)]
+
+    def fused_sliced(rows_2d):
+        y = tf.matmul(rows_2d, tf.concat(kernels, axis=1)) + tf.concat(biases, axis=0)
+        y = tf.reshape(y, (batch, length, 3, heads, head))
+        return [y[:, :, i] for i in range(3)]
+
+    def step(project):
+        @tf.function
+        def run():
+            with tf.GradientTape() as tape:
+                outputs = project(tf.reshape(x, (-1, width)))
+                loss = tf.add_n(
+                    [tf.reduce_sum(o * u) for o, u in zip(outputs, upstream, strict=True)]
+                )
+            grads = tape.gradient(loss, [x, *kernels, *biases])
+            return loss, grads
+
+        return run
+
+    fns = {
+        "separate": step(separate),
+        "fused, split": step(fused),
+        "fused, sliced": step(fused_sliced),
+    }
+    losses = {name: float(fn()[0]) for name, fn in fns.items()}
+    assert max(losses.values()) - min(losses.values()) <= 1e-3 * abs(losses["separate"]), losses
+    flops = 3 * 3 * 2.0 * rows * width * width  # three projections, forward + backward
+    return {name: (lambda fn=fn: fn()[0].numpy()) for name, fn in fns.items()}, flops
+
+
+def xla_matmul_variants(rows):
+    import tensorflow as tf
+
+    a = tf.random.normal((rows, 512))
+    b = tf.random.normal((512, 2048))
+    plain = tf.function(lambda a, b: tf.matmul(a, b)[:1, :1])
+    xla = tf.function(lambda a, b: tf.matmul(a, b)[:1, :1], jit_compile=True)
+    return {
+        "TensorFlow (oneDNN)": lambda: plain(a, b).numpy(),
+        "XLA": lambda: xla(a, b).numpy(),
+    }, 2.0 * rows * 512 * 2048
+
+
+VARIANTS = {
+    "column-sum": column_sum_variants,
+    "qkv": qkv_variants,
+    "xla-matmul": xla_matmul_variants,
+}
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("experiments", nargs="+", choices=EXPERIMENTS)
+    parser.add_argument("--rows", type=int, default=25000, help="tokens (rows) per product")
+    parser.add_argument("--rounds", type=int, default=7)
+    args = parser.parse_args(argv)
+    if args.rows < 20 or args.rounds < 1:
+        parser.error("--rows must be at least 20 and --rounds positive")
+    import keras
+
+    if keras.backend.backend() != "tensorflow":
+        raise SystemExit("benchmarks.ablations times TensorFlow kernels: KERAS_BACKEND=tensorflow")
+    results = {}
+    for name in args.experiments:
+        fns, flops = VARIANTS[name](args.rows)
+        medians = _interleaved(fns, args.rounds)
+        results[name] = medians
+        print(f"{name} ({args.rows} rows, median of {args.rounds} interleaved rounds):")
+        for variant, seconds in medians.items():
+            rate = f"  {flops / seconds / 1e9:6.1f} GFLOP/s" if flops else ""
+            print(f"  {variant:22s} {seconds * 1e3:9.2f} ms{rate}", flush=True)
+    return results
+
+
+if __name__ == "__main__":
+    main()
