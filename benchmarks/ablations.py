@@ -11,8 +11,12 @@ TensorFlow backend only (the choices are about TensorFlow's CPU kernels).
                 separate 512 x 512 products, or one fused 512 x 1536 product
                 split with tf.split, or sliced from a (B, T, 3, N, H) view
     xla-matmul  a (rows, 512) x (512, 2048) product, plain and under XLA
+    loss        the label-smoothed loss forward and backward over (rows,
+                vocabulary) logits: keras_transformer's (a softmax kept for
+                the backward pass) and a logsumexp forward with an
+                exp(logits - logsumexp) backward
 
-    python -m benchmarks.ablations column-sum qkv xla-matmul --rows 25000
+    python -m benchmarks.ablations column-sum qkv xla-matmul loss --rows 25000
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ import argparse
 import statistics
 import time
 
-EXPERIMENTS = ("column-sum", "qkv", "xla-matmul")
+EXPERIMENTS = ("column-sum", "qkv", "xla-matmul", "loss")
 
 
 def _interleaved(fns, rounds):
@@ -116,10 +120,61 @@ def xla_matmul_variants(rows):
     }, 2.0 * rows * 512 * 2048
 
 
+def loss_variants(rows, vocabulary=37000, smoothing=0.1):
+    import numpy as np
+    import tensorflow as tf
+
+    from keras_transformer import training
+
+    rng = np.random.default_rng(0)
+    logits = tf.Variable(rng.standard_normal((rows // 20, 20, vocabulary), dtype="float32"))
+    labels = tf.constant(rng.integers(1, vocabulary, (rows // 20, 20)), tf.int32)
+    confidence = 1.0 - smoothing
+
+    positions = training._flat_label_positions(labels, vocabulary)
+
+    @tf.custom_gradient
+    def logsumexp_loss(z):
+        log_normalizer = tf.reduce_logsumexp(z, axis=-1)
+        true_logits = training._true_logits(labels, z, positions)
+        loss = log_normalizer - confidence * true_logits - smoothing * tf.reduce_mean(z, -1)
+
+        def grad(upstream):
+            probs = tf.exp(z - log_normalizer[..., None]) - smoothing / vocabulary
+            gradient = probs * upstream[..., None]
+            return training._add_at_labels(gradient, labels, -confidence * upstream, positions)
+
+        return loss, grad
+
+    def step(losses):
+        @tf.function
+        def run():
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_sum(losses(logits))
+            gradient = tape.gradient(loss, logits)
+            return loss, gradient[:2, :2, :5]
+
+        return run
+
+    fns = {
+        "softmax kept (ours)": step(
+            lambda z: training.label_smoothed_token_losses(labels, z, smoothing)
+        ),
+        "logsumexp, exp again": step(logsumexp_loss),
+    }
+    results = {name: fn() for name, fn in fns.items()}
+    reference_loss, reference_gradient = results["logsumexp, exp again"]
+    for name, (loss, gradient) in results.items():
+        assert abs(float(loss) - float(reference_loss)) <= 1e-4 * abs(float(reference_loss)), name
+        np.testing.assert_allclose(gradient.numpy(), reference_gradient.numpy(), atol=1e-6)
+    return {name: (lambda fn=fn: fn()[0].numpy()) for name, fn in fns.items()}, None
+
+
 VARIANTS = {
     "column-sum": column_sum_variants,
     "qkv": qkv_variants,
     "xla-matmul": xla_matmul_variants,
+    "loss": loss_variants,
 }
 
 

@@ -162,3 +162,24 @@ def test_loss_gradient_is_softmax_minus_smoothed_target():
     target[np.arange(2)[:, None], np.arange(4)[None], labels] += 1 - eps
     expected = (softmax - target) * (labels != 0)[..., None] / (labels != 0).sum()
     np.testing.assert_allclose(gradient, expected, atol=1e-6)
+
+
+def test_loss_and_gradient_stay_exact_when_logits_spread_far():
+    # The true token's probability underflows float32 (its logit is 1000
+    # below the largest): the loss must still be the exact ~1000 nats, not inf.
+    eps, vocabulary = 0.1, 6
+    labels = np.array([[2, 4]], "int32")
+    logits = np.zeros((1, 2, vocabulary), "float32")
+    logits[0, 0] = [500.0, -3.0, -500.0, 1.0, 0.0, 2.0]
+    logits[0, 1] = [-1.0, 0.5, 0.0, 3.0, 2.0, -2.0]
+    loss = LabelSmoothedCrossEntropy(eps)
+    value = float(to_numpy(loss(labels, logits)))
+    assert value == pytest.approx(_hand_loss(labels, logits, eps), rel=1e-5)
+    assert value > 400
+    gradient = _loss_gradient(loss, labels, logits)
+    assert np.isfinite(gradient).all()
+    # The first token: softmax is one-hot on the 500 logit.
+    expected = -np.full(vocabulary, eps / vocabulary)
+    expected[0] += 1.0
+    expected[2] -= 1 - eps
+    np.testing.assert_allclose(gradient[0, 0], expected / 2, atol=1e-6)
