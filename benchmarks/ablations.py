@@ -15,8 +15,10 @@ TensorFlow backend only (the choices are about TensorFlow's CPU kernels).
                 vocabulary) logits: keras_transformer's (a softmax kept for
                 the backward pass) and a logsumexp forward with an
                 exp(logits - logsumexp) backward
+    dropout     dropout at rate 0.1 forward and backward over (rows, 512):
+                keras.layers.Dropout and keras_transformer's 16-bit masks
 
-    python -m benchmarks.ablations column-sum qkv xla-matmul loss --rows 25000
+    python -m benchmarks.ablations column-sum qkv xla-matmul loss dropout --rows 25000
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import argparse
 import statistics
 import time
 
-EXPERIMENTS = ("column-sum", "qkv", "xla-matmul", "loss")
+EXPERIMENTS = ("column-sum", "qkv", "xla-matmul", "loss", "dropout")
 
 
 def _interleaved(fns, rounds):
@@ -170,11 +172,37 @@ def loss_variants(rows, vocabulary=37000, smoothing=0.1):
     return {name: (lambda fn=fn: fn()[0].numpy()) for name, fn in fns.items()}, None
 
 
+def dropout_variants(rows):
+    import keras
+    import tensorflow as tf
+
+    from keras_transformer.layers.dropout import Dropout
+
+    x = tf.Variable(tf.random.normal((rows // 20, 20, 512)))
+
+    def step(layer):
+        @tf.function
+        def run():
+            with tf.GradientTape() as tape:
+                y = layer(x, training=True)
+            gradient = tape.gradient(y, x, output_gradients=tf.ones_like(y))
+            return tf.reduce_mean(tf.cast(y == 0, tf.float32)), gradient[0, 0, 0]
+
+        return run
+
+    fns = {"keras.layers.Dropout": step(keras.layers.Dropout(0.1, seed=1))}
+    fns["16-bit masks (ours)"] = step(Dropout(0.1, seed=1))
+    for name, fn in fns.items():
+        assert abs(float(fn()[0]) - 0.1) < 0.01, name
+    return {name: (lambda fn=fn: fn()[1].numpy()) for name, fn in fns.items()}, None
+
+
 VARIANTS = {
     "column-sum": column_sum_variants,
     "qkv": qkv_variants,
     "xla-matmul": xla_matmul_variants,
     "loss": loss_variants,
+    "dropout": dropout_variants,
 }
 
 

@@ -65,9 +65,9 @@ def test_ablations_run_and_agree():
 
     # Each experiment checks that its variants compute the same thing before timing.
     results = ablations_main(
-        ["column-sum", "qkv", "xla-matmul", "loss", "--rows", "200", "--rounds", "1"]
+        ["column-sum", "qkv", "xla-matmul", "loss", "dropout", "--rows", "200", "--rounds", "1"]
     )
-    assert set(results) == {"column-sum", "qkv", "xla-matmul", "loss"}
+    assert set(results) == {"column-sum", "qkv", "xla-matmul", "loss", "dropout"}
     assert set(results["loss"]) == {"softmax kept (ours)", "logsumexp, exp again"}
     assert set(results["qkv"]) == {"separate", "fused, split", "fused, sliced"}
     assert all(s > 0 for medians in results.values() for s in medians.values())

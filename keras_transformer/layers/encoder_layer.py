@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import keras
 
+from keras_transformer.layers.dropout import Dropout
 from keras_transformer.layers.feed_forward import FeedForward, clone_initializer
 from keras_transformer.layers.layer_normalization import LayerNormalization
 from keras_transformer.layers.multi_head_attention import MultiHeadAttention
@@ -29,7 +30,7 @@ class ResidualBlockMixin:
         )
 
     def _dropout(self, name):
-        return keras.layers.Dropout(self.dropout, dtype=self.dtype_policy, name=name)
+        return Dropout(self.dropout, dtype=self.dtype_policy, name=name)
 
     def _validate(self, hidden_dim, intermediate_dim, num_heads, dropout):
         check_positive_int("hidden_dim", hidden_dim)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import keras
 
+from keras_transformer.layers.dropout import Dropout
 from keras_transformer.validation import check_positive_int, check_rate
 
 
@@ -62,9 +63,7 @@ class FeedForward(keras.layers.Layer):
             dtype=self.dtype_policy,
             name="intermediate_dense",
         )
-        self.dropout_layer = keras.layers.Dropout(
-            self.dropout, dtype=self.dtype_policy, name="dropout_layer"
-        )
+        self.dropout_layer = Dropout(self.dropout, dtype=self.dtype_policy, name="dropout_layer")
         self.output_dense = keras.layers.Dense(
             hidden_dim,
             kernel_initializer=clone_initializer(self.kernel_initializer),

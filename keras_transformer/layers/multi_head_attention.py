@@ -7,6 +7,7 @@ import math
 import keras
 from keras import ops
 
+from keras_transformer.layers.dropout import Dropout
 from keras_transformer.layers.linear import linear
 from keras_transformer.layers.masks import merge_masks
 from keras_transformer.validation import check_positive_int, check_rate
@@ -112,9 +113,7 @@ class MultiHeadAttention(keras.layers.Layer):
         self.key_dense = projection("key_dense", "btd,dnh->btnh", heads, "nh")
         self.value_dense = projection("value_dense", "btd,dnh->btnh", heads, "nh")
         self.output_dense = projection("output_dense", "btnh,nhd->btd", (None, hidden_dim), "d")
-        self.dropout_layer = keras.layers.Dropout(
-            self.dropout, dtype=self.dtype_policy, name="dropout_layer"
-        )
+        self.dropout_layer = Dropout(self.dropout, dtype=self.dtype_policy, name="dropout_layer")
 
     def build(self, query_shape, value_shape=None, key_shape=None):
         value_shape = query_shape if value_shape is None else value_shape

@@ -8,6 +8,7 @@ import keras
 import numpy as np
 from keras import ops
 
+from keras_transformer.layers.dropout import Dropout
 from keras_transformer.validation import check_positive_int, check_rate
 
 
@@ -81,9 +82,7 @@ class PositionalEmbedding(keras.layers.Layer):
         self.embeddings_initializer = keras.initializers.get(embeddings_initializer)
         self._table = sinusoid_table(max_length, hidden_dim)
         self._scale = math.sqrt(hidden_dim)
-        self.dropout_layer = keras.layers.Dropout(
-            self.dropout, dtype=self.dtype_policy, name="dropout_layer"
-        )
+        self.dropout_layer = Dropout(self.dropout, dtype=self.dtype_policy, name="dropout_layer")
 
     def build(self, input_shape=None):
         self._embeddings = self.add_weight(
