@@ -59,7 +59,7 @@ def _tensorflow_dropout(x, levels, seed):
 
     if seed.dtype != tf.int32:  # as Keras' TensorFlow backend casts its seeds
         seed = tf.cast(tf.math.floormod(seed, tf.int32.max - 1), tf.int32)
-    size = tf.size(x)
+    size = tf.size(x, out_type=tf.int64)  # int32 would overflow past 2**31 elements
     words = tf.random.stateless_uniform(
         [(size + 1) // 2], seed, dtype=tf.int32, minval=None, maxval=None
     )
