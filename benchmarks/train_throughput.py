@@ -57,7 +57,8 @@ import numpy as np
 from benchmarks.machine import describe_machine
 
 PEERS = ("ours", "ours-bf16", "keras-hub", "keras-mha", "torch")
-SHAPES = ("small", "paper-base")
+SHAPES = ("small", "paper-base")  # the default run
+ALL_SHAPES = SHAPES + ("paper-big",)  # Transformer-big, for GPU runs
 BUDGETS = (4096, 25000)
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
 
@@ -155,20 +156,30 @@ def training_flops(config, source_lengths, target_lengths):
 # Matmul peak and memory
 
 
-def matmul_peak(backend, size=4096, repeats=5, dtype="float32"):
-    """Best dense matmul GFLOP/s of `backend` on size x size operands."""
-    flops = 2.0 * size**3
+def matmul_peak(backend, size=None, repeats=5, dtype="float32"):
+    """Best dense matmul GFLOP/s of `backend` on size x size operands.
+
+    On the CPU one 4096 x 4096 product is timed; on a GPU, where one product
+    takes about a millisecond, ten 8192 x 8192 products are queued back to back
+    and timed together, so the launch and synchronization overhead is spread.
+    Operands are random normal numbers (zeros can run faster than real data).
+    """
+    gpu = _accelerated(backend)
+    size = size or (8192 if gpu else 4096)
+    chain = 10 if gpu else 1
+    flops = chain * 2.0 * size**3
     if backend == "torch":
         import torch
 
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+        device = "cuda" if gpu else "cpu"
         torch_dtype = getattr(torch, dtype)
         a = torch.randn(size, size, device=device).to(torch_dtype)
         b = torch.randn(size, size, device=device).to(torch_dtype)
 
         def run():
-            c = a @ b
-            if device == "cuda":
+            for _ in range(chain):
+                c = a @ b
+            if gpu:
                 torch.cuda.synchronize()
             return c
 
@@ -180,7 +191,9 @@ def matmul_peak(backend, size=4096, repeats=5, dtype="float32"):
         matmul = tf.function(lambda x, y: tf.reduce_sum(tf.matmul(x, y)[:1, :1]))
 
         def run():
-            return matmul(a, b).numpy()
+            for _ in range(chain):
+                c = matmul(a, b)
+            return c.numpy()
 
     elif backend == "jax":
         import jax
@@ -191,7 +204,9 @@ def matmul_peak(backend, size=4096, repeats=5, dtype="float32"):
         matmul = jax.jit(lambda x, y: x @ y)
 
         def run():
-            return matmul(a, b).block_until_ready()
+            for _ in range(chain):
+                c = matmul(a, b)
+            return c.block_until_ready()
 
     else:
         raise ValueError(f"no matmul peak for backend {backend!r}")
@@ -202,6 +217,19 @@ def matmul_peak(backend, size=4096, repeats=5, dtype="float32"):
         run()
         best = min(best, time.perf_counter() - start)
     return flops / best / 1e9
+
+
+def _accelerated(library):
+    """Whether `library` ("torch", "jax", "tensorflow") computes on a GPU here."""
+    if library == "torch":
+        import torch
+
+        return torch.cuda.is_available()
+    if library == "jax":
+        import jax
+
+        return jax.devices()[0].platform != "cpu"
+    return False
 
 
 def _rss_bytes():
@@ -263,7 +291,8 @@ def _keras_compile(model, config, jit_compile):
     model.compile(
         optimizer=transformer_optimizer(config.hidden_dim, warmup_steps=4000),
         loss=LabelSmoothedCrossEntropy(0.1),
-        jit_compile=jit_compile,
+        # Keras' "auto": XLA under JAX, none under TensorFlow on a CPU-only machine.
+        jit_compile=True if jit_compile else "auto",
     )
     return model
 
@@ -339,6 +368,9 @@ def build_keras_mha(config):
         def call(self, x):
             positions = ops.convert_to_tensor(table[None], self.compute_dtype)
             return x * ops.cast(math.sqrt(d), x.dtype) + positions[:, : ops.shape(x)[1]]
+
+        def compute_output_shape(self, input_shape):  # JAX cannot infer it from `call`
+            return input_shape
 
     source_ids = keras.Input(shape=(None,), dtype="int32", name="source_ids")
     target_ids = keras.Input(shape=(None,), dtype="int32", name="target_ids")
@@ -563,18 +595,25 @@ def memory_probe(config_name, budget, name, args):
         for item in prepared:
             peer.step(item)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    print(
-        json.dumps(
-            {
-                "shape": config_name,
-                "tokens_per_batch": budget,
-                "peer": name,
-                "peak_rss_gib": peak / 2**30,
-                "framework_rss_gib": baseline / 2**30,
-                "peak_above_framework_gib": (peak - baseline) / 2**30,
-            }
-        )
-    )
+    row = {
+        "shape": config_name,
+        "tokens_per_batch": budget,
+        "peer": name,
+        "peak_rss_gib": peak / 2**30,
+        "framework_rss_gib": baseline / 2**30,
+        "peak_above_framework_gib": (peak - baseline) / 2**30,
+    }
+    if args.device != "cpu":  # the allocators' peak bytes in use on the GPU
+        if name == "torch":
+            import torch
+
+            device_peak = torch.cuda.max_memory_allocated()
+        else:
+            import jax
+
+            device_peak = jax.devices()[0].memory_stats()["peak_bytes_in_use"]
+        row["device_peak_gib"] = device_peak / 2**30
+    print(json.dumps(row))
 
 
 def measure_memory(args, save):
@@ -605,9 +644,15 @@ def measure_memory(args, save):
                     continue
                 row = json.loads(done.stdout.strip().splitlines()[-1])
                 rows.append(row)
+                device = (
+                    f", device peak {row['device_peak_gib']:.2f} GiB"
+                    if "device_peak_gib" in row
+                    else ""
+                )
                 print(
                     f"  {shape:<11}{budget:>6} {name:<10} peak RSS {row['peak_rss_gib']:.2f} GiB "
-                    f"({row['peak_above_framework_gib']:.2f} GiB above the loaded framework)",
+                    f"({row['peak_above_framework_gib']:.2f} GiB above the loaded framework)"
+                    f"{device}",
                     flush=True,
                 )
                 save(rows)
@@ -704,6 +749,12 @@ def benchmark(config_name, budget, peers, args, peak_gflops):
                 "tokens_per_second": (real_source + real_target) / median,
                 "model_tflops_per_second": flops / median / 1e12,
                 "mfu": flops / median / 1e9 / peak_used[precision],
+                # On a GPU every peer is also held to the dense bfloat16 peak.
+                "mfu_of_bfloat16_peak": (
+                    flops / median / 1e9 / peak_used["bfloat16"]
+                    if "bfloat16" in peak_used
+                    else None
+                ),
                 "peak_precision": precision,
                 "peak_gflops": peak_used[precision],
                 "peaks_measured_gflops": peaks_seen[precision],
@@ -780,9 +831,12 @@ def print_table(rows):
         "\nMFU: model FLOP/s over the highest dense matmul rate of its precision "
         "measured in the run up to the end of that configuration ('peak', GFLOP/s)"
     )
+    bf16 = any(r.get("mfu_of_bfloat16_peak") for r in rows)
     header = (
         f"{'shape':<11}{'tok/batch':>10} {'peer':<10}{'tgt tok/s':>11}{'all tok/s':>11}"
-        f"{'TFLOP/s':>9}{'peak':>6}{'MFU':>7}{'ours/peer':>11}{'bf16/peer':>11}"
+        f"{'TFLOP/s':>9}{'peak':>7}{'MFU':>7}"
+        + (f"{'MFU/bf16':>9}" if bf16 else "")
+        + f"{'ours/peer':>11}{'bf16/peer':>11}"
     )
     print(header)
     print("-" * len(header))
@@ -796,8 +850,9 @@ def print_table(rows):
         print(
             f"{r['shape']:<11}{r['tokens_per_batch']:>10} {r['peer']:<10}"
             f"{r['target_tokens_per_second']:>11.0f}{r['tokens_per_second']:>11.0f}"
-            f"{r['model_tflops_per_second']:>9.3f}{r['peak_gflops']:>6.0f}{r['mfu']:>7.1%}"
-            f"{ratios[0]:>11}{ratios[1]:>11}"
+            f"{r['model_tflops_per_second']:>9.3f}{r['peak_gflops']:>7.0f}{r['mfu']:>7.1%}"
+            + (f"{r.get('mfu_of_bfloat16_peak') or 0:>9.1%}" if bf16 else "")
+            + f"{ratios[0]:>11}{ratios[1]:>11}"
         )
 
 
@@ -814,13 +869,17 @@ def _device():
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
-    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=SHAPES)
+    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=ALL_SHAPES)
     parser.add_argument("--budgets", nargs="+", type=int, default=list(BUDGETS))
     parser.add_argument("--peers", nargs="+", default=list(PEERS), choices=PEERS)
     parser.add_argument("--batches", type=int, default=2, help="distinct batches per pass")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--mixed-precision", choices=("bfloat16", "float16"), default="bfloat16")
-    parser.add_argument("--jit-compile", action="store_true", help="compile Keras peers with XLA")
+    parser.add_argument(
+        "--jit-compile",
+        action="store_true",
+        help="compile Keras peers with XLA under TensorFlow too (JAX always compiles)",
+    )
     parser.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/...)")
     parser.add_argument(
         "--memory",
@@ -831,8 +890,12 @@ def main(argv=None):
     parser.add_argument("--configuration-child", help=argparse.SUPPRESS)
     parser.add_argument("--peak-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    # On a GPU, JAX would otherwise take 75% of the device memory at start-up,
+    # leaving torch (a peer in the same process) the rest, and hiding each
+    # peer's real need. Set before any child imports JAX.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     if args.memory_probe:
-        args.device = "cpu"
+        args.device = _device()
         return memory_probe(args.shapes[0], args.budgets[0], args.memory_probe, args)
     if args.configuration_child:
         args.device = _device()
@@ -919,7 +982,23 @@ def measure_peaks(args):
     if device != "cpu":
         import jax
 
-        machine["device"] = jax.devices()[0].device_kind
+        gpu = jax.devices()[0]
+        machine["device"] = gpu.device_kind
+        machine["jax"] = jax.__version__
+        machine["device_memory_gib"] = round(
+            (gpu.memory_stats() or {}).get("bytes_limit", 0) / 2**30, 1
+        )
+        # None means XLA's default, which on NVIDIA GPUs since Ampere runs
+        # float32 matmuls on the tensor cores in TF32: the float32 peak
+        # and the float32 peers alike.
+        machine["jax_default_matmul_precision"] = jax.config.jax_default_matmul_precision
+        if "torch" in args.peers:
+            try:
+                import torch
+
+                machine["torch"] = torch.__version__
+            except ImportError:
+                pass
     else:
         machine["device"] = device
     peaks = library_peaks(args.peers, device)
