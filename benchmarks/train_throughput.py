@@ -985,7 +985,8 @@ def measure_peaks(args):
         gpu = jax.devices()[0]
         machine["device"] = gpu.device_kind
         machine["jax"] = jax.__version__
-        machine["device_memory_gib"] = round(
+        # What JAX may allocate (75% of the device memory by default).
+        machine["jax_memory_limit_gib"] = round(
             (gpu.memory_stats() or {}).get("bytes_limit", 0) / 2**30, 1
         )
         # None means XLA's default, which on NVIDIA GPUs since Ampere runs
