@@ -71,3 +71,55 @@ def test_ablations_run_and_agree():
     assert set(results["loss"]) == {"logsumexp, exp again (ours)", "softmax kept"}
     assert set(results["qkv"]) == {"separate", "fused, split", "fused, sliced"}
     assert all(s > 0 for medians in results.values() for s in medians.values())
+
+
+def test_train_throughput_runs_peers_side_by_side_and_writes_json(tmp_path, capsys):
+    from benchmarks.train_throughput import main as throughput_main
+
+    out = tmp_path / "throughput.json"
+    throughput_main(
+        ["--shapes", "small", "--budgets", "256", "--peers", "ours", "keras-mha"]
+        + ["--batches", "1", "--repeats", "2", "--out", str(out)]
+    )
+    written = json.loads(out.read_text())
+    rows = written["rows"]
+    assert [r["peer"] for r in rows] == ["ours", "keras-mha"]
+    assert written["machine"]["device"] == "cpu"
+    assert set(written["highest_peak_gflops"]) == {"float32"}
+    for row in rows:
+        assert len(row["seconds"]) == 2 and row["median_seconds"] > 0
+        assert row["tokens_per_second"] > row["target_tokens_per_second"] > 0
+        # Utilization is model FLOP/s over the highest peak of the run.
+        assert row["peak_gflops"] == max(row["peaks_measured_gflops"])
+        assert row["mfu"] == row["model_tflops_per_second"] * 1e3 / row["peak_gflops"]
+        assert row["mfu_of_bfloat16_peak"] is None  # no bfloat16 peak on a CPU
+        assert np.isfinite(row["first_loss"]) and row["first_loss"] > 0
+    ours, peer = rows
+    assert ours["ours_speedup"] == 1.0
+    assert (
+        peer["ours_speedup"] == ours["target_tokens_per_second"] / peer["target_tokens_per_second"]
+    )
+    printed = capsys.readouterr().out
+    assert "small" in printed and "keras-mha" in printed and "MFU/bf16" not in printed
+
+
+def test_throughput_table_has_a_bfloat16_column_when_a_gpu_peak_exists(capsys):
+    from benchmarks.train_throughput import print_table
+
+    row = {
+        "shape": "paper-base",
+        "tokens_per_batch": 25000,
+        "peer": "ours-bf16",
+        "target_tokens_per_second": 300000.0,
+        "tokens_per_second": 600000.0,
+        "model_tflops_per_second": 116.0,
+        "peak_gflops": 786000.0,
+        "mfu": 0.1476,
+        "mfu_of_bfloat16_peak": 0.1476,
+        "ours_speedup": 0.7,
+        "ours_bf16_speedup": 1.0,
+    }
+    print_table([row])
+    lines = capsys.readouterr().out.splitlines()
+    assert "MFU/bf16" in lines[2]  # the header, after a blank line and the legend
+    assert lines[-1].split()[-4:] == ["14.8%", "14.8%", "0.70x", "1.00x"]
