@@ -25,7 +25,12 @@ Model FLOPs are counted analytically (forward: every projection, the attention
 scores and weighted values, the feed-forward layers and the output layer;
 training = 3 x forward) on the real tokens of each batch; utilization divides
 model FLOP/s by the dense float32 matmul peak measured on this machine in the
-same run (the best of the backend's and torch's 4096 x 4096 matmul). The peak
+same run (the best of the backend's and torch's 4096 x 4096 matmul). On a GPU
+(`KERAS_BACKEND=jax`) the peaks are ten back-to-back 8192 x 8192 products in
+float32 (XLA's default precision: TF32 on recent NVIDIA GPUs) and bfloat16;
+mixed-precision peers are held to the bfloat16 peak, and every row is also
+given against it (`mfu_of_bfloat16_peak`); `--memory` reports the device
+allocator's peak next to RSS. The peak
 is measured at the start of the run and again in each configuration's process
 before every round of repetitions and after the last; the highest value seen
 so far is the one used, so a VM that slows down during the run does not
