@@ -193,7 +193,7 @@ def matmul_peak(backend, size=None, repeats=5, dtype="float32"):
 
         a = tf.cast(tf.random.normal((size, size)), dtype)
         b = tf.cast(tf.random.normal((size, size)), dtype)
-        matmul = tf.function(lambda x, y: tf.reduce_sum(tf.matmul(x, y)[:1, :1]))
+        matmul = tf.function(lambda x, y: tf.reduce_sum(tf.matmul(x, y)[:1, :1]), autograph=False)
 
         def run():
             for _ in range(chain):
