@@ -28,7 +28,13 @@ import sys
 import time
 
 from benchmarks.machine import describe_machine
-from benchmarks.train_throughput import _setup, _write_json, matmul_peak, training_flops
+from benchmarks.train_throughput import (
+    _setup,
+    _write_json,
+    matmul_peak,
+    time_product,
+    training_flops,
+)
 
 
 def step_products(config, batch_size, source_len, target_len):
@@ -91,45 +97,18 @@ def _shape_key(product):
 def _timer(product, repeats):
     """Best seconds of one product alone, on the current backend."""
     import keras
-    from keras import ops
 
-    batch, m, k, n = product["batch"], product["m"], product["k"], product["n"]
+    lead = (product["batch"],) if product["batch"] > 1 else ()
+    m, k, n = product["m"], product["k"], product["n"]
     ta, tb = product["transpose_a"], product["transpose_b"]
-    lead = (batch,) if batch > 1 else ()
-    a = ops.full(lead + ((k, m) if ta else (m, k)), 0.01, "float32")
-    b = ops.full(lead + ((n, k) if tb else (k, n)), 0.01, "float32")
-    backend = keras.backend.backend()
-    if backend == "tensorflow":
-        import tensorflow as tf
-
-        fn = tf.function(lambda a, b: tf.matmul(a, b, transpose_a=ta, transpose_b=tb)[..., :1, :1])
-
-        def run():
-            fn(a, b).numpy()
-
-    elif backend == "jax":
-        import jax
-        import jax.numpy as jnp
-
-        def product_fn(a, b):
-            a = jnp.swapaxes(a, -1, -2) if ta else a
-            b = jnp.swapaxes(b, -1, -2) if tb else b
-            return a @ b
-
-        fn = jax.jit(product_fn)
-
-        def run():
-            fn(a, b).block_until_ready()
-
-    else:
-        raise SystemExit(f"matmul_ceiling: no timer for backend {backend!r}")
-    run()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return min(times)
+    return time_product(
+        keras.backend.backend(),
+        lead + ((k, m) if ta else (m, k)),
+        lead + ((n, k) if tb else (k, n)),
+        transpose_a=ta,
+        transpose_b=tb,
+        repeats=repeats,
+    )
 
 
 def time_training_step(config, batch, steps):

@@ -167,19 +167,44 @@ def matmul_peak(backend, size=None, repeats=5, dtype="float32"):
     On the CPU one 4096 x 4096 product is timed; on a GPU, where one product
     takes about a millisecond, ten 8192 x 8192 products are queued back to back
     and timed together, so the launch and synchronization overhead is spread.
-    Operands are random normal numbers (zeros can run faster than real data).
     """
     gpu = _accelerated(backend)
     size = size or (8192 if gpu else 4096)
-    chain = 10 if gpu else 1
-    flops = chain * 2.0 * size**3
-    if backend == "torch":
+    seconds = time_product(
+        backend, (size, size), (size, size), dtype=dtype, repeats=repeats, chain=10 if gpu else 1
+    )
+    return 2.0 * size**3 / seconds / 1e9
+
+
+def time_product(
+    library,
+    a_shape,
+    b_shape,
+    transpose_a=False,
+    transpose_b=False,
+    dtype="float32",
+    repeats=5,
+    chain=1,
+):
+    """Best seconds of one product `a @ b` by `library` ("tensorflow", "jax", "torch").
+
+    `a_shape` and `b_shape` are the stored shapes (leading batch dimensions
+    allowed); `transpose_a`/`transpose_b` transpose the last two axes in the
+    product, as the backward passes do. Operands are random normal numbers
+    drawn on the device (zeros or constants can run faster than real data).
+    Each timing queues `chain` products and waits for the last; the best of
+    `repeats` timings, divided by `chain`, is returned, after one untimed run.
+    """
+    gpu = _accelerated(library)
+    if library == "torch":
         import torch
 
         device = "cuda" if gpu else "cpu"
         torch_dtype = getattr(torch, dtype)
-        a = torch.randn(size, size, device=device).to(torch_dtype)
-        b = torch.randn(size, size, device=device).to(torch_dtype)
+        a = torch.randn(a_shape, device=device).to(torch_dtype)
+        b = torch.randn(b_shape, device=device).to(torch_dtype)
+        a = a.mT if transpose_a else a  # views: the product reads the stored layout
+        b = b.mT if transpose_b else b
 
         def run():
             for _ in range(chain):
@@ -188,40 +213,51 @@ def matmul_peak(backend, size=None, repeats=5, dtype="float32"):
                 torch.cuda.synchronize()
             return c
 
-    elif backend == "tensorflow":
+    elif library == "tensorflow":
         import tensorflow as tf
 
-        a = tf.cast(tf.random.normal((size, size)), dtype)
-        b = tf.cast(tf.random.normal((size, size)), dtype)
-        matmul = tf.function(lambda x, y: tf.reduce_sum(tf.matmul(x, y)[:1, :1]), autograph=False)
+        a = tf.cast(tf.random.normal(a_shape), dtype)
+        b = tf.cast(tf.random.normal(b_shape), dtype)
+        product = tf.function(
+            lambda x, y: tf.matmul(x, y, transpose_a=transpose_a, transpose_b=transpose_b)[
+                ..., :1, :1
+            ],
+            autograph=False,
+        )
 
         def run():
             for _ in range(chain):
-                c = matmul(a, b)
+                c = product(a, b)
             return c.numpy()
 
-    elif backend == "jax":
+    elif library == "jax":
         import jax
         import jax.numpy as jnp
 
-        a = jnp.asarray(np.random.default_rng(0).standard_normal((size, size)), dtype)
-        b = jnp.asarray(np.random.default_rng(1).standard_normal((size, size)), dtype)
-        matmul = jax.jit(lambda x, y: x @ y)
+        keys = jax.random.split(jax.random.key(0))
+        a = jax.random.normal(keys[0], a_shape, dtype)
+        b = jax.random.normal(keys[1], b_shape, dtype)
+
+        @jax.jit
+        def product(x, y):
+            x = jnp.swapaxes(x, -1, -2) if transpose_a else x
+            y = jnp.swapaxes(y, -1, -2) if transpose_b else y
+            return x @ y
 
         def run():
             for _ in range(chain):
-                c = matmul(a, b)
+                c = product(a, b)
             return c.block_until_ready()
 
     else:
-        raise ValueError(f"no matmul peak for backend {backend!r}")
+        raise ValueError(f"no matmul timer for library {library!r}")
     run()
     best = math.inf
     for _ in range(repeats):
         start = time.perf_counter()
         run()
         best = min(best, time.perf_counter() - start)
-    return flops / best / 1e9
+    return best / chain
 
 
 def _accelerated(library):
