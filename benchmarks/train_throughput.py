@@ -598,10 +598,11 @@ def make_peer(name, config, args):
 
 
 def _precision(name, args):
-    """The matmul peak a peer is held to: bfloat16 for mixed peers on a GPU, else float32."""
+    """The matmul peak a peer is held to: on a GPU the mixed-precision peers are
+    held to the peak of their 16-bit type (`--mixed-precision`), else float32."""
     mixed = name == "ours-bf16" or (name == "torch" and args.device != "cpu")
-    if mixed and args.device != "cpu" and args.mixed_precision == "bfloat16":
-        return "bfloat16"
+    if mixed and args.device != "cpu":
+        return args.mixed_precision
     return "float32"
 
 
@@ -747,7 +748,9 @@ def benchmark(config_name, budget, peers, args, peak_gflops):
     peaks_seen = {precision: [value] for precision, value in peak_gflops.items()}
 
     def measure_peak_here():
-        for precision, value in best_peaks(library_peaks(peers, args.device, 3)).items():
+        for precision, value in best_peaks(
+            library_peaks(peers, args.device, 3, args.mixed_precision)
+        ).items():
             peaks_seen.setdefault(precision, []).append(value)
         print(
             "  matmul peak now: "
@@ -975,6 +978,8 @@ def main(argv=None):
             "--peak-child",
             "--peers",
             *args.peers,
+            "--mixed-precision",
+            args.mixed_precision,
         ],
         stdout=subprocess.PIPE,
         text=True,
@@ -1043,7 +1048,7 @@ def measure_peaks(args):
                 pass
     else:
         machine["device"] = device
-    peaks = library_peaks(args.peers, device)
+    peaks = library_peaks(args.peers, device, mixed=args.mixed_precision)
     return {
         "backend": backend,
         "device": device,
@@ -1053,10 +1058,10 @@ def measure_peaks(args):
     }
 
 
-def library_peaks(peers, device, repeats=5):
+def library_peaks(peers, device, repeats=5, mixed="bfloat16"):
     """Dense matmul GFLOP/s of the backend (and of torch when it is a peer), by
-    "<library>-<precision>"; bfloat16 too on a GPU, where mixed-precision peers
-    are held to it."""
+    "<library>-<precision>"; on a GPU also bfloat16 (every row is given against
+    it) and `mixed`, the type mixed-precision peers are held to."""
     import keras
 
     libraries = [keras.backend.backend()]
@@ -1067,7 +1072,7 @@ def library_peaks(peers, device, repeats=5):
             libraries.append("torch")
         except ImportError:
             pass
-    precisions = ["float32"] + (["bfloat16"] if device != "cpu" else [])
+    precisions = ["float32"] + (sorted({"bfloat16", mixed}) if device != "cpu" else [])
     return {
         f"{library}-{precision}": matmul_peak(library, repeats=repeats, dtype=precision)
         for precision in precisions

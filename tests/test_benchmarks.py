@@ -123,3 +123,19 @@ def test_throughput_table_has_a_bfloat16_column_when_a_gpu_peak_exists(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert "MFU/bf16" in lines[2]  # the header, after a blank line and the legend
     assert lines[-1].split()[-4:] == ["14.8%", "14.8%", "0.70x", "1.00x"]
+
+
+def test_mixed_precision_peers_are_held_to_the_peak_of_their_type_on_a_gpu():
+    from argparse import Namespace
+
+    from benchmarks.train_throughput import _precision
+
+    for mixed in ("bfloat16", "float16"):
+        gpu = Namespace(device="gpu", mixed_precision=mixed)
+        assert _precision("ours-bf16", gpu) == mixed
+        assert _precision("torch", gpu) == mixed  # torch runs under autocast there
+        assert _precision("ours", gpu) == "float32"
+        assert _precision("keras-hub", gpu) == "float32"
+        cpu = Namespace(device="cpu", mixed_precision=mixed)
+        # On the CPU every peer is held to the float32 peak (torch runs in float32).
+        assert {_precision(p, cpu) for p in ("ours", "ours-bf16", "torch")} == {"float32"}
