@@ -74,6 +74,7 @@ def test_ablations_run_and_agree():
     assert all(s > 0 for medians in results.values() for s in medians.values())
 
 
+@pytest.mark.slow  # about 70 s: two child processes each load TensorFlow and build the peers
 def test_train_throughput_runs_peers_side_by_side_and_writes_json(tmp_path, capsys):
     from benchmarks.train_throughput import main as throughput_main
 
