@@ -14,7 +14,12 @@ def quantized_rate(rate):
     0.1 becomes 6554 / 65536 = 0.10000610. Kept values are scaled by
     `1 / (1 - quantized_rate)`, so the expected output still equals the input.
     """
-    return round(rate * _LEVELS) / _LEVELS
+    return _levels(rate) / _LEVELS
+
+
+def _levels(rate):
+    """`rate` in units of 2**-16: the number of 16-bit values that mean "drop"."""
+    return round(rate * _LEVELS)
 
 
 @keras.saving.register_keras_serializable(package="keras_transformer")
@@ -43,7 +48,7 @@ class Dropout(keras.layers.Dropout):
     """
 
     def call(self, inputs, training=False):
-        levels = round(self.rate * _LEVELS)
+        levels = _levels(self.rate)
         if (
             not training
             or keras.backend.backend() != "tensorflow"
