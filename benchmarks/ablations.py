@@ -2,7 +2,8 @@
 
 Each experiment builds its variants in one process and times them
 interleaved, over `--rounds` rounds; it prints the median per variant.
-TensorFlow backend only (the choices are about TensorFlow's CPU kernels).
+All but `gradients` run on the TensorFlow backend only (those choices are
+about TensorFlow's CPU kernels).
 
     column-sum  sum over the rows of a (rows, 512) matrix: TensorFlow's
                 reduce_sum, BiasAddGrad, and the product ones(1, rows) @ g
@@ -17,17 +18,25 @@ TensorFlow backend only (the choices are about TensorFlow's CPU kernels).
                 that keeps the fused softmax for the backward pass
     dropout     dropout at rate 0.1 forward and backward over (rows, 512):
                 keras.layers.Dropout and keras_transformer's 16-bit masks
+    gradients   a whole training step (`train_on_batch`, paper-base shapes,
+                one batch of ~--rows tokens per side) of the model with the
+                hand-written gradients (attention projections, layer norm,
+                loss; keras_transformer.layers.linear.hand_written_gradients),
+                with each of them left to automatic differentiation, and with
+                none; any backend (the others are TensorFlow only)
 
     python -m benchmarks.ablations column-sum qkv xla-matmul loss dropout --rows 25000
+    KERAS_BACKEND=jax python -m benchmarks.ablations gradients --rows 25000 --layers 2
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import statistics
 import time
 
-EXPERIMENTS = ("column-sum", "qkv", "xla-matmul", "loss", "dropout")
+EXPERIMENTS = ("column-sum", "qkv", "xla-matmul", "loss", "dropout", "gradients")
 
 
 def _interleaved(fns, rounds):
@@ -197,12 +206,98 @@ def dropout_variants(rows):
     return {name: (lambda fn=fn: fn()[1].numpy()) for name, fn in fns.items()}, None
 
 
+def _sum_rows(x):
+    from keras import ops
+
+    return ops.sum(x, axis=0)
+
+
+HAND_WRITTEN = "hand-written (TensorFlow's default)"
+
+
+def _gradient_patches():
+    """Variant name -> [(object, attribute, replacement)] for `gradients_variants`."""
+    linear = importlib.import_module("keras_transformer.layers.linear")
+
+    def hand_written(*parts):
+        return [(linear, "hand_written_gradients", lambda part: part in parts)]
+
+    every = linear.HAND_WRITTEN_PARTS
+    variants = {HAND_WRITTEN: hand_written(*every)}
+    for part in every:
+        variants[f"autodiff {part}"] = hand_written(*(p for p in every if p != part))
+    # Hand-written passes, their bias and layer-norm reductions as plain sums.
+    variants["sum reductions"] = hand_written(*every) + [(linear, "column_sum", _sum_rows)]
+    variants["all autodiff (other backends' default)"] = hand_written()
+    return variants
+
+
+class _Patched:
+    """Sets attributes for the duration of a `with` block, then restores them."""
+
+    def __init__(self, patches):
+        self.patches = patches
+
+    def __enter__(self):
+        self.saved = [(o, a, getattr(o, a)) for o, a, _ in self.patches]
+        for obj, attribute, value in self.patches:
+            setattr(obj, attribute, value)
+
+    def __exit__(self, *exc):
+        for obj, attribute, value in self.saved:
+            setattr(obj, attribute, value)
+
+
+def gradients_variants(rows, layers=6, names=None):
+    import keras
+    import numpy as np
+    from keras import ops
+
+    from benchmarks.train_throughput import make_batches, training_flops
+    from keras_transformer import TransformerConfig, build_transformer
+    from keras_transformer.training import LabelSmoothedCrossEntropy, transformer_optimizer
+
+    config = TransformerConfig.from_preset("paper-base", vocabulary_size=37000, num_layers=layers)
+    (batch,) = make_batches(config.max_length, rows, 1, config.vocabulary_size)
+    x = {
+        "source_ids": ops.convert_to_tensor(batch["source"]),
+        "target_ids": ops.convert_to_tensor(batch["target_in"]),
+    }
+    y = ops.convert_to_tensor(batch["labels"])
+    fns, first_losses = {}, {}
+    variants = _gradient_patches()
+    names = list(variants) if not names else [HAND_WRITTEN] + list(names)
+    unknown = sorted(set(names) - set(variants))
+    if unknown:
+        raise SystemExit(f"unknown gradients variants {unknown}; known: {list(variants)}")
+    for name in dict.fromkeys(names):
+        patches = variants[name]
+        # Patched while the model is built and its step traced (the first call).
+        with _Patched(patches):
+            keras.utils.set_random_seed(0)
+            model = build_transformer(config)
+            model.compile(
+                optimizer=transformer_optimizer(config.hidden_dim, warmup_steps=4000),
+                loss=LabelSmoothedCrossEntropy(0.1),
+                jit_compile="auto",
+            )
+            start = time.perf_counter()
+            first_losses[name] = float(model.train_on_batch(x, y))
+        print(f"  {name}: built, first step {time.perf_counter() - start:.1f} s", flush=True)
+        fns[name] = lambda model=model: float(model.train_on_batch(x, y))
+    reference = first_losses[HAND_WRITTEN]
+    for name, loss in first_losses.items():  # same weights, same batch: the same loss
+        assert np.isclose(loss, reference, rtol=1e-4), (name, loss, reference)
+    return fns, training_flops(config, batch["source_lengths"], batch["target_lengths"])
+
+
 VARIANTS = {
     "column-sum": column_sum_variants,
     "qkv": qkv_variants,
     "xla-matmul": xla_matmul_variants,
     "loss": loss_variants,
     "dropout": dropout_variants,
+    "gradients": gradients_variants,
 }
 
 
@@ -211,22 +306,30 @@ def main(argv=None):
     parser.add_argument("experiments", nargs="+", choices=EXPERIMENTS)
     parser.add_argument("--rows", type=int, default=25000, help="tokens (rows) per product")
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--layers", type=int, default=6, help="gradients: layers per stack")
+    parser.add_argument(
+        "--variants", nargs="+", help="gradients: the variants to time besides ours (default all)"
+    )
     args = parser.parse_args(argv)
     if args.rows < 20 or args.rounds < 1:
         parser.error("--rows must be at least 20 and --rounds positive")
     import keras
 
-    if keras.backend.backend() != "tensorflow":
+    if keras.backend.backend() != "tensorflow" and set(args.experiments) - {"gradients"}:
         raise SystemExit("benchmarks.ablations times TensorFlow kernels: KERAS_BACKEND=tensorflow")
     results = {}
     for name in args.experiments:
-        fns, flops = VARIANTS[name](args.rows)
+        if name == "gradients":
+            fns, flops = gradients_variants(args.rows, args.layers, args.variants)
+        else:
+            fns, flops = VARIANTS[name](args.rows)
         medians = _interleaved(fns, args.rounds)
         results[name] = medians
         print(f"{name} ({args.rows} rows, median of {args.rounds} interleaved rounds):")
+        width = max(map(len, medians))
         for variant, seconds in medians.items():
             rate = f"  {flops / seconds / 1e9:6.1f} GFLOP/s" if flops else ""
-            print(f"  {variant:22s} {seconds * 1e3:9.2f} ms{rate}", flush=True)
+            print(f"  {variant:{width}s} {seconds * 1e3:9.2f} ms{rate}", flush=True)
     return results
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import keras
 from keras import ops
 
+from keras_transformer.layers import linear
 from keras_transformer.layers.masks import PAD_ID
 from keras_transformer.validation import check_positive_int, check_rate
 
@@ -103,8 +104,9 @@ def label_smoothed_token_losses(y_true, logits, label_smoothing):
     `(1 - e) * nll + e * mean_v(-log p_v)`, which is
     `logsumexp - (1 - e) * logit_y - e * mean_v(logit_v)`.
 
-    The gradient is written by hand: `softmax - smoothed target`, times the
-    incoming gradient. The backward pass keeps only the logits and one
+    On TensorFlow (`linear.hand_written_gradients("loss")`) the gradient is
+    written by hand: `softmax - smoothed target`, times the incoming
+    gradient; other backends differentiate the expression automatically. The backward pass keeps only the logits and one
     logsumexp per token, and builds the gradient in a few passes over one
     `(batch, length, vocabulary)` tensor. Left to automatic differentiation,
     the same loss keeps the fused kernel's softmax and scatters the gradient
@@ -117,7 +119,17 @@ def label_smoothed_token_losses(y_true, logits, label_smoothing):
     """
     logits = ops.cast(logits, "float32")
     labels = ops.cast(y_true, "int32")
+    if not linear.hand_written_gradients("loss"):  # backends other than TensorFlow
+        return _plain_smoothed_cross_entropy(labels, logits, float(label_smoothing))
     return _smoothed_cross_entropy(labels, float(label_smoothing))(logits)
+
+
+def _plain_smoothed_cross_entropy(labels, logits, smoothing):
+    """The same per-token losses, left to automatic differentiation."""
+    loss = ops.logsumexp(logits, axis=-1) - (1.0 - smoothing) * _true_logits(labels, logits)
+    if smoothing:
+        loss = loss - smoothing * ops.mean(logits, axis=-1)
+    return loss
 
 
 def _smoothed_cross_entropy(labels, smoothing):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import keras
 from keras import ops
 
-from keras_transformer.layers.linear import column_sum
+from keras_transformer.layers import linear
 
 
 @keras.saving.register_keras_serializable(package="keras_transformer")
@@ -22,7 +22,8 @@ class LayerNormalization(keras.layers.LayerNormalization):
     Left to automatic differentiation, the Keras formula keeps the input and
     several full-size intermediates (it broadcasts `gamma` into a per-element
     scale) for every normalization of the model. Any other configuration
-    (several axes, no `gamma` or `beta`, `rms_scaling`) runs the Keras layer
+    (several axes, no `gamma` or `beta`, `rms_scaling`), and backends other
+    than TensorFlow (`linear.hand_written_gradients`), run the Keras layer
     unchanged.
 
     Example:
@@ -36,7 +37,8 @@ class LayerNormalization(keras.layers.LayerNormalization):
     def call(self, inputs):
         last = len(inputs.shape) - 1
         if (
-            self.rms_scaling
+            not linear.hand_written_gradients("layer_norm")
+            or self.rms_scaling
             or self.gamma is None
             or self.beta is None
             or len(self.axis) != 1
@@ -72,8 +74,8 @@ def _normalize_last_axis(epsilon):
                 - normalized * ops.mean(scaled * normalized, axis=-1, keepdims=True)
             )
             width = ops.shape(x)[-1]
-            dgamma = column_sum(ops.reshape(upstream * normalized, (-1, width)))
-            dbeta = column_sum(ops.reshape(upstream, (-1, width)))
+            dgamma = linear.column_sum(ops.reshape(upstream * normalized, (-1, width)))
+            dbeta = linear.column_sum(ops.reshape(upstream, (-1, width)))
             return dx, dgamma, dbeta
 
         return normalized * gamma + beta, grad
