@@ -228,7 +228,8 @@ def _gradient_patches():
         variants[f"autodiff {part}"] = hand_written(*(p for p in every if p != part))
     # Hand-written passes, their bias and layer-norm reductions as plain sums.
     variants["sum reductions"] = hand_written(*every) + [(linear, "column_sum", _sum_rows)]
-    variants["all autodiff (other backends' default)"] = hand_written()
+    variants["hand-written loss only (other backends' default)"] = hand_written("loss")
+    variants["all autodiff"] = hand_written()
     return variants
 
 
@@ -248,7 +249,7 @@ class _Patched:
             setattr(obj, attribute, value)
 
 
-def gradients_variants(rows, layers=6, names=None):
+def gradients_variants(rows, layers=6, names=None, policy="float32"):
     import keras
     import numpy as np
     from keras import ops
@@ -275,7 +276,12 @@ def gradients_variants(rows, layers=6, names=None):
         # Patched while the model is built and its step traced (the first call).
         with _Patched(patches):
             keras.utils.set_random_seed(0)
-            model = build_transformer(config)
+            previous = keras.mixed_precision.global_policy().name
+            keras.mixed_precision.set_global_policy(policy)
+            try:
+                model = build_transformer(config)
+            finally:
+                keras.mixed_precision.set_global_policy(previous)
             model.compile(
                 optimizer=transformer_optimizer(config.hidden_dim, warmup_steps=4000),
                 loss=LabelSmoothedCrossEntropy(0.1),
@@ -308,6 +314,9 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--layers", type=int, default=6, help="gradients: layers per stack")
     parser.add_argument(
+        "--policy", default="float32", help="gradients: dtype policy, e.g. mixed_bfloat16"
+    )
+    parser.add_argument(
         "--variants", nargs="+", help="gradients: the variants to time besides ours (default all)"
     )
     args = parser.parse_args(argv)
@@ -320,7 +329,7 @@ def main(argv=None):
     results = {}
     for name in args.experiments:
         if name == "gradients":
-            fns, flops = gradients_variants(args.rows, args.layers, args.variants)
+            fns, flops = gradients_variants(args.rows, args.layers, args.variants, args.policy)
         else:
             fns, flops = VARIANTS[name](args.rows)
         medians = _interleaved(fns, args.rounds)

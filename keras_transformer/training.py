@@ -104,9 +104,8 @@ def label_smoothed_token_losses(y_true, logits, label_smoothing):
     `(1 - e) * nll + e * mean_v(-log p_v)`, which is
     `logsumexp - (1 - e) * logit_y - e * mean_v(logit_v)`.
 
-    On TensorFlow (`linear.hand_written_gradients("loss")`) the gradient is
-    written by hand: `softmax - smoothed target`, times the incoming
-    gradient; other backends differentiate the expression automatically. The backward pass keeps only the logits and one
+    The gradient is written by hand (`linear.hand_written_gradients("loss")`):
+    `softmax - smoothed target`, times the incoming gradient. The backward pass keeps only the logits and one
     logsumexp per token, and builds the gradient in a few passes over one
     `(batch, length, vocabulary)` tensor. Left to automatic differentiation,
     the same loss keeps the fused kernel's softmax and scatters the gradient
@@ -119,7 +118,7 @@ def label_smoothed_token_losses(y_true, logits, label_smoothing):
     """
     logits = ops.cast(logits, "float32")
     labels = ops.cast(y_true, "int32")
-    if not linear.hand_written_gradients("loss"):  # backends other than TensorFlow
+    if not linear.hand_written_gradients("loss"):
         return _plain_smoothed_cross_entropy(labels, logits, float(label_smoothing))
     return _smoothed_cross_entropy(labels, float(label_smoothing))(logits)
 

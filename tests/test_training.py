@@ -72,6 +72,7 @@ def _hand_loss(labels, logits, eps):
     return total / count
 
 
+@pytest.mark.usefixtures("loss_gradient_path")
 @pytest.mark.parametrize("eps", [0.0, 0.1])
 def test_loss_equals_hand_computation(eps):
     rng = np.random.default_rng(0)
@@ -151,6 +152,16 @@ def _loss_gradient(loss, labels, logits):
     return tape.gradient(value, x).numpy()
 
 
+@pytest.fixture(params=[True, False], ids=["hand-written", "automatic"])
+def loss_gradient_path(request, monkeypatch):
+    """Runs a test with the loss's hand-written gradient and with automatic differentiation."""
+    from keras_transformer.layers import linear
+
+    monkeypatch.setattr(linear, "hand_written_gradients", lambda part: request.param)
+    return request.param
+
+
+@pytest.mark.usefixtures("loss_gradient_path")
 def test_loss_gradient_is_softmax_minus_smoothed_target():
     eps, vocabulary = 0.1, 7
     rng = np.random.default_rng(2)
@@ -164,6 +175,7 @@ def test_loss_gradient_is_softmax_minus_smoothed_target():
     np.testing.assert_allclose(gradient, expected, atol=1e-6)
 
 
+@pytest.mark.usefixtures("loss_gradient_path")
 def test_loss_and_gradient_stay_exact_when_logits_spread_far():
     # The true token's probability underflows float32 (its logit is 1000
     # below the largest): the loss must still be the exact ~1000 nats, not inf.

@@ -3,6 +3,7 @@ import numpy as np
 import pytest
 from keras import ops
 
+from keras_transformer.layers import linear
 from keras_transformer.layers.layer_normalization import LayerNormalization
 from tests.helpers import run_layer_test, to_numpy
 
@@ -39,8 +40,11 @@ def _value_and_gradients(layer, x, upstream):
     return to_numpy(out), [g.numpy() for g in grads]
 
 
+@pytest.mark.parametrize("hand_written", [True, False], ids=["hand-written", "automatic"])
 @pytest.mark.parametrize("shape", [(2, 5, 16), (7, 16)])
-def test_values_and_gradients_match_the_keras_layer(shape):
+def test_values_and_gradients_match_the_keras_layer(shape, hand_written, monkeypatch):
+    # Both backward passes on every backend, whichever one the backend uses.
+    monkeypatch.setattr(linear, "hand_written_gradients", lambda part: hand_written)
     rng = np.random.default_rng(1)
     x = (3.0 * rng.normal(size=shape) + 1.5).astype("float32")
     upstream = rng.normal(size=shape).astype("float32")

@@ -3,7 +3,8 @@ import numpy as np
 import pytest
 from keras import ops
 
-from keras_transformer.layers.linear import column_sum, linear
+from keras_transformer.layers import linear as linear_module
+from keras_transformer.layers.linear import column_sum, linear, linear_with_gradient
 from tests.helpers import to_numpy
 
 
@@ -27,15 +28,16 @@ def _value_and_gradients(fn, x, kernel, bias, upstream):
     return to_numpy(out), [g.numpy() for g in tape.gradient(objective, inputs)]
 
 
+@pytest.mark.parametrize("fn", [linear, linear_with_gradient], ids=["linear", "hand-written"])
 @pytest.mark.parametrize("rows", [1, 37])
-def test_linear_matches_automatic_differentiation_and_the_closed_form(rows):
+def test_linear_matches_automatic_differentiation_and_the_closed_form(rows, fn):
     rng = np.random.default_rng(0)
     x = rng.normal(size=(rows, 6)).astype("float32")
     kernel = rng.normal(size=(6, 5)).astype("float32")
     bias = rng.normal(size=(5,)).astype("float32")
     upstream = rng.normal(size=(rows, 5)).astype("float32")
 
-    out, grads = _value_and_gradients(linear, x, kernel, bias, upstream)
+    out, grads = _value_and_gradients(fn, x, kernel, bias, upstream)
     expected_out, expected_grads = _value_and_gradients(
         lambda x, k, b: ops.matmul(x, k) + b, x, kernel, bias, upstream
     )
@@ -69,3 +71,24 @@ def test_linear_keeps_a_mixed_precision_dtype():
     out = linear(x, kernel, bias)
     assert keras.backend.standardize_dtype(out.dtype) == "bfloat16"
     np.testing.assert_allclose(to_numpy(ops.cast(out, "float32")), [[2.5, 3.5]] * 4)
+
+
+def test_hand_written_gradients_where_they_were_measured():
+    on_tensorflow = keras.backend.backend() == "tensorflow"
+    assert linear_module.hand_written_gradients("loss")
+    assert linear_module.hand_written_gradients("projections") == on_tensorflow
+    assert linear_module.hand_written_gradients("layer_norm") == on_tensorflow
+    with pytest.raises(ValueError, match="part must be one of"):
+        linear_module.hand_written_gradients("attention")
+
+
+@pytest.mark.parametrize("hand_written", [True, False])
+def test_linear_takes_the_path_the_switch_names(monkeypatch, hand_written):
+    calls = []
+    monkeypatch.setattr(
+        linear_module, "hand_written_gradients", lambda part: calls.append(part) or hand_written
+    )
+    x = np.ones((2, 3), "float32")
+    out = linear(x, np.ones((3, 4), "float32"), np.arange(4, dtype="float32"))
+    np.testing.assert_allclose(to_numpy(out), [[3.0, 4.0, 5.0, 6.0]] * 2)
+    assert calls == ["projections"]
