@@ -74,6 +74,21 @@ def test_ablations_run_and_agree():
     assert all(s > 0 for medians in results.values() for s in medians.values())
 
 
+def test_gradients_ablation_variants_agree_and_put_the_switch_back():
+    from benchmarks.ablations import HAND_WRITTEN
+    from benchmarks.ablations import main as ablations_main
+    from keras_transformer.layers import linear
+
+    switch, column_sum = linear.hand_written_gradients, linear.column_sum
+    # The experiment asserts that every variant's first loss equals the hand-written one's.
+    variants = ["all autodiff", "sum reductions"]
+    arguments = ["gradients", "--rows", "64", "--layers", "1", "--rounds", "1", "--variants"]
+    results = ablations_main(arguments + variants)
+    assert set(results["gradients"]) == {HAND_WRITTEN, *variants}
+    assert all(s > 0 for s in results["gradients"].values())
+    assert linear.hand_written_gradients is switch and linear.column_sum is column_sum
+
+
 @pytest.mark.slow  # about 70 s: two child processes each load TensorFlow and build the peers
 def test_train_throughput_runs_peers_side_by_side_and_writes_json(tmp_path, capsys):
     from benchmarks.train_throughput import main as throughput_main
