@@ -250,21 +250,13 @@ class _Patched:
 
 
 def gradients_variants(rows, layers=6, names=None, policy="float32"):
-    import keras
     import numpy as np
-    from keras import ops
 
-    from benchmarks.train_throughput import make_batches, training_flops
+    from benchmarks.train_throughput import KerasPeer, make_batches, training_flops
     from keras_transformer import TransformerConfig, build_transformer
-    from keras_transformer.training import LabelSmoothedCrossEntropy, transformer_optimizer
 
     config = TransformerConfig.from_preset("paper-base", vocabulary_size=37000, num_layers=layers)
     (batch,) = make_batches(config.max_length, rows, 1, config.vocabulary_size)
-    x = {
-        "source_ids": ops.convert_to_tensor(batch["source"]),
-        "target_ids": ops.convert_to_tensor(batch["target_in"]),
-    }
-    y = ops.convert_to_tensor(batch["labels"])
     fns, first_losses = {}, {}
     variants = _gradient_patches()
     names = list(variants) if not names else [HAND_WRITTEN] + list(names)
@@ -272,25 +264,15 @@ def gradients_variants(rows, layers=6, names=None, policy="float32"):
     if unknown:
         raise SystemExit(f"unknown gradients variants {unknown}; known: {list(variants)}")
     for name in dict.fromkeys(names):
-        patches = variants[name]
         # Patched while the model is built and its step traced (the first call).
-        with _Patched(patches):
-            keras.utils.set_random_seed(0)
-            previous = keras.mixed_precision.global_policy().name
-            keras.mixed_precision.set_global_policy(policy)
-            try:
-                model = build_transformer(config)
-            finally:
-                keras.mixed_precision.set_global_policy(previous)
-            model.compile(
-                optimizer=transformer_optimizer(config.hidden_dim, warmup_steps=4000),
-                loss=LabelSmoothedCrossEntropy(0.1),
-                jit_compile="auto",
-            )
+        with _Patched(variants[name]):
+            # Seeded, built under `policy` and compiled as the throughput benchmark's peers.
+            peer = KerasPeer(name, build_transformer, config, policy)
+            prepared = peer.prepare(batch)
             start = time.perf_counter()
-            first_losses[name] = float(model.train_on_batch(x, y))
+            first_losses[name] = peer.step(prepared)
         print(f"  {name}: built, first step {time.perf_counter() - start:.1f} s", flush=True)
-        fns[name] = lambda model=model: float(model.train_on_batch(x, y))
+        fns[name] = lambda peer=peer, prepared=prepared: peer.step(prepared)
     reference = first_losses[HAND_WRITTEN]
     for name, loss in first_losses.items():  # same weights, same batch: the same loss
         assert np.isclose(loss, reference, rtol=1e-4), (name, loss, reference)
