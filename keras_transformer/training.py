@@ -105,8 +105,8 @@ def label_smoothed_token_losses(y_true, logits, label_smoothing):
     `logsumexp - (1 - e) * logit_y - e * mean_v(logit_v)`.
 
     The gradient is written by hand (`linear.hand_written_gradients("loss")`):
-    `softmax - smoothed target`, times the incoming gradient. The backward pass keeps only the logits and one
-    logsumexp per token, and builds the gradient in a few passes over one
+    `softmax - smoothed target`, times the incoming gradient. The backward
+    pass keeps only the logits and one logsumexp per token, and builds the gradient in a few passes over one
     `(batch, length, vocabulary)` tensor. Left to automatic differentiation,
     the same loss keeps the fused kernel's softmax and scatters the gradient
     of the label gather into a zero tensor, which at a 37000-token vocabulary
@@ -125,7 +125,12 @@ def label_smoothed_token_losses(y_true, logits, label_smoothing):
 
 def _plain_smoothed_cross_entropy(labels, logits, smoothing):
     """The same per-token losses, left to automatic differentiation."""
-    loss = ops.logsumexp(logits, axis=-1) - (1.0 - smoothing) * _true_logits(labels, logits)
+    return _smoothed_losses(labels, logits, ops.logsumexp(logits, axis=-1), smoothing)
+
+
+def _smoothed_losses(labels, logits, log_normalizer, smoothing, positions=None):
+    """`logsumexp - (1 - e) * logit_y - e * mean_v(logit_v)`, shape `(B, T)`."""
+    loss = log_normalizer - (1.0 - smoothing) * _true_logits(labels, logits, positions)
     if smoothing:
         loss = loss - smoothing * ops.mean(logits, axis=-1)
     return loss
@@ -144,9 +149,7 @@ def _smoothed_cross_entropy(labels, smoothing):
         if keras.backend.backend() == "tensorflow":
             positions = _flat_label_positions(labels, vocabulary_size)
         log_normalizer = ops.logsumexp(logits, axis=-1)  # (B, T)
-        loss = log_normalizer - confidence * _true_logits(labels, logits, positions)
-        if smoothing:
-            loss = loss - smoothing * ops.mean(logits, axis=-1)
+        loss = _smoothed_losses(labels, logits, log_normalizer, smoothing, positions)
 
         def grad(*args, upstream=None):
             upstream = args[0] if upstream is None else upstream
