@@ -18,14 +18,22 @@ about TensorFlow's CPU kernels).
                 that keeps the fused softmax for the backward pass
     dropout     dropout at rate 0.1 forward and backward over (rows, 512):
                 keras.layers.Dropout and keras_transformer's 16-bit masks
+    transpose-b the input gradients of the step's linear layers, g @ kernel.T
+                for the (512, 512), (512, 2048) and (2048, 512) kernels:
+                the product with TensorFlow's transpose_b flag, and with the
+                transpose written out first
+                (keras_transformer.layers.linear.transposed_copy)
     gradients   a whole training step (`train_on_batch`, paper-base shapes,
                 one batch of ~--rows tokens per side) of the model with the
-                hand-written gradients (attention projections, layer norm,
-                loss; keras_transformer.layers.linear.hand_written_gradients),
-                with each of them left to automatic differentiation, and with
-                none; any backend (the others are TensorFlow only)
+                hand-written gradients (attention projections, feed-forward
+                products, layer norm, loss;
+                keras_transformer.layers.linear.hand_written_gradients), with
+                each of them left to automatic differentiation, with none,
+                with their column sums as plain sums, and with their input
+                gradients through transpose_b; any backend (the others are
+                TensorFlow only)
 
-    python -m benchmarks.ablations column-sum qkv xla-matmul loss dropout --rows 25000
+    python -m benchmarks.ablations column-sum qkv xla-matmul loss dropout transpose-b --rows 25000
     KERAS_BACKEND=jax python -m benchmarks.ablations gradients --rows 25000 --layers 2
 """
 
@@ -36,7 +44,15 @@ import importlib
 import statistics
 import time
 
-EXPERIMENTS = ("column-sum", "qkv", "xla-matmul", "loss", "dropout", "gradients")
+EXPERIMENTS = (
+    "column-sum",
+    "qkv",
+    "xla-matmul",
+    "loss",
+    "dropout",
+    "transpose-b",
+    "gradients",
+)
 
 
 def _interleaved(fns, rounds):
@@ -206,10 +222,45 @@ def dropout_variants(rows):
     return {name: (lambda fn=fn: fn()[1].numpy()) for name, fn in fns.items()}, None
 
 
+def transpose_b_variants(rows):
+    import tensorflow as tf
+
+    from keras_transformer.layers.linear import transposed_copy
+
+    shapes = [(512, 512), (512, 2048), (2048, 512)]
+    kernels = {shape: tf.Variable(tf.random.normal(shape)) for shape in shapes}
+    upstream = {shape: tf.random.normal((rows, shape[1])) for shape in shapes}
+    fns = {}
+    for shape in shapes:
+        label = f"{shape[0]}x{shape[1]} kernel"
+        kernel, g = kernels[shape], upstream[shape]
+        # Sliced to one element so that fetching the result costs nothing.
+        fns[f"{label}, transpose_b"] = tf.function(
+            lambda g=g, k=kernel: tf.matmul(g, k, transpose_b=True)[:1, :1]
+        )
+        fns[f"{label}, transposed copy"] = tf.function(
+            lambda g=g, k=kernel: tf.matmul(g, transposed_copy(k))[:1, :1]
+        )
+        full = [
+            tf.function(lambda g=g, k=kernel: tf.matmul(g, k, transpose_b=True))(),
+            tf.function(lambda g=g, k=kernel: tf.matmul(g, transposed_copy(k)))(),
+        ]
+        error = float(tf.reduce_max(tf.abs(full[0] - full[1])))
+        assert error <= 1e-3 * float(tf.reduce_max(tf.abs(full[0]))), (label, error)
+    # Per-variant FLOP counts differ, so no common rate: printed as times only.
+    return {name: (lambda fn=fn: fn().numpy()) for name, fn in fns.items()}, None
+
+
 def _sum_rows(x):
     from keras import ops
 
     return ops.sum(x, axis=0)
+
+
+def _folded_transpose(x):
+    from keras import ops
+
+    return ops.transpose(x)
 
 
 HAND_WRITTEN = "hand-written (TensorFlow's default)"
@@ -228,6 +279,10 @@ def _gradient_patches():
         variants[f"autodiff {part}"] = hand_written(*(p for p in every if p != part))
     # Hand-written passes, their bias and layer-norm reductions as plain sums.
     variants["sum reductions"] = hand_written(*every) + [(linear, "column_sum", _sum_rows)]
+    # Hand-written passes, their input gradients through the transpose_b flag.
+    variants["transpose_b products"] = hand_written(*every) + [
+        (linear, "transposed_copy", _folded_transpose)
+    ]
     variants["hand-written loss only (other backends' default)"] = hand_written("loss")
     variants["all autodiff"] = hand_written()
     return variants
@@ -285,6 +340,7 @@ VARIANTS = {
     "xla-matmul": xla_matmul_variants,
     "loss": loss_variants,
     "dropout": dropout_variants,
+    "transpose-b": transpose_b_variants,
 }  # "gradients" takes more arguments: called by `main` directly
 
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import keras
+from keras import ops
 
 from keras_transformer.layers.dropout import Dropout
+from keras_transformer.layers.linear import linear
 from keras_transformer.validation import check_positive_int, check_rate
 
 
@@ -76,10 +78,26 @@ class FeedForward(keras.layers.Layer):
         self.output_dense.build(tuple(inputs_shape[:-1]) + (self.intermediate_dim,))
         self.built = True
 
+    def _dense(self, dense, rows):
+        """`dense` applied to the 2-D `rows` as one `linear` product.
+
+        The `Dense` layers hold the weights (checkpoints and the ONNX export
+        read them there); `linear` gives TensorFlow a hand-written backward
+        pass (`hand_written_gradients("feed_forward")`): the bias gradients
+        as `column_sum` products instead of broadcast reductions over
+        (tokens, 2048) and (tokens, 512), the input gradients against a
+        written-out transposed kernel.
+        """
+        kernel = ops.cast(dense.kernel, self.compute_dtype)
+        bias = ops.cast(dense.bias, self.compute_dtype)
+        return linear(rows, kernel, bias, part="feed_forward")
+
     def call(self, inputs, training=None):
-        x = self.intermediate_dense(inputs)
+        rows = ops.reshape(inputs, (-1, self.hidden_dim))
+        x = self.activation(self._dense(self.intermediate_dense, rows))
         x = self.dropout_layer(x, training=training)
-        return self.output_dense(x)
+        y = self._dense(self.output_dense, x)
+        return ops.reshape(y, ops.shape(inputs))
 
     def compute_output_shape(self, inputs_shape):
         return tuple(inputs_shape[:-1]) + (self.hidden_dim,)

@@ -5,15 +5,17 @@ from __future__ import annotations
 import keras
 from keras import ops
 
-# The parts of the training step that have a hand-written backward pass.
-HAND_WRITTEN_PARTS = ("projections", "layer_norm", "loss")
+# The parts of the training step that have a hand-written backward pass:
+# the attention projections, the feed-forward network's two products, layer
+# normalization and the loss.
+HAND_WRITTEN_PARTS = ("projections", "feed_forward", "layer_norm", "loss")
 
 
 def hand_written_gradients(part):
     """Whether `part` (one of `HAND_WRITTEN_PARTS`) uses its hand-written backward pass.
 
-    The loss: on every backend. The attention projections and layer
-    normalization: on TensorFlow only. Their hand-written passes were written
+    The loss: on every backend. The attention projections, the feed-forward
+    products and layer normalization: on TensorFlow only. Their hand-written passes were written
     for TensorFlow's CPU kernels and sum their bias and layer-norm gradients
     with `column_sum` products, which on a GPU run as matrix-vector
     products. Under JAX on an H100 (paper-base, one 25000-token batch,
@@ -49,11 +51,36 @@ def column_sum(x):
     return ops.matmul(ones, x)[0]
 
 
-def linear(x, kernel, bias):
+def transposed_copy(matrix):
+    """`matrix.T` for a 2-D `matrix` with static shape, written out as a new tensor.
+
+    `ops.transpose(kernel)` feeding a product is folded by TensorFlow's graph
+    optimizer into the product's `transpose_b` flag, and oneDNN's products
+    with a transposed right operand run slower on a CPU: on a 2-core
+    Sapphire Rapids VM, `g @ kernel.T` for `g` (25000, 2048) and `kernel`
+    (512, 2048) took 335.6 ms with `transpose_b`, 248.9 ms with the
+    transpose written out (`python -m benchmarks.ablations transpose-b`).
+    Going through a 3-D transpose keeps the optimizer from folding it; the
+    copy of a weight matrix costs a few milliseconds at most.
+
+    Example:
+
+    >>> ops.convert_to_numpy(transposed_copy(np.array([[1.0, 2.0, 3.0]], "float32")))
+    array([[1.],
+           [2.],
+           [3.]], dtype=float32)
+    """
+    rows, columns = matrix.shape
+    cube = ops.transpose(ops.reshape(matrix, (rows, columns, 1)), (1, 0, 2))
+    return ops.reshape(cube, (columns, rows))
+
+
+def linear(x, kernel, bias, part="projections"):
     """`x @ kernel + bias` for 2-D `x` `(rows, in)`, `kernel` `(in, out)`, `bias` `(out,)`.
 
-    With `hand_written_gradients("projections")` (the TensorFlow backend),
-    `linear_with_gradient`; otherwise the plain expression.
+    With `hand_written_gradients(part)` (`"projections"` or
+    `"feed_forward"`; the TensorFlow backend), `linear_with_gradient`;
+    otherwise the plain expression.
 
     Example:
 
@@ -64,7 +91,7 @@ def linear(x, kernel, bias):
            [2., 0.],
            [2., 0.]], dtype=float32)
     """
-    if hand_written_gradients("projections"):
+    if hand_written_gradients(part):
         return linear_with_gradient(x, kernel, bias)
     return ops.matmul(x, kernel) + bias
 
@@ -75,7 +102,8 @@ def linear_with_gradient(x, kernel, bias):
 
     Same values and gradients as the expression differentiated
     automatically; the bias gradient is a `column_sum` of the incoming
-    gradient instead of the backend's broadcast reduction.
+    gradient instead of the backend's broadcast reduction, and the input
+    gradient multiplies by a `transposed_copy` of the kernel.
     """
     outputs = ops.matmul(x, kernel) + bias
 
@@ -83,7 +111,7 @@ def linear_with_gradient(x, kernel, bias):
         upstream = args[0] if upstream is None else upstream
         upstream = ops.cast(upstream, outputs.dtype)
         return (
-            ops.matmul(upstream, ops.transpose(kernel)),
+            ops.matmul(upstream, transposed_copy(kernel)),
             ops.matmul(ops.transpose(x), upstream),
             column_sum(upstream),
         )

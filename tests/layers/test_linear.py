@@ -4,7 +4,12 @@ import pytest
 from keras import ops
 
 from keras_transformer.layers import linear as linear_module
-from keras_transformer.layers.linear import column_sum, linear, linear_with_gradient
+from keras_transformer.layers.linear import (
+    column_sum,
+    linear,
+    linear_with_gradient,
+    transposed_copy,
+)
 from tests.helpers import to_numpy
 
 
@@ -77,6 +82,7 @@ def test_hand_written_gradients_where_they_were_measured():
     on_tensorflow = keras.backend.backend() == "tensorflow"
     assert linear_module.hand_written_gradients("loss")
     assert linear_module.hand_written_gradients("projections") == on_tensorflow
+    assert linear_module.hand_written_gradients("feed_forward") == on_tensorflow
     assert linear_module.hand_written_gradients("layer_norm") == on_tensorflow
     with pytest.raises(ValueError, match="part must be one of"):
         linear_module.hand_written_gradients("attention")
@@ -91,4 +97,14 @@ def test_linear_takes_the_path_the_switch_names(monkeypatch, hand_written):
     x = np.ones((2, 3), "float32")
     out = linear(x, np.ones((3, 4), "float32"), np.arange(4, dtype="float32"))
     np.testing.assert_allclose(to_numpy(out), [[3.0, 4.0, 5.0, 6.0]] * 2)
-    assert calls == ["projections"]
+    linear(x, np.ones((3, 4), "float32"), np.zeros(4, "float32"), part="feed_forward")
+    assert calls == ["projections", "feed_forward"]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_transposed_copy_is_the_transpose(dtype):
+    matrix = np.arange(15, dtype="float32").reshape(3, 5)
+    copy = transposed_copy(ops.cast(matrix, dtype))
+    assert tuple(copy.shape) == (5, 3)
+    assert keras.backend.standardize_dtype(copy.dtype) == dtype
+    np.testing.assert_array_equal(to_numpy(copy), matrix.T)
