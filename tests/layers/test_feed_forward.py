@@ -71,7 +71,13 @@ def test_values_and_gradients_in_closed_form(hand_written, monkeypatch):
     hidden = np.maximum(pre, 0)
     np.testing.assert_allclose(out.reshape(-1, 6), hidden @ w2 + b2, rtol=1e-5, atol=1e-5)
     g_pre = (g @ w2.T) * (pre > 0)
-    expected = [(g_pre @ w1.T).reshape(x.shape), rows.T @ g_pre, g_pre.sum(0), hidden.T @ g, g.sum(0)]
+    expected = [
+        (g_pre @ w1.T).reshape(x.shape),
+        rows.T @ g_pre,
+        g_pre.sum(0),
+        hidden.T @ g,
+        g.sum(0),
+    ]
     for name, got, want in zip(("x", "W1", "b1", "W2", "b2"), grads, expected, strict=True):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4, err_msg=name)
 
