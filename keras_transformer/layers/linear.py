@@ -56,9 +56,9 @@ def transposed_copy(matrix):
 
     `ops.transpose(kernel)` feeding a product is folded by TensorFlow's graph
     optimizer into the product's `transpose_b` flag, and oneDNN's products
-    with a transposed right operand run slower on a CPU: on a 2-core
-    Sapphire Rapids VM, `g @ kernel.T` for `g` (25000, 2048) and `kernel`
-    (512, 2048) took 335.6 ms with `transpose_b`, 248.9 ms with the
+    with a transposed right operand run slower on a CPU: on a 2-core AMD
+    EPYC VM (AVX-512), `g @ kernel.T` for `g` (25000, 2048) and `kernel`
+    (512, 2048) took 334.8 ms with `transpose_b`, 247.5 ms with the
     transpose written out (`python -m benchmarks.ablations transpose-b`).
     Going through a 3-D transpose keeps the optimizer from folding it; the
     copy of a weight matrix costs a few milliseconds at most.
