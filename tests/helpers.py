@@ -13,6 +13,32 @@ def to_numpy(x):
     return np.asarray(ops.convert_to_numpy(ops.cast(x, "float32")))
 
 
+def value_and_gradients(layer, x, upstream):
+    """`layer(x)` and the gradients of `sum(layer(x) * upstream)` wrt `x` and the trainable weights.
+
+    The weights' gradients come in `layer.trainable_weights` order.
+    """
+    if keras.backend.backend() == "jax":
+        import jax
+
+        def objective(x, *weights):
+            out, _ = layer.stateless_call(list(weights), [], x)
+            return ops.sum(out * upstream)
+
+        values = (ops.convert_to_tensor(x), *(w.value for w in layer.trainable_weights))
+        grads = jax.grad(objective, argnums=tuple(range(len(values))))(*values)
+        return to_numpy(layer(x)), [np.asarray(g) for g in grads]
+    import tensorflow as tf
+
+    x = tf.constant(x)
+    with tf.GradientTape() as tape:
+        tape.watch(x)
+        out = layer(x)
+        objective = tf.reduce_sum(out * upstream)
+    grads = tape.gradient(objective, [x, *(w.value for w in layer.trainable_weights)])
+    return to_numpy(out), [g.numpy() for g in grads]
+
+
 def _split(call_args):
     """Separates array arguments (made into inputs) from plain ones (flags)."""
     arrays = {k: v for k, v in call_args.items() if isinstance(v, np.ndarray)}

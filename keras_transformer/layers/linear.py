@@ -15,10 +15,10 @@ def hand_written_gradients(part):
     """Whether `part` (one of `HAND_WRITTEN_PARTS`) uses its hand-written backward pass.
 
     The loss: on every backend. The attention projections, the feed-forward
-    products and layer normalization: on TensorFlow only. Their hand-written passes were written
-    for TensorFlow's CPU kernels and sum their bias and layer-norm gradients
-    with `column_sum` products, which on a GPU run as matrix-vector
-    products. Under JAX on an H100 (paper-base, one 25000-token batch,
+    products and layer normalization: on TensorFlow only. Their hand-written
+    passes were written for TensorFlow's CPU kernels and sum their bias and
+    layer-norm gradients with `column_sum` products, which on a GPU run as
+    matrix-vector products. Under JAX on an H100 (paper-base, one 25000-token batch,
     `KERAS_BACKEND=jax python -m benchmarks.ablations gradients --rows 25000
     --layers 6 --rounds 9`), a float32 training step took 106.58 ms with
     every hand-written pass, 99.16 ms with their column sums as plain sums,

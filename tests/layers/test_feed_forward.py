@@ -1,11 +1,9 @@
-import keras
 import numpy as np
 import pytest
-from keras import ops
 
 from keras_transformer import FeedForward
 from keras_transformer.layers import linear
-from tests.helpers import run_layer_test, to_numpy
+from tests.helpers import run_layer_test, to_numpy, value_and_gradients
 
 
 def test_layer_contract():
@@ -25,29 +23,6 @@ def test_is_relu_mlp():
     np.testing.assert_allclose(out, np.maximum(x @ w1 + b1, 0) @ w2 + b2, rtol=1e-5, atol=1e-6)
 
 
-def _value_and_gradients(layer, x, upstream):
-    """`layer(x)` and the gradients of `sum(layer(x) * upstream)` wrt x, W1, b1, W2, b2."""
-    if keras.backend.backend() == "jax":
-        import jax
-
-        def objective(x, *weights):
-            out, _ = layer.stateless_call(list(weights), [], x)
-            return ops.sum(out * upstream)
-
-        values = (ops.convert_to_tensor(x), *(w.value for w in layer.trainable_weights))
-        grads = jax.grad(objective, argnums=tuple(range(len(values))))(*values)
-        return to_numpy(layer(x)), [np.asarray(g) for g in grads]
-    import tensorflow as tf
-
-    x = tf.constant(x)
-    with tf.GradientTape() as tape:
-        tape.watch(x)
-        out = layer(x)
-        objective = tf.reduce_sum(out * upstream)
-    grads = tape.gradient(objective, [x, *(w.value for w in layer.trainable_weights)])
-    return to_numpy(out), [g.numpy() for g in grads]
-
-
 @pytest.mark.parametrize("hand_written", [True, False], ids=["hand-written", "automatic"])
 def test_values_and_gradients_in_closed_form(hand_written, monkeypatch):
     # Both backward passes on every backend, whichever one the backend uses.
@@ -62,7 +37,7 @@ def test_values_and_gradients_in_closed_form(hand_written, monkeypatch):
         w.assign(rng.normal(size=w.shape).astype("float32"))
     x = rng.normal(size=(3, 4, 6)).astype("float32")
     upstream = rng.normal(size=(3, 4, 6)).astype("float32")
-    out, grads = _value_and_gradients(layer, x, upstream)
+    out, grads = value_and_gradients(layer, x, upstream)
     assert set(parts) == {"feed_forward"}
 
     w1, b1, w2, b2 = (to_numpy(w) for w in layer.trainable_weights)

@@ -5,7 +5,7 @@ from keras import ops
 
 from keras_transformer.layers import linear
 from keras_transformer.layers.layer_normalization import LayerNormalization
-from tests.helpers import run_layer_test, to_numpy
+from tests.helpers import run_layer_test, to_numpy, value_and_gradients
 
 
 def test_layer_contract():
@@ -15,29 +15,6 @@ def test_layer_contract():
         dict(inputs=np.random.default_rng(0).normal(size=(2, 3, 8)).astype("float32")),
         expected_output_shape=(2, 3, 8),
     )
-
-
-def _value_and_gradients(layer, x, upstream):
-    """`layer(x)` and the gradients of `sum(layer(x) * upstream)` wrt x, gamma, beta."""
-    if keras.backend.backend() == "jax":
-        import jax
-
-        def objective(x, gamma, beta):  # gamma and beta traced, in build order
-            out, _ = layer.stateless_call([gamma, beta], [], x)
-            return ops.sum(out * upstream)
-
-        values = (ops.convert_to_tensor(x), layer.gamma.value, layer.beta.value)
-        grads = jax.grad(objective, argnums=(0, 1, 2))(*values)
-        return to_numpy(layer(x)), [np.asarray(g) for g in grads]
-    import tensorflow as tf
-
-    x = tf.constant(x)
-    with tf.GradientTape() as tape:
-        tape.watch(x)
-        out = layer(x)
-        objective = tf.reduce_sum(out * upstream)
-    grads = tape.gradient(objective, [x, layer.gamma.value, layer.beta.value])
-    return to_numpy(out), [g.numpy() for g in grads]
 
 
 @pytest.mark.parametrize("hand_written", [True, False], ids=["hand-written", "automatic"])
@@ -59,8 +36,8 @@ def test_values_and_gradients_match_the_keras_layer(shape, hand_written, monkeyp
     for layer in (ours, reference):
         layer.gamma.assign(gamma)
         layer.beta.assign(beta)
-    out, grads = _value_and_gradients(ours, x, upstream)
-    expected_out, expected_grads = _value_and_gradients(reference, x, upstream)
+    out, grads = value_and_gradients(ours, x, upstream)
+    expected_out, expected_grads = value_and_gradients(reference, x, upstream)
     np.testing.assert_allclose(out, expected_out, rtol=1e-5, atol=1e-5)
     for name, got, expected in zip(("x", "gamma", "beta"), grads, expected_grads, strict=True):
         np.testing.assert_allclose(got, expected, rtol=1e-4, atol=1e-5, err_msg=name)
