@@ -106,8 +106,8 @@ def label_smoothed_token_losses(y_true, logits, label_smoothing):
 
     The gradient is written by hand (`linear.hand_written_gradients("loss")`):
     `softmax - smoothed target`, times the incoming gradient. The backward
-    pass keeps only the logits and one logsumexp per token, and builds the gradient in a few passes over one
-    `(batch, length, vocabulary)` tensor. Left to automatic differentiation,
+    pass keeps only the logits and one logsumexp per token, and builds the
+    gradient in a few passes over one `(batch, length, vocabulary)` tensor. Left to automatic differentiation,
     the same loss keeps the fused kernel's softmax and scatters the gradient
     of the label gather into a zero tensor, which at a 37000-token vocabulary
     (25000 tokens x 37000 x 4 bytes = 3.7 GB per such tensor) costs seconds

@@ -18,13 +18,13 @@ def hand_written_gradients(part):
     products and layer normalization: on TensorFlow only. Their hand-written
     passes were written for TensorFlow's CPU kernels and sum their bias and
     layer-norm gradients with `column_sum` products, which on a GPU run as
-    matrix-vector products. Under JAX on an H100 (paper-base, one 25000-token batch,
-    `KERAS_BACKEND=jax python -m benchmarks.ablations gradients --rows 25000
-    --layers 6 --rounds 9`), a float32 training step took 106.58 ms with
-    every hand-written pass, 99.16 ms with their column sums as plain sums,
-    98.34 ms with the Keras layer normalization; under mixed_bfloat16,
-    75.90 ms with every hand-written pass, 74.04 ms with the Keras layer
-    normalization, but 89.19 ms with the loss left to automatic
+    matrix-vector products. Under JAX on an H100 (paper-base, one
+    25000-token batch, `KERAS_BACKEND=jax python -m benchmarks.ablations
+    gradients --rows 25000 --layers 6 --rounds 9`), a float32 training step
+    took 106.58 ms with every hand-written pass, 99.16 ms with their column
+    sums as plain sums, 98.34 ms with the Keras layer normalization; under
+    mixed_bfloat16, 75.90 ms with every hand-written pass, 74.04 ms with the
+    Keras layer normalization, but 89.19 ms with the loss left to automatic
     differentiation.
     """
     if part not in HAND_WRITTEN_PARTS:
