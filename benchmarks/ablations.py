@@ -2,7 +2,7 @@
 
 Each experiment builds its variants in one process and times them
 interleaved, over `--rounds` rounds; it prints the median per variant.
-All but `gradients` run on the TensorFlow backend only (those choices are
+All but `gradients` and `attention` run on the TensorFlow backend only (those choices are
 about TensorFlow's CPU kernels).
 
     column-sum  sum over the rows of a (rows, 512) matrix: TensorFlow's
@@ -30,11 +30,16 @@ about TensorFlow's CPU kernels).
                 keras_transformer.layers.linear.hand_written_gradients), with
                 each of them left to automatic differentiation, with none,
                 with their column sums as plain sums, and with their input
-                gradients through transpose_b; any backend (the others are
-                TensorFlow only)
+                gradients through transpose_b; any backend (the others but
+                attention are TensorFlow only)
+    attention   the same model with attention dropout 0, a training step
+                and a forward pass, with attention through the plain
+                expression and through keras.ops.dot_product_attention
+                (keras_transformer.ops.set_fused_attention); any backend
 
     python -m benchmarks.ablations column-sum qkv xla-matmul loss dropout transpose-b --rows 25000
     KERAS_BACKEND=jax python -m benchmarks.ablations gradients --rows 25000 --layers 2
+    python -m benchmarks.ablations attention --rows 4000 --layers 2 --rounds 5
 """
 
 from __future__ import annotations
@@ -52,7 +57,10 @@ EXPERIMENTS = (
     "dropout",
     "transpose-b",
     "gradients",
+    "attention",
 )
+# The experiments that step the whole model; they run on any backend.
+MODEL_EXPERIMENTS = {"gradients", "attention"}
 
 
 def _interleaved(fns, rounds):
@@ -299,34 +307,68 @@ class _Patched:
             setattr(obj, attribute, value)
 
 
-def gradients_variants(rows, layers=6, names=None, policy="float32"):
+def _model_step_variants(rows, layers, policy, variants, reference, forward=False, **overrides):
+    """Paper-base models built and stepped under each variant's patches; their first losses agree.
+
+    Each variant's model is built with the same seed, so the first steps see
+    the same weights and the same batch. `forward=True` also times a forward
+    pass (`predict_on_batch`) of each model beside its training step.
+    """
     import numpy as np
 
     from benchmarks.train_throughput import KerasPeer, make_batches, training_flops
     from keras_transformer import TransformerConfig, build_transformer
 
-    config = TransformerConfig.from_preset("paper-base", vocabulary_size=37000, num_layers=layers)
+    config = TransformerConfig.from_preset(
+        "paper-base", vocabulary_size=37000, num_layers=layers, **overrides
+    )
     (batch,) = make_batches(config.max_length, rows, 1, config.vocabulary_size)
     fns, first_losses = {}, {}
-    variants = _gradient_patches()
-    names = list(variants) if not names else [HAND_WRITTEN] + list(names)
-    unknown = sorted(set(names) - set(variants))
-    if unknown:
-        raise SystemExit(f"unknown gradients variants {unknown}; known: {list(variants)}")
-    for name in dict.fromkeys(names):
+    for name, patches in variants.items():
         # Patched while the model is built and its step traced (the first call).
-        with _Patched(variants[name]):
+        with _Patched(patches):
             # Seeded, built under `policy` and compiled as the throughput benchmark's peers.
             peer = KerasPeer(name, build_transformer, config, policy)
             prepared = peer.prepare(batch)
             start = time.perf_counter()
             first_losses[name] = peer.step(prepared)
+            if forward:
+                peer.model.predict_on_batch(prepared[0])
         print(f"  {name}: built, first step {time.perf_counter() - start:.1f} s", flush=True)
-        fns[name] = lambda peer=peer, prepared=prepared: peer.step(prepared)
-    reference = first_losses[HAND_WRITTEN]
+        label = f"{name}: train step" if forward else name
+        fns[label] = lambda peer=peer, prepared=prepared: peer.step(prepared)
+        if forward:
+            fns[f"{name}: forward"] = lambda peer=peer, x=prepared[0]: peer.model.predict_on_batch(
+                x
+            )
     for name, loss in first_losses.items():  # same weights, same batch: the same loss
-        assert np.isclose(loss, reference, rtol=1e-4), (name, loss, reference)
+        assert np.isclose(loss, first_losses[reference], rtol=1e-4), (name, loss, reference)
     return fns, training_flops(config, batch["source_lengths"], batch["target_lengths"])
+
+
+def gradients_variants(rows, layers=6, names=None, policy="float32"):
+    variants = _gradient_patches()
+    names = list(variants) if not names else [HAND_WRITTEN] + list(names)
+    unknown = sorted(set(names) - set(variants))
+    if unknown:
+        raise SystemExit(f"unknown gradients variants {unknown}; known: {list(variants)}")
+    chosen = {name: variants[name] for name in dict.fromkeys(names)}
+    return _model_step_variants(rows, layers, policy, chosen, HAND_WRITTEN)
+
+
+PLAIN_ATTENTION = "plain attention"
+
+
+def attention_variants(rows, layers=6, policy="float32"):
+    """The model with attention dropout 0 on either attention path (train step and forward)."""
+    attention = importlib.import_module("keras_transformer.ops.attention")
+    variants = {
+        PLAIN_ATTENTION: [(attention, "fused_attention_enabled", lambda: False)],
+        "fused attention": [(attention, "fused_attention_enabled", lambda: True)],
+    }
+    return _model_step_variants(
+        rows, layers, policy, variants, PLAIN_ATTENTION, forward=True, attention_dropout=0.0
+    )
 
 
 VARIANTS = {
@@ -336,7 +378,7 @@ VARIANTS = {
     "loss": loss_variants,
     "dropout": dropout_variants,
     "transpose-b": transpose_b_variants,
-}  # "gradients" takes more arguments: called by `main` directly
+}  # "gradients" and "attention" take more arguments: called by `main` directly
 
 
 def main(argv=None):
@@ -356,12 +398,14 @@ def main(argv=None):
         parser.error("--rows must be at least 20 and --rounds positive")
     import keras
 
-    if keras.backend.backend() != "tensorflow" and set(args.experiments) - {"gradients"}:
+    if keras.backend.backend() != "tensorflow" and set(args.experiments) - MODEL_EXPERIMENTS:
         raise SystemExit("benchmarks.ablations times TensorFlow kernels: KERAS_BACKEND=tensorflow")
     results = {}
     for name in args.experiments:
         if name == "gradients":
             fns, flops = gradients_variants(args.rows, args.layers, args.variants, args.policy)
+        elif name == "attention":
+            fns, flops = attention_variants(args.rows, args.layers, args.policy)
         else:
             fns, flops = VARIANTS[name](args.rows)
         medians = _interleaved(fns, args.rounds)
@@ -369,7 +413,11 @@ def main(argv=None):
         print(f"{name} ({args.rows} rows, median of {args.rounds} interleaved rounds):")
         width = max(map(len, medians))
         for variant, seconds in medians.items():
-            rate = f"  {flops / seconds / 1e9:6.1f} GFLOP/s" if flops else ""
+            rate = (
+                f"  {flops / seconds / 1e9:6.1f} GFLOP/s"
+                if flops and "forward" not in variant
+                else ""
+            )
             print(f"  {variant:{width}s} {seconds * 1e3:9.2f} ms{rate}", flush=True)
     return results
 

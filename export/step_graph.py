@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-MASKED_SCORE = -65504.0  # as keras_transformer.layers.multi_head_attention
+MASKED_SCORE = -65504.0  # as keras_transformer.ops.attention
 
 
 def _value(weight):

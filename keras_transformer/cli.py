@@ -42,6 +42,7 @@ def _train(args):
             learning_rate_scale=args.learning_rate_scale,
             vocab_size=args.vocab_size,
             dropout=args.dropout,
+            attention_dropout=args.attention_dropout,
             seed=args.seed,
             average_last=args.average_last,
             valid_beam=args.valid_beam,
@@ -222,6 +223,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="joint SentencePiece vocabulary size (default 8000)",
     )
     train.add_argument("--dropout", type=float, help="override the preset's dropout")
+    train.add_argument(
+        "--attention-dropout",
+        type=float,
+        help="dropout on the attention weights alone (default: --dropout; 0 as in the paper "
+        "lets training use the fused attention kernel)",
+    )
     train.add_argument("--seed", type=int, default=0)
     train.add_argument(
         "--average-last",

@@ -60,6 +60,10 @@ class TransformerConfig:
     num_heads: int = 8
     # Dropout rate P_drop on embeddings, sublayer outputs and attention weights.
     dropout: float = 0.1
+    # Dropout on the attention weights alone; None = `dropout`. The paper drops
+    # only embeddings and sublayer outputs (0 here); with 0, training can take
+    # the fused attention kernel (keras_transformer.ops.set_fused_attention).
+    attention_dropout: float | None = None
     # Longest sequence (in tokens, BOS/EOS included) the positional table covers.
     max_length: int = 256
     # Share one embedding between source, target and the output projection (section 3.4).
@@ -85,6 +89,8 @@ class TransformerConfig:
                 f"hidden_dim={self.hidden_dim}, num_heads={self.num_heads}"
             )
         check_rate("dropout", self.dropout)
+        if self.attention_dropout is not None:
+            check_rate("attention_dropout", self.attention_dropout)
 
     @classmethod
     def from_preset(cls, name: str, **overrides: Any) -> TransformerConfig:

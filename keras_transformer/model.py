@@ -59,6 +59,7 @@ def build_transformer(config: TransformerConfig, name: str = "transformer") -> k
         intermediate_dim=config.intermediate_dim,
         num_heads=config.num_heads,
         dropout=config.dropout,
+        attention_dropout=config.attention_dropout,
         normalize_first=config.normalize_first,
         layer_norm_epsilon=config.layer_norm_epsilon,
     )
@@ -208,6 +209,7 @@ def transformer_parts(model: keras.Model) -> TransformerParts:
         intermediate_dim=first.intermediate_dim,
         num_heads=first.num_heads,
         dropout=first.dropout,
+        attention_dropout=first.attention_dropout,
         max_length=source_embedding.max_length,
         tie_embeddings=output_projection is None,
         normalize_first=first.normalize_first,

@@ -89,6 +89,7 @@ class TrainSettings:
     learning_rate_scale: float = 1.0
     vocab_size: int = DEFAULT_VOCABULARY_SIZE
     dropout: float | None = None
+    attention_dropout: float | None = None
     seed: int = 0
     average_last: int | None = None
     valid_beam: int = 1
@@ -135,6 +136,8 @@ class TrainSettings:
         overrides = {"vocabulary_size": vocabulary_size}
         if self.dropout is not None:
             overrides["dropout"] = self.dropout
+        if self.attention_dropout is not None:
+            overrides["attention_dropout"] = self.attention_dropout
         return TransformerConfig.from_preset(self.preset, **overrides)
 
 

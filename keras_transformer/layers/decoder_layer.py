@@ -23,6 +23,9 @@ class DecoderLayer(ResidualBlockMixin, keras.layers.Layer):
         intermediate_dim: int. Feed-forward inner width (d_ff).
         num_heads: int. Attention heads.
         dropout: float. Dropout on sublayer outputs and attention weights.
+        attention_dropout: float or None. Dropout on the attention weights
+            alone; None = `dropout`. With 0, training can use the fused
+            attention kernel.
         normalize_first: bool. Pre-norm if True; post-norm (the paper) if False.
         layer_norm_epsilon: float. Epsilon of the LayerNorms.
         kernel_initializer: initializer of every kernel.
@@ -61,17 +64,19 @@ class DecoderLayer(ResidualBlockMixin, keras.layers.Layer):
         intermediate_dim,
         num_heads,
         dropout=0.0,
+        attention_dropout=None,
         normalize_first=False,
         layer_norm_epsilon=1e-6,
         kernel_initializer="glorot_uniform",
         **kwargs,
     ):
         super().__init__(**kwargs)
-        self._validate(hidden_dim, intermediate_dim, num_heads, dropout)
+        self._validate(hidden_dim, intermediate_dim, num_heads, dropout, attention_dropout)
         self.hidden_dim = hidden_dim
         self.intermediate_dim = intermediate_dim
         self.num_heads = num_heads
         self.dropout = float(dropout)
+        self.attention_dropout = None if attention_dropout is None else float(attention_dropout)
         self.normalize_first = bool(normalize_first)
         self.layer_norm_epsilon = float(layer_norm_epsilon)
         self.kernel_initializer = keras.initializers.get(kernel_initializer)
@@ -80,7 +85,7 @@ class DecoderLayer(ResidualBlockMixin, keras.layers.Layer):
             return MultiHeadAttention(
                 num_heads,
                 hidden_dim,
-                dropout=dropout,
+                dropout=self._attention_rate(),
                 kernel_initializer=clone_initializer(self.kernel_initializer),
                 dtype=self.dtype_policy,
                 name=name,

@@ -29,14 +29,19 @@ class ResidualBlockMixin:
             epsilon=self.layer_norm_epsilon, dtype=self.dtype_policy, name=name
         )
 
+    def _attention_rate(self):
+        return self.dropout if self.attention_dropout is None else self.attention_dropout
+
     def _dropout(self, name):
         return Dropout(self.dropout, dtype=self.dtype_policy, name=name)
 
-    def _validate(self, hidden_dim, intermediate_dim, num_heads, dropout):
+    def _validate(self, hidden_dim, intermediate_dim, num_heads, dropout, attention_dropout):
         check_positive_int("hidden_dim", hidden_dim)
         check_positive_int("intermediate_dim", intermediate_dim)
         check_positive_int("num_heads", num_heads)
         check_rate("dropout", dropout)
+        if attention_dropout is not None:
+            check_rate("attention_dropout", attention_dropout)
         if hidden_dim % num_heads:
             raise ValueError(
                 "hidden_dim must be divisible by num_heads. Received: "
@@ -49,6 +54,7 @@ class ResidualBlockMixin:
             "intermediate_dim": self.intermediate_dim,
             "num_heads": self.num_heads,
             "dropout": self.dropout,
+            "attention_dropout": self.attention_dropout,
             "normalize_first": self.normalize_first,
             "layer_norm_epsilon": self.layer_norm_epsilon,
             "kernel_initializer": keras.initializers.serialize(self.kernel_initializer),
@@ -64,6 +70,9 @@ class EncoderLayer(ResidualBlockMixin, keras.layers.Layer):
         intermediate_dim: int. Feed-forward inner width (d_ff).
         num_heads: int. Attention heads.
         dropout: float. Dropout on sublayer outputs and attention weights.
+        attention_dropout: float or None. Dropout on the attention weights
+            alone; None = `dropout`. With 0, training can use the fused
+            attention kernel.
         normalize_first: bool. Pre-norm if True; post-norm (the paper) if False.
         layer_norm_epsilon: float. Epsilon of the LayerNorms.
         kernel_initializer: initializer of every kernel.
@@ -90,17 +99,19 @@ class EncoderLayer(ResidualBlockMixin, keras.layers.Layer):
         intermediate_dim,
         num_heads,
         dropout=0.0,
+        attention_dropout=None,
         normalize_first=False,
         layer_norm_epsilon=1e-6,
         kernel_initializer="glorot_uniform",
         **kwargs,
     ):
         super().__init__(**kwargs)
-        self._validate(hidden_dim, intermediate_dim, num_heads, dropout)
+        self._validate(hidden_dim, intermediate_dim, num_heads, dropout, attention_dropout)
         self.hidden_dim = hidden_dim
         self.intermediate_dim = intermediate_dim
         self.num_heads = num_heads
         self.dropout = float(dropout)
+        self.attention_dropout = None if attention_dropout is None else float(attention_dropout)
         self.normalize_first = bool(normalize_first)
         self.layer_norm_epsilon = float(layer_norm_epsilon)
         self.kernel_initializer = keras.initializers.get(kernel_initializer)
@@ -108,7 +119,7 @@ class EncoderLayer(ResidualBlockMixin, keras.layers.Layer):
         self.self_attention = MultiHeadAttention(
             num_heads,
             hidden_dim,
-            dropout=dropout,
+            dropout=self._attention_rate(),
             kernel_initializer=clone_initializer(self.kernel_initializer),
             dtype=self.dtype_policy,
             name="self_attention",

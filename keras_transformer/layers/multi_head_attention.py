@@ -10,12 +10,8 @@ from keras import ops
 from keras_transformer.layers.dropout import Dropout
 from keras_transformer.layers.linear import linear
 from keras_transformer.layers.masks import merge_masks
+from keras_transformer.ops.attention import dot_product_attention
 from keras_transformer.validation import check_positive_int, check_rate
-
-# Filled into masked scores before the softmax. The scores are float32 there,
-# but the value is also finite in float16, so a mask never overflows whatever
-# the compute dtype.
-MASKED_SCORE = -65504.0
 
 
 @keras.saving.register_keras_serializable(package="keras_transformer")
@@ -25,7 +21,10 @@ class MultiHeadAttention(keras.layers.Layer):
     Self-attention when only `query` is given; cross-attention when `value`
     (and optionally `key`) come from another sequence, e.g. the encoder.
     Scores are soft-maxed in float32 and cast back to the compute dtype. A
-    query whose every key is masked gets an all-zero output, not NaN.
+    query whose every key is masked gets an all-zero output, not NaN. When
+    no attention weight is dropped or returned, the product goes through
+    `keras.ops.dot_product_attention` (fused kernels on a GPU) where
+    `keras_transformer.ops.set_fused_attention` says so.
 
     Args:
         num_heads: int. Number of attention heads.
@@ -187,8 +186,6 @@ class MultiHeadAttention(keras.layers.Layer):
             k = self._project(self.key_dense, key)  # (B, S, N, H)
             v = self._project(self.value_dense, value)  # (B, S, N, H)
 
-        scores = ops.einsum("btnh,bsnh->bnts", q, k)  # (B, N, T, S)
-        scores = ops.cast(scores, "float32")
         mask = merge_masks(
             ops.shape(q)[1],
             ops.shape(k)[1],
@@ -198,29 +195,15 @@ class MultiHeadAttention(keras.layers.Layer):
             use_causal_mask=use_causal_mask,
             query_offset=query_offset,
         )
-        if mask is not None:
-            mask = ops.expand_dims(mask, 1)  # (B, 1, T, S)
-            scores = ops.where(mask, scores, MASKED_SCORE)
-        if scores.shape[-1] == 1:
-            # One key: every weight is 1 (ops.softmax would warn here, at the
-            # first step of uncached decoding).
-            weights = ops.ones_like(scores)
-        else:
-            # The backend's fused softmax: its gradient needs only its output.
-            weights = ops.softmax(scores, axis=-1)
-        weights = ops.cast(weights, self.compute_dtype)
-        attended = ops.einsum(
-            "bnts,bsnh->btnh", self.dropout_layer(weights, training=training), v
+        attended, weights = dot_product_attention(
+            q,
+            k,
+            v,
+            mask,
+            dropout=self.dropout_layer,
+            training=training,
+            fused=False if return_attention_scores else None,
         )  # (B, T, N, H)
-        if mask is not None:
-            # A query whose every key is masked got uniform weights: zero its
-            # output here, on (B, T, N, H) rather than on the larger weights.
-            has_key = ops.any(mask, axis=-1)  # (B, 1, T)
-            attended = attended * ops.cast(
-                ops.expand_dims(ops.transpose(has_key, (0, 2, 1)), -1), self.compute_dtype
-            )
-            if return_attention_scores:
-                weights = weights * ops.cast(ops.expand_dims(has_key, -1), self.compute_dtype)
         output = self._project(self.output_dense, attended)  # (B, T, D)
 
         outputs = (output,) if cache is None else (output, cache)

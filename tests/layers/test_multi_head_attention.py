@@ -4,9 +4,18 @@ import pytest
 from keras import ops
 
 from keras_transformer import MultiHeadAttention
+from keras_transformer.ops import set_fused_attention
 from tests.helpers import run_layer_test, to_numpy
 
 RNG = np.random.default_rng(0)
+
+
+@pytest.fixture(params=[True, False], ids=["fused", "plain"])
+def attention_path(request):
+    """Runs a test on the fused (`ops.dot_product_attention`) and the plain attention path."""
+    set_fused_attention(request.param)
+    yield request.param
+    set_fused_attention(None)
 
 
 def _x(*shape):
@@ -53,7 +62,7 @@ def _reference_attention(layer, query, value, mask):
     return np.einsum("btnh,nhd->btd", out, w["output_dense/kernel"]) + w["output_dense/bias"]
 
 
-def test_matches_reference_with_explicit_attention_mask():
+def test_matches_reference_with_explicit_attention_mask(attention_path):
     layer = MultiHeadAttention(num_heads=2, hidden_dim=8)
     query, value = _x(2, 3, 8), _x(2, 4, 8)
     mask = RNG.random((2, 3, 4)) > 0.4
@@ -64,7 +73,7 @@ def test_matches_reference_with_explicit_attention_mask():
     )
 
 
-def test_causal_mask_is_leak_free():
+def test_causal_mask_is_leak_free(attention_path):
     layer = MultiHeadAttention(num_heads=2, hidden_dim=8)
     x = _x(1, 6, 8)
     changed = x.copy()
@@ -88,7 +97,20 @@ def test_fully_masked_row_gives_zeros(policy):
     np.testing.assert_array_equal(weights[1][..., 2:], 0.0)
 
 
-def test_padded_queries_output_bias_only():
+@pytest.mark.parametrize("policy", ["float32", "mixed_bfloat16"])
+def test_fully_masked_row_gives_zeros_on_both_paths(policy, attention_path):
+    layer = MultiHeadAttention(num_heads=2, hidden_dim=8, dtype=policy)
+    query, value = _x(2, 3, 8), _x(2, 4, 8)
+    key_mask = np.array([[0, 0, 0, 0], [1, 1, 0, 0]], "bool")
+    out = to_numpy(layer(query, value, key_padding_mask=key_mask))
+    bias = to_numpy(layer.output_dense.weights[1])
+    assert np.isfinite(out).all()
+    # Nothing to attend to: the attended values are zero, so only the output bias is left.
+    np.testing.assert_allclose(out[0], np.broadcast_to(bias, (3, 8)), atol=1e-6)
+    assert not np.allclose(out[1], np.broadcast_to(bias, (3, 8)), atol=1e-3)
+
+
+def test_padded_queries_output_bias_only(attention_path):
     layer = MultiHeadAttention(num_heads=2, hidden_dim=8)
     x = _x(1, 4, 8)
     out = to_numpy(layer(x, query_padding_mask=np.array([[1, 1, 0, 0]], "bool")))
@@ -96,7 +118,7 @@ def test_padded_queries_output_bias_only():
     np.testing.assert_allclose(out[0, 2:], np.broadcast_to(bias, (2, 8)), atol=1e-6)
 
 
-def test_cached_steps_equal_full_causal_pass():
+def test_cached_steps_equal_full_causal_pass(attention_path):
     layer = MultiHeadAttention(num_heads=2, hidden_dim=8)
     x = _x(2, 5, 8)
     full = to_numpy(layer(x, use_causal_mask=True))
@@ -108,7 +130,7 @@ def test_cached_steps_equal_full_causal_pass():
         np.testing.assert_allclose(to_numpy(step)[:, 0], full[:, t], rtol=1e-5, atol=1e-5)
 
 
-def test_read_only_cache_equals_cross_attention():
+def test_read_only_cache_equals_cross_attention(attention_path):
     layer = MultiHeadAttention(num_heads=2, hidden_dim=8)
     query, memory = _x(2, 3, 8), _x(2, 6, 8)
     expected = to_numpy(layer(query, memory))
