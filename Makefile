@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test lint slow clean
+.PHONY: install demo test integration lint slow clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -19,30 +19,34 @@ install: $(STAMP)
 demo: $(STAMP)
 	TF_CPP_MIN_LOG_LEVEL=2 $(BIN)/keras-transformer demo --out runs/demo
 
-# The default suite under TensorFlow, and at the same time the layer and model
-# tests under JAX (two processes: most of a test run is single-threaded tracing,
-# so the two share the 2 cores well). The JAX output is printed after the
-# TensorFlow run; either failing fails the target. Under JAX, decoding is
-# checked on random-weight models only; the trained-model parity tests run
-# under TensorFlow.
-JAX_DECODING = not trained_model and not greedy_scores and not better_scores and not loaded_model and not trained and not one_by_one
-JAX_TESTS = tests/layers tests/test_model.py tests/test_training.py tests/test_decoding.py
+# Test tiers, chosen by markers (pyproject.toml): the unit tier on random
+# weights (`make test`), the integration tier with trained fixtures, exports
+# and commands end to end (`make integration`), and `make slow` (real data,
+# long training). `make test` runs the unit tier under TensorFlow and, at the
+# same time, the tests marked `jax` under JAX (two processes: most of a test
+# run is single-threaded tracing, so the two share the 2 cores well); the JAX
+# output is printed after the TensorFlow run, and either failing fails it.
+UNIT = not slow and not integration
+PYTEST = TF_CPP_MIN_LOG_LEVEL=2 $(BIN)/python -m pytest -q -p no:cacheprovider
 
 test: $(STAMP)
-	@TF_CPP_MIN_LOG_LEVEL=2 KERAS_BACKEND=jax $(BIN)/python -m pytest -q -p no:cacheprovider \
-		--basetemp=.pytest-jax-tmp $(JAX_TESTS) -k "$(JAX_DECODING)" > .jax-tests.log 2>&1 & jax=$$!; \
-	TF_CPP_MIN_LOG_LEVEL=2 KERAS_BACKEND=tensorflow $(BIN)/python -m pytest -q; tf=$$?; \
+	@KERAS_BACKEND=jax $(PYTEST) --basetemp=.pytest-jax-tmp -m "jax and $(UNIT)" \
+		> .jax-tests.log 2>&1 & jax=$$!; \
+	KERAS_BACKEND=tensorflow $(PYTEST) -m "$(UNIT)" --doctest-modules tests keras_transformer; tf=$$?; \
 	wait $$jax; jax_status=$$?; \
-	echo "== the same tests under KERAS_BACKEND=jax: $(JAX_TESTS) -k \"$(JAX_DECODING)\""; \
+	echo "== the tests marked jax, under KERAS_BACKEND=jax"; \
 	cat .jax-tests.log; \
 	test $$tf -eq 0 && test $$jax_status -eq 0
+
+integration: $(STAMP)
+	KERAS_BACKEND=tensorflow $(PYTEST) -m "integration and not slow"
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
 slow: $(STAMP)
-	TF_CPP_MIN_LOG_LEVEL=2 $(BIN)/python -m pytest -q -m slow
+	$(PYTEST) -m slow
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .pytest-jax-tmp .jax-tests.log

@@ -1,5 +1,10 @@
 """keras-transformer: the Transformer of "Attention Is All You Need" for Keras 3."""
 
+from keras_transformer.startup import quiet_tensorflow_start
+
+with quiet_tensorflow_start():  # the command line only; importing keras imports TensorFlow
+    import keras  # noqa: F401
+
 from keras_transformer.config import PRESETS, TransformerConfig
 from keras_transformer.layers import (
     DecoderLayer,

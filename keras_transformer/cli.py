@@ -170,6 +170,11 @@ def build_parser() -> argparse.ArgumentParser:
         prog="keras-transformer",
         description="Train, evaluate, translate with and export the paper's Transformer.",
     )
+    parser.add_argument(
+        "--verbose",
+        action="store_true",
+        help="keep TensorFlow's own log lines (device probes, INFO messages)",
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="train the tiny preset on the built-in toy corpus")
     demo.add_argument("--out", default="runs/demo", help="run directory (default: runs/demo)")

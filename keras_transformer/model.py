@@ -29,7 +29,7 @@ def build_transformer(config: TransformerConfig, name: str = "transformer") -> k
     >>> config = TransformerConfig.from_preset("tiny")
     >>> model = build_transformer(config)
     >>> logits = model({"source_ids": np.array([[5, 6, 2]]), "target_ids": np.array([[1, 7]])})
-    >>> logits.shape
+    >>> tuple(logits.shape)
     (1, 2, 64)
     """
     if not isinstance(config, TransformerConfig):

@@ -132,6 +132,17 @@ class TrainSettings:
             values[name] = os.path.abspath(values[name])
         return values
 
+    def budget(self) -> str:
+        """The stopping budget in words, e.g. "budget 30 min or 5000 steps"."""
+        limits = []
+        if self.max_minutes is not None:
+            limits.append(f"{self.max_minutes:g} min")
+        if self.max_steps is not None:
+            limits.append(f"{self.max_steps} step{'s' * (self.max_steps != 1)}")
+        if self.epochs is not None:
+            limits.append(f"{self.epochs} epoch{'s' * (self.epochs != 1)}")
+        return "budget " + " or ".join(limits)
+
     def model_config(self, vocabulary_size: int) -> TransformerConfig:
         overrides = {"vocabulary_size": vocabulary_size}
         if self.dropout is not None:
@@ -173,6 +184,24 @@ def _check_run_directory(out_dir: str, settings: TrainSettings) -> bool:
             "Use a new --out directory, or repeat the original settings to resume it."
         )
     return True
+
+
+class _EpochProgress(keras.callbacks.ProgbarLogger):
+    """Keras' progress bar, under an epoch line that states the real budget.
+
+    Keras would print "Epoch 3/10000" for a run bounded by minutes or steps.
+    """
+
+    def __init__(self, budget):
+        super().__init__()
+        self.budget = budget
+
+    def on_epoch_begin(self, epoch, logs=None):
+        epochs, self.epochs = self.epochs, 1  # Keras prints its own line only when epochs > 1
+        super().on_epoch_begin(epoch, logs)
+        self.epochs = epochs
+        if self.verbose:
+            print(f"Epoch {epoch + 1} ({self.budget})")
 
 
 class _RunRecorder(keras.callbacks.Callback):
@@ -293,7 +322,7 @@ def build_and_compile(
 
     >>> strategy = make_strategy("mirrored")  # keras_transformer.distribute
     >>> model = build_and_compile(TransformerConfig.from_preset("small"), strategy)
-    >>> model.fit(dataset, epochs=10)  # global batches, split across the replicas
+    >>> model.fit(dataset, epochs=10)  # doctest: +SKIP
     """
     if precision not in PRECISIONS:
         raise ValueError(
@@ -435,8 +464,9 @@ def train(settings: TrainSettings, out_dir: str, verbose: int = 1, strategy=None
             train_data,
             validation_data=valid_data,
             epochs=epochs,
-            callbacks=callbacks,
+            callbacks=[*callbacks, _EpochProgress(settings.budget())],
             verbose=verbose,
+            shuffle=False,  # the dataset shuffles itself, each epoch
         )
     if not chief:
         return {}

@@ -207,7 +207,9 @@ class LabelSmoothedCrossEntropy(keras.losses.Loss):
     Example:
 
     >>> loss = LabelSmoothedCrossEntropy(0.1)
-    >>> loss(np.array([[3, 0]]), np.zeros((1, 2, 8), "float32"))  # log(8) on one token
+    >>> value = loss(np.array([[3, 0]]), np.zeros((1, 2, 8), "float32"))  # one real token
+    >>> round(float(value), 4)  # uniform logits: log(8), whatever the smoothing
+    2.0794
     """
 
     def __init__(self, label_smoothing=0.1, name="label_smoothed_cross_entropy", **kwargs):
@@ -241,7 +243,10 @@ class MaskedAccuracy(keras.metrics.Metric):
     Example:
 
     >>> metric = MaskedAccuracy()
-    >>> metric.update_state(np.array([[2, 3, 0]]), logits)  # argmax over the last axis
+    >>> logits = np.eye(4, dtype="float32")[[[2, 1, 0]]]  # predicts 2, 1, 0
+    >>> metric.update_state(np.array([[2, 3, 0]]), logits)  # the padding position is ignored
+    >>> float(metric.result())
+    0.5
     """
 
     def __init__(self, name="masked_accuracy", **kwargs):

@@ -5,15 +5,28 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 import keras  # noqa: E402
 import pytest  # noqa: E402
 
+# The fixtures that train a model; a test that uses one belongs to the integration tier.
+TRAINED_FIXTURES = ("toy_run", "trained_run", "float16_run")
+
 if keras.backend.backend() == "tensorflow" and not os.environ.get("KT_ONE_CPU"):
     import tensorflow as tf
 
-    # Two logical CPU devices for the MirroredStrategy tests; this must happen
-    # before TensorFlow's runtime starts, so here, before any test runs.
+    # Two logical CPU devices for the MirroredStrategy tests (tests/test_distribute.py);
+    # this must happen before TensorFlow's runtime starts, so here, before any test
+    # runs. KT_ONE_CPU=1 keeps the one physical device, to run other tests as a
+    # user's process would see TensorFlow (the MirroredStrategy tests then fail).
     _cpus = tf.config.list_physical_devices("CPU")
     tf.config.set_logical_device_configuration(
         _cpus[0], [tf.config.LogicalDeviceConfiguration()] * 2
     )
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items):
+    """Marks the tests that need a trained model `integration`, before `-m` selects."""
+    for item in items:
+        if any(name in item.fixturenames for name in TRAINED_FIXTURES):
+            item.add_marker(pytest.mark.integration)
 
 
 @pytest.fixture(autouse=True)

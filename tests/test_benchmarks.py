@@ -8,6 +8,9 @@ from benchmarks.matmul_ceiling import step_products
 from benchmarks.train_throughput import training_flops
 from keras_transformer import TransformerConfig
 
+# Trained fixtures, exports and commands end to end: `make integration`.
+pytestmark = pytest.mark.integration
+
 
 def test_the_step_products_add_up_to_the_analytic_flop_count():
     # Every product of the list, forward and backward, on a batch without

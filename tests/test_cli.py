@@ -7,6 +7,9 @@ import pytest
 from keras_transformer.cli import main
 from keras_transformer.translation import load_run, translate_lines
 
+# Trained fixtures, exports and commands end to end: `make integration`.
+pytestmark = pytest.mark.integration
+
 
 def test_translate_reads_stdin_and_keeps_order(toy_run, monkeypatch, capsys):
     model, corpus, vocabulary, metrics = toy_run
@@ -81,3 +84,22 @@ def test_corrupt_model_file_is_reported(tmp_path, toy_run):
         (run / "vocab.txt").write_text(f.read())
     with pytest.raises(ValueError, match="Cannot load .*model.keras"):
         load_run(str(run))
+
+
+def test_the_command_prints_only_its_own_error(tmp_path):
+    """The real console script: no TensorFlow start-up lines on stderr, just the message."""
+    import subprocess
+    import sys
+
+    command = os.path.join(os.path.dirname(sys.executable), "keras-transformer")
+    env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+    done = subprocess.run(
+        [command, "translate", str(tmp_path / "missing")],
+        input="",
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert done.returncode == 1
+    assert done.stderr == f"error: Run directory not found: {tmp_path / 'missing'}\n"

@@ -14,6 +14,9 @@ from keras_transformer.decoding import (
     sequence_log_probs,
 )
 
+# Model code: also run under KERAS_BACKEND=jax (`make test`).
+pytestmark = pytest.mark.jax
+
 
 @pytest.fixture(scope="module")
 def random_model():
@@ -72,7 +75,9 @@ def test_greedy_scores_are_model_log_probs(toy_run):
     )
 
 
-@pytest.mark.parametrize("which", ["random", "trained"])
+@pytest.mark.parametrize(
+    "which", ["random", pytest.param("trained", marks=pytest.mark.integration)]
+)
 def test_beam_size_one_equals_greedy(which, random_model, request):
     if which == "random":
         model, sources = random_model, random_sources(60, seed=1)
@@ -84,7 +89,14 @@ def test_beam_size_one_equals_greedy(which, random_model, request):
     )
 
 
-@pytest.mark.parametrize("which,alpha", [("trained", 0.6), ("random", 0.6), ("trained", 1.0)])
+@pytest.mark.parametrize(
+    "which,alpha",
+    [
+        pytest.param("trained", 0.6, marks=pytest.mark.integration),
+        ("random", 0.6),
+        pytest.param("trained", 1.0, marks=pytest.mark.integration),
+    ],
+)
 def test_beam_scores_are_length_penalized_model_log_probs(which, alpha, random_model, request):
     if which == "random":
         model, sources, limit = random_model, random_sources(30, seed=2), 12

@@ -16,6 +16,9 @@ import numpy as np
 import onnx
 import pytest
 
+# Trained fixtures, exports and commands end to end: `make integration`.
+pytestmark = pytest.mark.integration
+
 pytestmark = pytest.mark.skipif(
     keras.backend.backend() != "tensorflow", reason="ONNX export converts TensorFlow graphs"
 )

@@ -14,6 +14,9 @@ from keras_transformer import (
 )
 from tests.helpers import to_numpy
 
+# Model code: also run under KERAS_BACKEND=jax (`make test`).
+pytestmark = pytest.mark.jax
+
 RNG = np.random.default_rng(0)
 
 

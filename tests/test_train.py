@@ -18,6 +18,9 @@ from keras_transformer.model import build_transformer
 from keras_transformer.train import average_checkpoints
 from tests.conftest import train_args as _train_args
 
+# Trained fixtures, exports and commands end to end: `make integration`.
+pytestmark = pytest.mark.integration
+
 
 def test_train_writes_a_complete_run_directory(trained_run):
     names = set(os.listdir(trained_run))
@@ -204,3 +207,13 @@ def test_plot_attention_of_an_output_that_never_ends():
     weights, src, tgt, _ = attention_figure_data(model, vocabulary, "w5 w6 w7", beam_size=1)
     assert weights.shape == (len(tgt), len(src)) and len(tgt) <= 12
     np.testing.assert_allclose(weights.sum(axis=1), 1.0, atol=1e-4)
+
+
+def test_progress_names_the_budget_and_keras_does_not_warn(corpus_files, tmp_path, capsys, recwarn):
+    _, paths = corpus_files
+    args = _train_args(paths, tmp_path / "run", "--max-steps", "3", "--max-minutes", "30")
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    assert "Epoch 1 (budget 30 min or 3 steps)" in out
+    assert "Epoch 1/" not in out
+    assert not [w for w in recwarn if "shuffle" in str(w.message)]

@@ -12,6 +12,9 @@ from keras_transformer import (
 )
 from tests.helpers import to_numpy
 
+# Model code: also run under KERAS_BACKEND=jax (`make test`).
+pytestmark = pytest.mark.jax
+
 
 def formula(step, d, warmup):
     return d**-0.5 * min(step**-0.5, step * warmup**-1.5)

@@ -54,7 +54,7 @@ class DecoderLayer(ResidualBlockMixin, keras.layers.Layer):
 
     >>> layer = DecoderLayer(hidden_dim=8, intermediate_dim=16, num_heads=2)
     >>> y, x = np.zeros((2, 4, 8), "float32"), np.zeros((2, 6, 8), "float32")
-    >>> layer(y, x).shape
+    >>> tuple(layer(y, x).shape)
     (2, 4, 8)
     """
 

@@ -89,7 +89,7 @@ class EncoderLayer(ResidualBlockMixin, keras.layers.Layer):
     Example:
 
     >>> layer = EncoderLayer(hidden_dim=8, intermediate_dim=16, num_heads=2)
-    >>> layer(np.zeros((2, 5, 8), "float32"), padding_mask=np.ones((2, 5))).shape
+    >>> tuple(layer(np.zeros((2, 5, 8), "float32"), padding_mask=np.ones((2, 5))).shape)
     (2, 5, 8)
     """
 

@@ -36,7 +36,7 @@ class FeedForward(keras.layers.Layer):
     Example:
 
     >>> ffn = FeedForward(hidden_dim=8, intermediate_dim=32)
-    >>> ffn(np.zeros((2, 3, 8), "float32")).shape
+    >>> tuple(ffn(np.zeros((2, 3, 8), "float32")).shape)
     (2, 3, 8)
     """
 

@@ -63,7 +63,7 @@ class MultiHeadAttention(keras.layers.Layer):
 
     >>> mha = MultiHeadAttention(num_heads=2, hidden_dim=8)
     >>> x = np.random.rand(1, 5, 8).astype("float32")
-    >>> mha(x, use_causal_mask=True).shape
+    >>> tuple(mha(x, use_causal_mask=True).shape)
     (1, 5, 8)
     """
 

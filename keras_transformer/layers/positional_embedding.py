@@ -57,7 +57,7 @@ class PositionalEmbedding(keras.layers.Layer):
     Example:
 
     >>> layer = PositionalEmbedding(vocabulary_size=100, hidden_dim=16, max_length=32)
-    >>> layer(np.array([[5, 7, 0]])).shape
+    >>> tuple(layer(np.array([[5, 7, 0]])).shape)
     (1, 3, 16)
     """
 

@@ -5,6 +5,9 @@ from keras import ops
 from keras_transformer import DecoderLayer
 from tests.helpers import run_layer_test, to_numpy
 
+# Model code: also run under KERAS_BACKEND=jax (`make test`).
+pytestmark = pytest.mark.jax
+
 RNG = np.random.default_rng(0)
 Y = RNG.normal(size=(2, 4, 8)).astype("float32")
 X = RNG.normal(size=(2, 6, 8)).astype("float32")

@@ -5,6 +5,9 @@ import pytest
 from keras_transformer.layers.dropout import Dropout, quantized_rate
 from tests.helpers import to_numpy
 
+# Model code: also run under KERAS_BACKEND=jax (`make test`).
+pytestmark = pytest.mark.jax
+
 
 def _expected_scale(rate):
     if keras.backend.backend() == "tensorflow":

@@ -4,6 +4,9 @@ import pytest
 from keras_transformer import EncoderLayer
 from tests.helpers import run_layer_test, to_numpy
 
+# Model code: also run under KERAS_BACKEND=jax (`make test`).
+pytestmark = pytest.mark.jax
+
 X = np.random.default_rng(0).normal(size=(2, 5, 8)).astype("float32")
 MASK = np.array([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1]], "bool")
 

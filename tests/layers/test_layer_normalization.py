@@ -7,6 +7,9 @@ from keras_transformer.layers import linear
 from keras_transformer.layers.layer_normalization import LayerNormalization
 from tests.helpers import run_layer_test, to_numpy, value_and_gradients
 
+# Model code: also run under KERAS_BACKEND=jax (`make test`).
+pytestmark = pytest.mark.jax
+
 
 def test_layer_contract():
     run_layer_test(

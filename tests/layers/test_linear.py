@@ -12,6 +12,9 @@ from keras_transformer.layers.linear import (
 )
 from tests.helpers import to_numpy
 
+# Model code: also run under KERAS_BACKEND=jax (`make test`).
+pytestmark = pytest.mark.jax
+
 
 def _value_and_gradients(fn, x, kernel, bias, upstream):
     """`fn(x, kernel, bias)` and the gradients of `sum(fn(...) * upstream)` wrt all three."""

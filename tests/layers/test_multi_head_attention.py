@@ -7,6 +7,9 @@ from keras_transformer import MultiHeadAttention
 from keras_transformer.ops import set_fused_attention
 from tests.helpers import run_layer_test, to_numpy
 
+# Model code: also run under KERAS_BACKEND=jax (`make test`).
+pytestmark = pytest.mark.jax
+
 RNG = np.random.default_rng(0)
 
 

@@ -8,6 +8,9 @@ from keras_transformer import PositionalEmbedding
 from keras_transformer.layers.positional_embedding import sinusoid_table
 from tests.helpers import run_layer_test, to_numpy
 
+# Model code: also run under KERAS_BACKEND=jax (`make test`).
+pytestmark = pytest.mark.jax
+
 
 def test_layer_contract():
     ids = np.array([[5, 7, 9, 0], [3, 2, 0, 0]], dtype="int32")
