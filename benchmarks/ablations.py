@@ -7,7 +7,7 @@ about TensorFlow's CPU kernels).
 
     column-sum  sum over the rows of a (rows, 512) matrix: TensorFlow's
                 reduce_sum, BiasAddGrad, and the product ones(1, rows) @ g
-                (what keras_transformer.layers.linear.column_sum does)
+                (what keras_transformer.ops.linear.column_sum does)
     qkv         the three attention projections forward and backward:
                 separate 512 x 512 products, or one fused 512 x 1536 product
                 split with tf.split, or sliced from a (B, T, 3, N, H) view
@@ -22,12 +22,12 @@ about TensorFlow's CPU kernels).
                 for the (512, 512), (512, 2048) and (2048, 512) kernels:
                 the product with TensorFlow's transpose_b flag, and with the
                 transpose written out first
-                (keras_transformer.layers.linear.transposed_copy)
+                (keras_transformer.ops.linear.transposed_copy)
     gradients   a whole training step (`train_on_batch`, paper-base shapes,
                 one batch of ~--rows tokens per side) of the model with the
                 hand-written gradients (attention projections, feed-forward
                 products, layer norm, loss;
-                keras_transformer.layers.linear.hand_written_gradients), with
+                keras_transformer.ops.hand_written_gradients), with
                 each of them left to automatic differentiation, with none,
                 with their column sums as plain sums, and with their input
                 gradients through transpose_b; any backend (the others but
@@ -159,25 +159,25 @@ def loss_variants(rows, vocabulary=37000, smoothing=0.1):
     import numpy as np
     import tensorflow as tf
 
-    from keras_transformer import training
+    from keras_transformer.ops import loss as loss_ops
 
     rng = np.random.default_rng(0)
     logits = tf.Variable(rng.standard_normal((rows // 20, 20, vocabulary), dtype="float32"))
     labels = tf.constant(rng.integers(1, vocabulary, (rows // 20, 20)), tf.int32)
     confidence = 1.0 - smoothing
-    positions = training._flat_label_positions(labels, vocabulary)
+    positions = loss_ops._flat_label_positions(labels, vocabulary)
 
     @tf.custom_gradient
     def softmax_kept_loss(z):
         probs = tf.nn.softmax(z)
         # max p >= 1/V: log-normalizer = max z - log(max p), finite however far z spreads.
         log_normalizer = tf.reduce_max(z, -1) - tf.math.log(tf.reduce_max(probs, -1))
-        true_logits = training._true_logits(labels, z, positions)
+        true_logits = loss_ops._true_logits(labels, z, positions)
         loss = log_normalizer - confidence * true_logits - smoothing * tf.reduce_mean(z, -1)
 
         def grad(upstream):
             gradient = (probs - smoothing / vocabulary) * upstream[..., None]
-            return training._add_at_labels(gradient, labels, -confidence * upstream, positions)
+            return loss_ops._add_at_labels(gradient, labels, -confidence * upstream, positions)
 
         return loss, grad
 
@@ -193,7 +193,7 @@ def loss_variants(rows, vocabulary=37000, smoothing=0.1):
 
     fns = {
         "logsumexp, exp again (ours)": step(
-            lambda z: training.label_smoothed_token_losses(labels, z, smoothing)
+            lambda z: loss_ops.label_smoothed_token_losses(labels, z, smoothing)
         ),
         "softmax kept": step(softmax_kept_loss),
     }
@@ -233,7 +233,7 @@ def dropout_variants(rows):
 def transpose_b_variants(rows):
     import tensorflow as tf
 
-    from keras_transformer.layers.linear import transposed_copy
+    from keras_transformer.ops.linear import transposed_copy
 
     shapes = [(512, 512), (512, 2048), (2048, 512)]
     kernels = {shape: tf.Variable(tf.random.normal(shape)) for shape in shapes}
@@ -271,12 +271,13 @@ HAND_WRITTEN = "hand-written (TensorFlow's default)"
 
 def _gradient_patches():
     """Variant name -> [(object, attribute, replacement)] for `gradients_variants`."""
-    linear = importlib.import_module("keras_transformer.layers.linear")
+    linear = importlib.import_module("keras_transformer.ops.linear")
+    gradients = importlib.import_module("keras_transformer.ops.gradients")
 
     def hand_written(*parts):
-        return [(linear, "hand_written_gradients", lambda part: part in parts)]
+        return [(gradients, "hand_written_gradients", lambda part: part in parts)]
 
-    every = linear.HAND_WRITTEN_PARTS
+    every = gradients.HAND_WRITTEN_PARTS
     variants = {HAND_WRITTEN: hand_written(*every)}
     for part in every:
         variants[f"autodiff {part}"] = hand_written(*(p for p in every if p != part))

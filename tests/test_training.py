@@ -158,9 +158,9 @@ def _loss_gradient(loss, labels, logits):
 @pytest.fixture(params=[True, False], ids=["hand-written", "automatic"])
 def loss_gradient_path(request, monkeypatch):
     """Runs a test with the loss's hand-written gradient and with automatic differentiation."""
-    from keras_transformer.layers import linear
+    from keras_transformer.ops import gradients
 
-    monkeypatch.setattr(linear, "hand_written_gradients", lambda part: request.param)
+    monkeypatch.setattr(gradients, "hand_written_gradients", lambda part: request.param)
     return request.param
 
 

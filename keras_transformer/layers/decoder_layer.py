@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import keras
 
-from keras_transformer.layers.encoder_layer import ResidualBlockMixin
-from keras_transformer.layers.feed_forward import FeedForward, clone_initializer
+from keras_transformer.layers.feed_forward import FeedForward
+from keras_transformer.layers.initializers import clone_initializer
 from keras_transformer.layers.multi_head_attention import MultiHeadAttention
+from keras_transformer.layers.residual import ResidualBlockMixin
 
 
 @keras.saving.register_keras_serializable(package="keras_transformer")

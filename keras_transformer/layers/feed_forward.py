@@ -6,13 +6,9 @@ import keras
 from keras import ops
 
 from keras_transformer.layers.dropout import Dropout
-from keras_transformer.layers.linear import linear
+from keras_transformer.layers.initializers import clone_initializer
+from keras_transformer.ops.linear import linear
 from keras_transformer.validation import check_positive_int, check_rate
-
-
-def clone_initializer(initializer):
-    """A fresh initializer with the same config, so sublayers do not share seeds."""
-    return keras.initializers.get(keras.initializers.serialize(initializer))
 
 
 @keras.saving.register_keras_serializable(package="keras_transformer")
@@ -83,7 +79,7 @@ class FeedForward(keras.layers.Layer):
 
         The `Dense` layers hold the weights (checkpoints and the ONNX export
         read them there); `linear` gives TensorFlow a hand-written backward
-        pass (`hand_written_gradients("feed_forward")`): the bias gradients
+        pass (`keras_transformer.ops.hand_written_gradients("feed_forward")`): the bias gradients
         as `column_sum` products instead of broadcast reductions over
         (tokens, 2048) and (tokens, 512), the input gradients against a
         written-out transposed kernel.

@@ -1,11 +1,12 @@
-"""Layer normalization over the last axis, with a hand-written gradient."""
+"""Layer normalization over the last axis, the Keras layer with a hand-written gradient."""
 
 from __future__ import annotations
 
 import keras
 from keras import ops
 
-from keras_transformer.layers import linear
+from keras_transformer.ops import gradients
+from keras_transformer.ops.layer_norm import normalize_last_axis
 
 
 @keras.saving.register_keras_serializable(package="keras_transformer")
@@ -14,17 +15,9 @@ class LayerNormalization(keras.layers.LayerNormalization):
 
     Same arguments, weights (`gamma`, `beta`) and outputs as the Keras layer.
     When it normalizes the last axis with both `gamma` and `beta` (how the
-    Transformer uses it), the backward pass keeps only the normalized input
-    and one reciprocal standard deviation per position, and computes
-
-        dx = rstd * (g' - mean(g') - x_hat * mean(g' * x_hat)),  g' = g * gamma
-
-    Left to automatic differentiation, the Keras formula keeps the input and
-    several full-size intermediates (it broadcasts `gamma` into a per-element
-    scale) for every normalization of the model. Any other configuration
-    (several axes, no `gamma` or `beta`, `rms_scaling`), and backends other
-    than TensorFlow (`linear.hand_written_gradients`), run the Keras layer
-    unchanged.
+    Transformer uses it) and `keras_transformer.ops.hand_written_gradients`
+    says so, it calls `keras_transformer.ops.layer_norm.normalize_last_axis`,
+    whose backward pass keeps far less; otherwise it runs the Keras layer.
 
     Example:
 
@@ -37,7 +30,7 @@ class LayerNormalization(keras.layers.LayerNormalization):
     def call(self, inputs):
         last = len(inputs.shape) - 1
         if (
-            not linear.hand_written_gradients("layer_norm")
+            not gradients.hand_written_gradients("layer_norm")
             or self.rms_scaling
             or self.gamma is None
             or self.beta is None
@@ -47,37 +40,10 @@ class LayerNormalization(keras.layers.LayerNormalization):
             return super().call(inputs)
         # At least float32, as the Keras layer computes.
         dtype = keras.backend.result_type(inputs.dtype, "float32")
-        outputs = _normalize_last_axis(float(self.epsilon))(
-            ops.cast(inputs, dtype), ops.cast(self.gamma, dtype), ops.cast(self.beta, dtype)
+        outputs = normalize_last_axis(
+            ops.cast(inputs, dtype),
+            ops.cast(self.gamma, dtype),
+            ops.cast(self.beta, dtype),
+            self.epsilon,
         )
         return ops.cast(outputs, self.compute_dtype)
-
-
-def _normalize_last_axis(epsilon):
-    """`(x, gamma, beta) -> x_hat * gamma + beta` over the last axis, hand-written gradient."""
-
-    @ops.custom_gradient
-    def normalize(x, gamma, beta):
-        mean = ops.mean(x, axis=-1, keepdims=True)
-        centered = x - mean
-        variance = ops.mean(ops.square(centered), axis=-1, keepdims=True)
-        rstd = ops.rsqrt(variance + epsilon)
-        normalized = centered * rstd
-
-        def grad(*args, upstream=None):
-            upstream = args[0] if upstream is None else upstream
-            upstream = ops.cast(upstream, normalized.dtype)
-            scaled = upstream * gamma
-            dx = rstd * (
-                scaled
-                - ops.mean(scaled, axis=-1, keepdims=True)
-                - normalized * ops.mean(scaled * normalized, axis=-1, keepdims=True)
-            )
-            width = ops.shape(x)[-1]
-            dgamma = linear.column_sum(ops.reshape(upstream * normalized, (-1, width)))
-            dbeta = linear.column_sum(ops.reshape(upstream, (-1, width)))
-            return dx, dgamma, dbeta
-
-        return normalized * gamma + beta, grad
-
-    return normalize

@@ -8,9 +8,10 @@ import keras
 from keras import ops
 
 from keras_transformer.layers.dropout import Dropout
-from keras_transformer.layers.linear import linear
+from keras_transformer.layers.initializers import clone_initializer
 from keras_transformer.layers.masks import merge_masks
 from keras_transformer.ops.attention import dot_product_attention
+from keras_transformer.ops.linear import linear
 from keras_transformer.validation import check_positive_int, check_rate
 
 
@@ -97,12 +98,8 @@ class MultiHeadAttention(keras.layers.Layer):
                 equation,
                 output_shape=output_shape,
                 bias_axes=bias_axes,
-                kernel_initializer=keras.initializers.get(
-                    keras.initializers.serialize(self.kernel_initializer)
-                ),
-                bias_initializer=keras.initializers.get(
-                    keras.initializers.serialize(self.bias_initializer)
-                ),
+                kernel_initializer=clone_initializer(self.kernel_initializer),
+                bias_initializer=clone_initializer(self.bias_initializer),
                 dtype=self.dtype_policy,
                 name=name,
             )

@@ -2,7 +2,8 @@ import keras
 import numpy as np
 import pytest
 
-from keras_transformer.layers.dropout import Dropout, quantized_rate
+from keras_transformer.layers.dropout import Dropout
+from keras_transformer.ops.dropout import quantized_rate
 from tests.helpers import to_numpy
 
 # Model code: also run under KERAS_BACKEND=jax (`make test`).

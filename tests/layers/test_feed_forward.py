@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from keras_transformer import FeedForward
-from keras_transformer.layers import linear
+from keras_transformer.ops import gradients
 from tests.helpers import run_layer_test, to_numpy, value_and_gradients
 
 # Model code: also run under KERAS_BACKEND=jax (`make test`).
@@ -31,7 +31,7 @@ def test_values_and_gradients_in_closed_form(hand_written, monkeypatch):
     # Both backward passes on every backend, whichever one the backend uses.
     parts = []
     monkeypatch.setattr(
-        linear, "hand_written_gradients", lambda part: parts.append(part) or hand_written
+        gradients, "hand_written_gradients", lambda part: parts.append(part) or hand_written
     )
     rng = np.random.default_rng(2)
     layer = FeedForward(hidden_dim=6, intermediate_dim=10)

@@ -3,8 +3,8 @@ import numpy as np
 import pytest
 from keras import ops
 
-from keras_transformer.layers import linear
 from keras_transformer.layers.layer_normalization import LayerNormalization
+from keras_transformer.ops import gradients
 from tests.helpers import run_layer_test, to_numpy, value_and_gradients
 
 # Model code: also run under KERAS_BACKEND=jax (`make test`).
@@ -24,7 +24,7 @@ def test_layer_contract():
 @pytest.mark.parametrize("shape", [(2, 5, 16), (7, 16)])
 def test_values_and_gradients_match_the_keras_layer(shape, hand_written, monkeypatch):
     # Both backward passes on every backend, whichever one the backend uses.
-    monkeypatch.setattr(linear, "hand_written_gradients", lambda part: hand_written)
+    monkeypatch.setattr(gradients, "hand_written_gradients", lambda part: hand_written)
     rng = np.random.default_rng(1)
     x = (3.0 * rng.normal(size=shape) + 1.5).astype("float32")
     upstream = rng.normal(size=shape).astype("float32")

@@ -3,8 +3,8 @@ import numpy as np
 import pytest
 from keras import ops
 
-from keras_transformer.layers import linear as linear_module
-from keras_transformer.layers.linear import (
+from keras_transformer.ops import gradients
+from keras_transformer.ops.linear import (
     column_sum,
     linear,
     linear_with_gradient,
@@ -83,19 +83,19 @@ def test_linear_keeps_a_mixed_precision_dtype():
 
 def test_hand_written_gradients_where_they_were_measured():
     on_tensorflow = keras.backend.backend() == "tensorflow"
-    assert linear_module.hand_written_gradients("loss")
-    assert linear_module.hand_written_gradients("projections") == on_tensorflow
-    assert linear_module.hand_written_gradients("feed_forward") == on_tensorflow
-    assert linear_module.hand_written_gradients("layer_norm") == on_tensorflow
+    assert gradients.hand_written_gradients("loss")
+    assert gradients.hand_written_gradients("projections") == on_tensorflow
+    assert gradients.hand_written_gradients("feed_forward") == on_tensorflow
+    assert gradients.hand_written_gradients("layer_norm") == on_tensorflow
     with pytest.raises(ValueError, match="part must be one of"):
-        linear_module.hand_written_gradients("attention")
+        gradients.hand_written_gradients("attention")
 
 
 @pytest.mark.parametrize("hand_written", [True, False])
 def test_linear_takes_the_path_the_switch_names(monkeypatch, hand_written):
     calls = []
     monkeypatch.setattr(
-        linear_module, "hand_written_gradients", lambda part: calls.append(part) or hand_written
+        gradients, "hand_written_gradients", lambda part: calls.append(part) or hand_written
     )
     x = np.ones((2, 3), "float32")
     out = linear(x, np.ones((3, 4), "float32"), np.arange(4, dtype="float32"))

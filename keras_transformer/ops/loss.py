@@ -1,0 +1,105 @@
+"""The label-smoothed cross-entropy per token, with a hand-written gradient."""
+
+from __future__ import annotations
+
+import keras
+from keras import ops
+
+from keras_transformer.ops import gradients
+
+
+def label_smoothed_token_losses(y_true, logits, label_smoothing):
+    """Per-token label-smoothed cross-entropy, float32, shape of `y_true`.
+
+    The smoothed target puts `1 - label_smoothing` on the true token and
+    spreads `label_smoothing` uniformly over the whole vocabulary:
+    `(1 - e) * nll + e * mean_v(-log p_v)`, which is
+    `logsumexp - (1 - e) * logit_y - e * mean_v(logit_v)`.
+
+    The gradient is written by hand where
+    `keras_transformer.ops.hand_written_gradients("loss")` says so:
+    `softmax - smoothed target`, times the incoming gradient. Its backward
+    pass keeps only the logits and one logsumexp per token, where automatic
+    differentiation keeps the fused kernel's softmax and scatters the label
+    gather's gradient into a zero `(batch, length, vocabulary)` tensor
+    (`python -m benchmarks.ablations loss` and `gradients`).
+
+    Example:
+
+    >>> losses = label_smoothed_token_losses(np.array([[3]]), np.zeros((1, 1, 8), "float32"), 0.1)
+    >>> np.round(ops.convert_to_numpy(losses), 4)  # uniform logits: log(8)
+    array([[2.0794]], dtype=float32)
+    """
+    logits = ops.cast(logits, "float32")
+    labels = ops.cast(y_true, "int32")
+    if not gradients.hand_written_gradients("loss"):
+        return _plain_smoothed_cross_entropy(labels, logits, float(label_smoothing))
+    return _smoothed_cross_entropy(labels, float(label_smoothing))(logits)
+
+
+def _plain_smoothed_cross_entropy(labels, logits, smoothing):
+    """The same per-token losses, left to automatic differentiation."""
+    return _smoothed_losses(labels, logits, ops.logsumexp(logits, axis=-1), smoothing)
+
+
+def _smoothed_losses(labels, logits, log_normalizer, smoothing, positions=None):
+    """`logsumexp - (1 - e) * logit_y - e * mean_v(logit_v)`, shape `(B, T)`."""
+    loss = log_normalizer - (1.0 - smoothing) * _true_logits(labels, logits, positions)
+    if smoothing:
+        loss = loss - smoothing * ops.mean(logits, axis=-1)
+    return loss
+
+
+def _smoothed_cross_entropy(labels, smoothing):
+    """`logits -> per-token losses` with the hand-written gradient, for fixed `labels`."""
+    confidence = 1.0 - smoothing
+
+    @ops.custom_gradient
+    def losses(logits):
+        vocabulary_size = ops.shape(logits)[-1]
+        # On TensorFlow the true labels are read and written as B*T scalars of
+        # the flattened logits; found once here, used forward and backward.
+        positions = None
+        if keras.backend.backend() == "tensorflow":
+            positions = _flat_label_positions(labels, vocabulary_size)
+        log_normalizer = ops.logsumexp(logits, axis=-1)  # (B, T)
+        loss = _smoothed_losses(labels, logits, log_normalizer, smoothing, positions)
+
+        def grad(*args, upstream=None):
+            upstream = args[0] if upstream is None else upstream
+            upstream = ops.cast(upstream, "float32")
+            probs = ops.exp(logits - ops.expand_dims(log_normalizer, -1))
+            if smoothing:
+                probs = probs - smoothing / ops.cast(vocabulary_size, "float32")
+            gradient = probs * ops.expand_dims(upstream, -1)
+            return _add_at_labels(gradient, labels, -confidence * upstream, positions)
+
+        return loss, grad
+
+    return losses
+
+
+def _flat_label_positions(labels, vocabulary_size):
+    """Positions of `labels` in the flattened `(B, T, V)` logits, int64."""
+    # int64: B*T*V passes 2**31 at 58k tokens with a 37000-token vocabulary.
+    rows = ops.arange(ops.size(labels), dtype="int64")
+    return rows * ops.cast(vocabulary_size, "int64") + ops.cast(ops.reshape(labels, (-1,)), "int64")
+
+
+def _true_logits(labels, logits, positions=None):
+    """`logits[b, t, labels[b, t]]`, shape `(B, T)`; `positions` from `_flat_label_positions`."""
+    if positions is None:
+        return ops.squeeze(ops.take_along_axis(logits, ops.expand_dims(labels, -1), axis=-1), -1)
+    return ops.reshape(ops.take(ops.reshape(logits, (-1,)), positions), ops.shape(labels))
+
+
+def _add_at_labels(values, labels, amounts, positions=None):
+    """`values` with `amounts[b, t]` added at `[b, t, labels[b, t]]`."""
+    if positions is None:
+        one_hot = ops.one_hot(labels, ops.shape(values)[-1], dtype=values.dtype)
+        return values + one_hot * ops.expand_dims(amounts, -1)
+    # A scatter of B*T scalars into the flattened tensor: no second (B, T, V) tensor.
+    flat = ops.reshape(values, (-1,))
+    updated = ops.take(flat, positions) + ops.reshape(amounts, (-1,))
+    flat = ops.scatter_update(flat, ops.expand_dims(positions, -1), updated)
+    return ops.reshape(flat, ops.shape(values))
