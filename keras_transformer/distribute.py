@@ -274,6 +274,20 @@ def _sum_over_workers(strategy, values, chief_only=False):
     return [np.asarray(t) for t in reduce([tf.constant(v) for v in values])]
 
 
+def share_global_batches(dataset):
+    """`dataset` for a multi-replica strategy: every worker keeps its share of each global batch.
+
+    Every worker builds the same global batches (same seed), so sharding by
+    data (not by file) splits each batch across the replicas; the token
+    budget stays global.
+    """
+    import tensorflow as tf
+
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
+    return dataset.with_options(options)
+
+
 def chief_value(strategy, value: int) -> int:
     """The chief's `value` on every worker (a collective: every worker must call it).
 

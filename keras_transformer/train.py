@@ -22,7 +22,6 @@ import glob
 import json
 import os
 import re
-import sys
 import time
 import zlib
 
@@ -43,6 +42,7 @@ from keras_transformer.distribute import (
     enable_multi_worker_fit,
     is_chief,
     make_strategy,
+    share_global_batches,
     working_directory,
 )
 from keras_transformer.io_utils import atomic_path, atomic_save_model, atomic_write_json
@@ -345,6 +345,32 @@ def build_and_compile(
     return enable_multi_worker_fit(model, strategy)
 
 
+@dataclasses.dataclass
+class _Run:
+    """What the stages of `train` share: where the run lives and who writes it."""
+
+    out_dir: str
+    resume: bool
+    strategy: object
+    chief: bool
+    verbose: int
+
+    def log(self, *args, **kwargs):
+        if self.verbose:
+            print(*args, **kwargs)
+
+
+@dataclasses.dataclass
+class _Data:
+    tokenizer: SentencePieceTokenizer
+    config: TransformerConfig
+    train: object  # tf.data.Dataset
+    valid: object
+    train_stats: object  # keras_transformer.data.pipeline.DataStats
+    valid_stats: object
+    valid_pairs: list  # (source, target) text of the validation set
+
+
 def train(settings: TrainSettings, out_dir: str, verbose: int = 1, strategy=None) -> dict:
     """Trains (or resumes) the run in `out_dir` and returns its metrics.
 
@@ -353,51 +379,74 @@ def train(settings: TrainSettings, out_dir: str, verbose: int = 1, strategy=None
     their files in a private temporary folder (see
     `keras_transformer.distribute.working_directory`) and return `{}`.
     """
+    strategy = _strategy(settings, strategy)
+    # Both pairs of files readable and parallel before anything is written.
+    texts = (
+        *read_parallel(settings.src_train, settings.tgt_train),
+        *read_parallel(settings.src_valid, settings.tgt_valid),
+    )
+    run = _open_run(settings, out_dir, verbose, strategy)
+    data = _load_data(run, settings, *texts)
+    compile_args = dict(
+        precision=settings.precision,
+        warmup_steps=settings.warmup_steps,
+        learning_rate_scale=settings.learning_rate_scale,
+        label_smoothing=settings.label_smoothing,
+        jit_compile=settings.jit_compile,
+    )
+    model = build_and_compile(data.config, run.strategy, **compile_args)
+    history = _fit(run, settings, model, data)
+    if not run.chief:
+        return {}
+    if run.strategy is not None and run.strategy.num_replicas_in_sync > 1:
+        # Decode and save a one-device copy: the distributed model's variables
+        # belong to the strategy.
+        trained = model
+        model = build_and_compile(data.config, None, **compile_args)
+        model.set_weights(trained.get_weights())
+    averaged = _save_model(run, settings, model, data.config)
+    return _validate_and_record(run, settings, model, data, history, averaged)
+
+
+def _strategy(settings, strategy):
+    """The given strategy, or the one `settings` names (None: Keras' default, off TensorFlow)."""
     if strategy is None and (
         settings.strategy != "default" or keras.backend.backend() == "tensorflow"
     ):
         # First, before other TensorFlow work: multi-worker setup needs a fresh runtime.
         strategy = make_strategy(settings.strategy)
-    replicas = strategy.num_replicas_in_sync if strategy is not None else 1
+    return strategy
+
+
+def _open_run(settings, out_dir, verbose, strategy) -> _Run:
+    """The run directory: checked against an earlier run, created, and its settings written."""
     chief = is_chief()
     out_dir = working_directory(out_dir)  # a private folder on non-chief workers
     resume = _check_run_directory(out_dir, settings)
-    src_train, tgt_train = read_parallel(settings.src_train, settings.tgt_train)
-    src_valid, tgt_valid = read_parallel(settings.src_valid, settings.tgt_valid)
     os.makedirs(out_dir, exist_ok=True)
     atomic_write_json(
         os.path.join(out_dir, "train_config.json"),
         {**settings.identity(), **{k: getattr(settings, k) for k in RESUMABLE_FIELDS}},
     )
-    log = print if verbose and chief else (lambda *a, **k: None)
-    verbose = verbose if chief else 0
+    return _Run(out_dir, resume, strategy, chief, verbose if chief else 0)
 
+
+def _load_data(run, settings, src_train, tgt_train, src_valid, tgt_valid) -> _Data:
+    """The tokenizer (trained on the first start), the model config and the datasets."""
     keras.utils.set_random_seed(settings.seed)
-    tokenizer = _load_or_train_tokenizer(out_dir, settings, resume, src_train, tgt_train)
+    tokenizer = _load_or_train_tokenizer(run.out_dir, settings, run.resume, src_train, tgt_train)
     config = settings.model_config(tokenizer.vocabulary_size)
-    log(
+    run.log(
         f"SentencePiece vocabulary: {tokenizer.vocabulary_size} pieces (asked for "
         f"{settings.vocab_size})"
     )
+    batching = (tokenizer, config.max_length, settings.tokens_per_batch)
     train_data, train_stats = make_dataset(
-        src_train,
-        tgt_train,
-        tokenizer,
-        config.max_length,
-        settings.tokens_per_batch,
-        shuffle=True,
-        seed=settings.seed,
+        src_train, tgt_train, *batching, shuffle=True, seed=settings.seed
     )
-    valid_data, valid_stats = make_dataset(
-        src_valid,
-        tgt_valid,
-        tokenizer,
-        config.max_length,
-        settings.tokens_per_batch,
-        shuffle=False,
-    )
+    valid_data, valid_stats = make_dataset(src_valid, tgt_valid, *batching, shuffle=False)
     check_workers_agree(
-        strategy,
+        run.strategy,
         **{
             "SentencePiece model (CRC-32)": zlib.crc32(tokenizer.model_proto),
             "training settings (CRC-32)": zlib.crc32(_portable_identity(settings)),
@@ -406,96 +455,16 @@ def train(settings: TrainSettings, out_dir: str, verbose: int = 1, strategy=None
             "validation pairs": valid_stats.kept_pairs,
         },
     )
-    log(train_stats.describe("train"))
-    log(valid_stats.describe("valid"))
-    if replicas > 1:
-        import tensorflow as tf
-
-        # Every worker builds the same global batches (same seed) and takes its
-        # share of each; the token budget is global.
-        options = tf.data.Options()
-        options.experimental_distribute.auto_shard_policy = (
-            tf.data.experimental.AutoShardPolicy.DATA
+    run.log(train_stats.describe("train"))
+    run.log(valid_stats.describe("valid"))
+    if run.strategy is not None and run.strategy.num_replicas_in_sync > 1:
+        train_data = share_global_batches(train_data)
+        valid_data = share_global_batches(valid_data)
+        run.log(
+            f"Training on {run.strategy.num_replicas_in_sync} replicas ({type(run.strategy).__name__})."
         )
-        train_data = train_data.with_options(options)
-        valid_data = valid_data.with_options(options)
-        log(f"Training on {strategy.num_replicas_in_sync} replicas ({type(strategy).__name__}).")
-
-    compile_args = dict(
-        precision=settings.precision,
-        warmup_steps=settings.warmup_steps,
-        learning_rate_scale=settings.learning_rate_scale,
-        label_smoothing=settings.label_smoothing,
-        jit_compile=settings.jit_compile,
-    )
-    model = build_and_compile(config, strategy, **compile_args)
-
-    history_path = os.path.join(out_dir, "history.json")
-    history = []
-    if resume and os.path.isfile(history_path):
-        with open(history_path, encoding="utf-8") as f:
-            history = json.load(f)
-    recorder = _RunRecorder(
-        out_dir,
-        history,
-        settings.max_steps,
-        settings.max_minutes,
-        keep=max(KEEP_CHECKPOINTS, settings.average_last or 0),
-        strategy=strategy,
-    )
-    epochs = settings.epochs if settings.epochs is not None else 10_000
-    callbacks = [
-        # The recorder writes its checkpoint before the backup is taken: a
-        # kill in between makes the resumed run redo that epoch, never skip it.
-        recorder,
-        keras.callbacks.BackupAndRestore(os.path.join(out_dir, "backup"), delete_checkpoint=False),
-        # Multi-worker: everyone resumes from the chief's backup, whatever its own holds.
-        SyncWithChief(strategy),
-        keras.callbacks.TensorBoard(os.path.join(out_dir, "logs"), update_freq="epoch"),
-    ]
-    steps_done = history[-1]["steps"] if history else 0
-    spent = recorder.budget_spent() or bool(settings.max_steps and steps_done >= settings.max_steps)
-    if chief_value(strategy, spent):  # the workers follow the chief's history
-        log(f"{out_dir}: the training budget is already spent; finishing the run.")
-    else:
-        if resume and history:
-            log(f"Resuming {out_dir} after epoch {len(history)}.")
-        model.fit(
-            train_data,
-            validation_data=valid_data,
-            epochs=epochs,
-            callbacks=[*callbacks, _EpochProgress(settings.budget())],
-            verbose=verbose,
-            shuffle=False,  # the dataset shuffles itself, each epoch
-        )
-    if not chief:
-        return {}
-    if not history:
-        raise RuntimeError("Training stopped before completing an epoch; nothing to save.")
-    if replicas > 1:
-        # Decode and save a one-device copy: the distributed model's variables
-        # belong to the strategy.
-        trained = model
-        model = build_and_compile(config, None, **compile_args)
-        model.set_weights(trained.get_weights())
-
-    checkpoints = _epoch_checkpoints(out_dir)
-    if settings.average_last and settings.average_last > 1:
-        chosen = checkpoints[-settings.average_last :]
-        average_checkpoints(model, chosen)
-        averaged = [os.path.basename(p) for p in chosen]
-        log(f"Averaged {len(chosen)} checkpoints: {', '.join(averaged)}")
-    else:
-        model.load_weights(checkpoints[-1])
-        averaged = [os.path.basename(checkpoints[-1])]
-    atomic_save_model(model, os.path.join(out_dir, "model.keras"))
-    atomic_write_json(os.path.join(out_dir, "config.json"), config.to_dict())
-
-    from keras_transformer.evaluation import score_translations
-    from keras_transformer.translation import translate_lines
-
-    # The same pairs the validation loss used: non-empty, within max_length.
-    pairs = [
+    # The pairs the validation loss used: non-empty, within max_length.
+    valid_pairs = [
         (s, t)
         for s, t in zip(src_valid, tgt_valid, strict=True)
         if s.strip()
@@ -503,48 +472,119 @@ def train(settings: TrainSettings, out_dir: str, verbose: int = 1, strategy=None
         and len(tokenizer.encode(s)) < config.max_length
         and len(tokenizer.encode(t)) < config.max_length
     ]
+    return _Data(tokenizer, config, train_data, valid_data, train_stats, valid_stats, valid_pairs)
+
+
+def _fit(run, settings, model, data) -> list:
+    """`model.fit` with the run's callbacks, unless the budget is spent; returns the history."""
+    history_path = os.path.join(run.out_dir, "history.json")
+    history = []
+    if run.resume and os.path.isfile(history_path):
+        with open(history_path, encoding="utf-8") as f:
+            history = json.load(f)
+    recorder = _RunRecorder(
+        run.out_dir,
+        history,
+        settings.max_steps,
+        settings.max_minutes,
+        keep=max(KEEP_CHECKPOINTS, settings.average_last or 0),
+        strategy=run.strategy,
+    )
+    callbacks = [
+        # The recorder writes its checkpoint before the backup is taken: a
+        # kill in between makes the resumed run redo that epoch, never skip it.
+        recorder,
+        keras.callbacks.BackupAndRestore(
+            os.path.join(run.out_dir, "backup"), delete_checkpoint=False
+        ),
+        # Multi-worker: everyone resumes from the chief's backup, whatever its own holds.
+        SyncWithChief(run.strategy),
+        keras.callbacks.TensorBoard(os.path.join(run.out_dir, "logs"), update_freq="epoch"),
+        _EpochProgress(settings.budget()),
+    ]
+    steps_done = history[-1]["steps"] if history else 0
+    spent = recorder.budget_spent() or bool(settings.max_steps and steps_done >= settings.max_steps)
+    if chief_value(run.strategy, spent):  # the workers follow the chief's history
+        run.log(f"{run.out_dir}: the training budget is already spent; finishing the run.")
+    else:
+        if run.resume and history:
+            run.log(f"Resuming {run.out_dir} after epoch {len(history)}.")
+        model.fit(
+            data.train,
+            validation_data=data.valid,
+            epochs=settings.epochs if settings.epochs is not None else 10_000,
+            callbacks=callbacks,
+            verbose=run.verbose,
+            shuffle=False,  # the dataset shuffles itself, each epoch
+        )
+    if run.chief and not history:
+        raise RuntimeError("Training stopped before completing an epoch; nothing to save.")
+    return history
+
+
+def _save_model(run, settings, model, config) -> list:
+    """Loads the last (or the average of the last K) epoch weights and saves the model."""
+    checkpoints = _epoch_checkpoints(run.out_dir)
+    if settings.average_last and settings.average_last > 1:
+        chosen = checkpoints[-settings.average_last :]
+        average_checkpoints(model, chosen)
+        averaged = [os.path.basename(p) for p in chosen]
+        run.log(f"Averaged {len(chosen)} checkpoints: {', '.join(averaged)}")
+    else:
+        model.load_weights(checkpoints[-1])
+        averaged = [os.path.basename(checkpoints[-1])]
+    atomic_save_model(model, os.path.join(run.out_dir, "model.keras"))
+    atomic_write_json(os.path.join(run.out_dir, "config.json"), config.to_dict())
+    return averaged
+
+
+def _validate_and_record(run, settings, model, data, history, averaged) -> dict:
+    """Validation BLEU of the saved model, and `metrics.json`."""
+    from keras_transformer.evaluation import score_translations
+    from keras_transformer.translation import translate_lines
+
     started = time.perf_counter()
     hypotheses = translate_lines(
         model,
-        tokenizer,
-        [s for s, _ in pairs],
+        data.tokenizer,
+        [s for s, _ in data.valid_pairs],
         beam_size=settings.valid_beam,
         batch_size=64,
-        progress=bool(verbose),
+        progress=bool(run.verbose),
     )
-    valid_scores = score_translations(hypotheses, [t for _, t in pairs])
+    valid_scores = score_translations(hypotheses, [t for _, t in data.valid_pairs])
     decode_seconds = time.perf_counter() - started
 
     train_seconds = float(sum(e["seconds"] for e in history))
     epochs_done = len(history)
+    stats = data.train_stats
     metrics = {
         "epochs": epochs_done,
         "steps": history[-1]["steps"],
         "history": history,
         "train_seconds": round(train_seconds, 1),
-        "target_tokens_per_second": round(train_stats.target_tokens * epochs_done / train_seconds),
+        "target_tokens_per_second": round(stats.target_tokens * epochs_done / train_seconds),
         "tokens_per_second": round(
-            (train_stats.source_tokens + train_stats.target_tokens) * epochs_done / train_seconds
+            (stats.source_tokens + stats.target_tokens) * epochs_done / train_seconds
         ),
-        "train_data": dataclasses.asdict(train_stats),
-        "valid_data": dataclasses.asdict(valid_stats),
+        "train_data": dataclasses.asdict(stats),
+        "valid_data": dataclasses.asdict(data.valid_stats),
         "averaged_checkpoints": averaged,
         "valid_bleu": valid_scores["bleu"],
         "valid_bleu_lowercase": valid_scores["bleu_lowercase"],
         "valid_chrf": valid_scores["chrf"],
         "valid_bleu_signature": valid_scores["bleu_signature"],
         "valid_beam": settings.valid_beam,
-        "valid_bleu_sentences": len(pairs),
+        "valid_bleu_sentences": len(data.valid_pairs),
         "valid_decode_seconds": round(decode_seconds, 1),
         "precision": settings.precision,
-        "config": config.to_dict(),
+        "config": data.config.to_dict(),
         "backend": keras.backend.backend(),
     }
-    atomic_write_json(os.path.join(out_dir, "metrics.json"), metrics)
-    log(
+    atomic_write_json(os.path.join(run.out_dir, "metrics.json"), metrics)
+    run.log(
         f"{epochs_done} epochs, {train_seconds:.0f} s of training; validation BLEU "
         f"{valid_scores['bleu']} (lower-cased {valid_scores['bleu_lowercase']}), "
-        f"chrF {valid_scores['chrf']}. Wrote {out_dir}",
-        file=sys.stderr if not verbose else None,
+        f"chrF {valid_scores['chrf']}. Wrote {run.out_dir}"
     )
     return metrics
