@@ -17,7 +17,7 @@ $(STAMP): $(BIN)/python pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
-	TF_CPP_MIN_LOG_LEVEL=2 $(BIN)/keras-transformer demo --out runs/demo
+	$(BIN)/keras-transformer demo --out runs/demo
 
 # Test tiers, chosen by markers (pyproject.toml): the unit tier on random
 # weights (`make test`), the integration tier with trained fixtures, exports
