@@ -355,6 +355,10 @@ class _Run:
     chief: bool
     verbose: int
 
+    @property
+    def replicas(self) -> int:
+        return self.strategy.num_replicas_in_sync if self.strategy is not None else 1
+
     def log(self, *args, **kwargs):
         if self.verbose:
             print(*args, **kwargs)
@@ -368,7 +372,7 @@ class _Data:
     valid: object
     train_stats: object  # keras_transformer.data.pipeline.DataStats
     valid_stats: object
-    valid_pairs: list  # (source, target) text of the validation set
+    valid_text: tuple  # (sources, targets): the validation files' lines
 
 
 def train(settings: TrainSettings, out_dir: str, verbose: int = 1, strategy=None) -> dict:
@@ -398,7 +402,7 @@ def train(settings: TrainSettings, out_dir: str, verbose: int = 1, strategy=None
     history = _fit(run, settings, model, data)
     if not run.chief:
         return {}
-    if run.strategy is not None and run.strategy.num_replicas_in_sync > 1:
+    if run.replicas > 1:
         # Decode and save a one-device copy: the distributed model's variables
         # belong to the strategy.
         trained = model
@@ -457,22 +461,13 @@ def _load_data(run, settings, src_train, tgt_train, src_valid, tgt_valid) -> _Da
     )
     run.log(train_stats.describe("train"))
     run.log(valid_stats.describe("valid"))
-    if run.strategy is not None and run.strategy.num_replicas_in_sync > 1:
+    if run.replicas > 1:
         train_data = share_global_batches(train_data)
         valid_data = share_global_batches(valid_data)
-        run.log(
-            f"Training on {run.strategy.num_replicas_in_sync} replicas ({type(run.strategy).__name__})."
-        )
-    # The pairs the validation loss used: non-empty, within max_length.
-    valid_pairs = [
-        (s, t)
-        for s, t in zip(src_valid, tgt_valid, strict=True)
-        if s.strip()
-        and t.strip()
-        and len(tokenizer.encode(s)) < config.max_length
-        and len(tokenizer.encode(t)) < config.max_length
-    ]
-    return _Data(tokenizer, config, train_data, valid_data, train_stats, valid_stats, valid_pairs)
+        run.log(f"Training on {run.replicas} replicas ({type(run.strategy).__name__}).")
+    return _Data(
+        tokenizer, config, train_data, valid_data, train_stats, valid_stats, (src_valid, tgt_valid)
+    )
 
 
 def _fit(run, settings, model, data) -> list:
@@ -543,16 +538,26 @@ def _validate_and_record(run, settings, model, data, history, averaged) -> dict:
     from keras_transformer.evaluation import score_translations
     from keras_transformer.translation import translate_lines
 
+    # The same pairs the validation loss used: non-empty, within max_length.
+    tokenizer, max_length = data.tokenizer, data.config.max_length
+    pairs = [
+        (s, t)
+        for s, t in zip(*data.valid_text, strict=True)
+        if s.strip()
+        and t.strip()
+        and len(tokenizer.encode(s)) < max_length
+        and len(tokenizer.encode(t)) < max_length
+    ]
     started = time.perf_counter()
     hypotheses = translate_lines(
         model,
-        data.tokenizer,
-        [s for s, _ in data.valid_pairs],
+        tokenizer,
+        [s for s, _ in pairs],
         beam_size=settings.valid_beam,
         batch_size=64,
         progress=bool(run.verbose),
     )
-    valid_scores = score_translations(hypotheses, [t for _, t in data.valid_pairs])
+    valid_scores = score_translations(hypotheses, [t for _, t in pairs])
     decode_seconds = time.perf_counter() - started
 
     train_seconds = float(sum(e["seconds"] for e in history))
@@ -575,7 +580,7 @@ def _validate_and_record(run, settings, model, data, history, averaged) -> dict:
         "valid_chrf": valid_scores["chrf"],
         "valid_bleu_signature": valid_scores["bleu_signature"],
         "valid_beam": settings.valid_beam,
-        "valid_bleu_sentences": len(data.valid_pairs),
+        "valid_bleu_sentences": len(pairs),
         "valid_decode_seconds": round(decode_seconds, 1),
         "precision": settings.precision,
         "config": data.config.to_dict(),
