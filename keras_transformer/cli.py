@@ -40,11 +40,15 @@ def _train(args):
             label_smoothing=args.label_smoothing,
             warmup_steps=args.warmup_steps,
             learning_rate_scale=args.learning_rate_scale,
+            accumulate_steps=args.accumulate_steps,
             vocab_size=args.vocab_size,
             dropout=args.dropout,
             attention_dropout=args.attention_dropout,
             seed=args.seed,
-            average_last=args.average_last,
+            select_by=args.select_by,
+            patience=args.patience,
+            average=args.average_last or args.average,
+            final="last" if args.average_last else args.final,
             valid_beam=args.valid_beam,
             jit_compile=args.jit_compile,
             strategy=args.strategy,
@@ -211,15 +215,29 @@ def build_parser() -> argparse.ArgumentParser:
         help="padded tokens per batch on each side (default 4096)",
     )
     train.add_argument(
-        "--precision", default="float32", choices=["float32", "mixed_float16", "mixed_bfloat16"]
+        "--precision",
+        default="auto",
+        choices=["auto", "float32", "mixed_float16", "mixed_bfloat16"],
+        help="auto (default): mixed_bfloat16 on a GPU or CPU that computes in bfloat16 "
+        "(AVX512_BF16, AMX), float32 elsewhere",
     )
     train.add_argument("--label-smoothing", type=float, default=0.1)
-    train.add_argument("--warmup-steps", type=int, default=4000)
+    train.add_argument(
+        "--warmup-steps",
+        type=int,
+        help="warm-up updates (default: one epoch of updates, at most the paper's 4000)",
+    )
     train.add_argument(
         "--learning-rate-scale",
         type=float,
-        default=1.0,
-        help="multiplier on the paper's learning-rate curve",
+        help="multiplier on the paper's learning-rate curve (default: sqrt(warmup / 4000), "
+        "which keeps the paper's peak learning rate for the model width)",
+    )
+    train.add_argument(
+        "--accumulate-steps",
+        type=int,
+        default=1,
+        help="average the gradients of N batches per update: N times the batch on one device",
     )
     train.add_argument(
         "--vocab-size",
@@ -235,10 +253,37 @@ def build_parser() -> argparse.ArgumentParser:
         "lets training use the fused attention kernel)",
     )
     train.add_argument("--seed", type=int, default=0)
-    train.add_argument(
+    choose = train.add_argument_group("choosing on the validation set")
+    choose.add_argument(
+        "--select-by",
+        default="loss",
+        choices=["loss", "bleu"],
+        help="the measure that ranks epochs: validation loss (default) or greedy BLEU, "
+        "decoded after every epoch",
+    )
+    choose.add_argument(
+        "--patience",
+        type=int,
+        help="stop after K epochs without a better validation measure",
+    )
+    choose.add_argument(
+        "--average",
+        type=int,
+        default=5,
+        help="average at most K epoch checkpoints into the final weights (default 5)",
+    )
+    choose.add_argument(
+        "--final",
+        default="auto",
+        choices=["auto", "last", "best"],
+        help="final weights: auto (default) tries the last and the best epoch and the means "
+        "of the last k and best k for k <= --average, and keeps the best on validation; "
+        "last / best: the mean of the last / best --average epochs",
+    )
+    choose.add_argument(
         "--average-last",
         type=int,
-        help="average the weights of the last K epochs (the paper uses 5)",
+        help="the mean of the last K epochs (the paper uses 5): --final last --average K",
     )
     train.add_argument(
         "--valid-beam",

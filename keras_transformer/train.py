@@ -3,26 +3,37 @@
 A run directory holds everything a run needs and produces:
 
 - `train_config.json`: the settings that define the run; a rerun with other
-  settings is refused (the stopping criteria `epochs`, `max_steps`,
-  `max_minutes` and `average_last` may change, so a finished run can be
-  extended).
+  settings is refused (the settings that only say when to stop or how to
+  finish, `RESUMABLE_FIELDS`, may change: a finished run can be extended or
+  finished another way).
 - `spm.model`: the joint SentencePiece model, trained on the first start.
 - `backup/`: Keras `BackupAndRestore` state (weights and optimizer) of the last
   completed epoch; rerunning the same command resumes from it.
-- `checkpoints/epoch-NNN.weights.h5`: the weights after each of the last epochs,
-  for checkpoint averaging.
+- `checkpoints/epoch-NNN.weights.h5`: the weights after the last epochs and
+  after the best ones on validation, for choosing and averaging.
+- `history.json`: per-epoch losses, validation measures, seconds and steps.
 - `model.keras`, `config.json`, `metrics.json`, and TensorBoard logs in `logs/`.
+
+Choosing on validation: every epoch is scored on the validation set by loss
+or by BLEU (`select_by`); `patience` stops a run that has not improved for
+that many epochs; at the end the saved weights are the candidate that scores
+best on validation among the last epoch, the best epoch, and the means of the
+last k and of the best k epochs for k up to `average` (`final="auto"`), or
+the one kind asked for (`final="last"` or `"best"`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import glob
 import json
+import math
 import os
 import re
 import time
+import warnings
 import zlib
 
 import keras
@@ -47,23 +58,32 @@ from keras_transformer.distribute import (
 )
 from keras_transformer.io_utils import atomic_path, atomic_save_model, atomic_write_json
 from keras_transformer.model import build_transformer
+from keras_transformer.precision import CHOICES as PRECISION_CHOICES
+from keras_transformer.precision import resolve_precision
 from keras_transformer.training import (
     LabelSmoothedCrossEntropy,
     MaskedAccuracy,
+    TransformerSchedule,
     transformer_optimizer,
 )
 
-PRECISIONS = ("float32", "mixed_float16", "mixed_bfloat16")
 # Settings that only say when to stop or how to finish; changing them resumes the run.
 RESUMABLE_FIELDS = (
     "epochs",
     "max_steps",
     "max_minutes",
-    "average_last",
+    "patience",
+    "average",
+    "final",
     "valid_beam",
     "strategy",
 )
 KEEP_CHECKPOINTS = 5
+# The paper's warm-up; the automatic learning-rate scale keeps its peak for any warm-up.
+PAPER_WARMUP_STEPS = 4000
+# Validation measure: history key, and whether larger is better.
+MEASURES = {"loss": ("val_loss", False), "bleu": ("val_bleu", True)}
+FINAL_CHOICES = ("auto", "last", "best")
 
 
 class RunDirectoryError(ValueError):
@@ -83,15 +103,28 @@ class TrainSettings:
     max_steps: int | None = None
     max_minutes: float | None = None
     tokens_per_batch: int = 4096
-    precision: str = "float32"
+    # "auto": bfloat16 where the hardware computes in it, else float32.
+    precision: str = "auto"
     label_smoothing: float = 0.1
-    warmup_steps: int = 4000
-    learning_rate_scale: float = 1.0
+    # None: one epoch of updates, at most the paper's 4000.
+    warmup_steps: int | None = None
+    # None: sqrt(warmup_steps / 4000), the paper's peak learning rate for the width.
+    learning_rate_scale: float | None = None
+    # Batches whose gradients are averaged into one update.
+    accumulate_steps: int = 1
     vocab_size: int = DEFAULT_VOCABULARY_SIZE
     dropout: float | None = None
     attention_dropout: float | None = None
     seed: int = 0
-    average_last: int | None = None
+    # The validation measure that ranks epochs: "loss" or "bleu" (greedy).
+    select_by: str = "loss"
+    # Stop after this many epochs without a better validation measure.
+    patience: int | None = None
+    # Largest number of epoch checkpoints averaged into the final weights.
+    average: int = KEEP_CHECKPOINTS
+    # "auto": the candidate best on validation; "last" / "best": the mean of the
+    # last / best `average` epochs.
+    final: str = "auto"
     valid_beam: int = 1
     jit_compile: bool = False
     strategy: str = "default"
@@ -104,17 +137,39 @@ class TrainSettings:
                 f"strategy must be one of {', '.join(STRATEGIES)}. "
                 f"Received: strategy={self.strategy!r}"
             )
-        if self.precision not in PRECISIONS:
+        for name, value, choices in (
+            ("precision", self.precision, PRECISION_CHOICES),
+            ("select_by", self.select_by, tuple(MEASURES)),
+            ("final", self.final, FINAL_CHOICES),
+        ):
+            if value not in choices:
+                raise ValueError(
+                    f"{name} must be one of {', '.join(choices)}. Received: {name}={value!r}"
+                )
+        if self.select_by == "bleu" and self.strategy == "multi-worker":
             raise ValueError(
-                f"precision must be one of {', '.join(PRECISIONS)}. "
-                f"Received: precision={self.precision!r}"
+                "select_by='bleu' decodes on one process and is not available with "
+                "strategy='multi-worker'; use select_by='loss'."
             )
         if self.epochs is None and self.max_steps is None and self.max_minutes is None:
             self.epochs = 10
-        for name in ("epochs", "max_steps", "average_last", "tokens_per_batch", "warmup_steps"):
+        for name in (
+            "epochs",
+            "max_steps",
+            "tokens_per_batch",
+            "warmup_steps",
+            "accumulate_steps",
+            "patience",
+            "average",
+        ):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer. Received: {name}={value}")
+        if self.learning_rate_scale is not None and not self.learning_rate_scale > 0:
+            raise ValueError(
+                "learning_rate_scale must be positive. "
+                f"Received: learning_rate_scale={self.learning_rate_scale}"
+            )
         if self.max_minutes is not None and self.max_minutes <= 0:
             raise ValueError(f"max_minutes must be positive. Received: {self.max_minutes}")
         if self.valid_beam < 1:
@@ -131,6 +186,18 @@ class TrainSettings:
         for name in ("src_train", "tgt_train", "src_valid", "tgt_valid"):
             values[name] = os.path.abspath(values[name])
         return values
+
+    def schedule(self, updates_per_epoch: int) -> tuple[int, float]:
+        """`(warmup_steps, learning_rate_scale)`, the automatic ones filled in.
+
+        The automatic warm-up is one epoch of updates (at most the paper's
+        4000), so that a small corpus does not spend its run warming up; the
+        automatic scale `sqrt(warmup / 4000)` keeps the paper's peak learning
+        rate, `d_model^-0.5 * 4000^-0.5`, whatever the warm-up.
+        """
+        warmup = self.warmup_steps or min(PAPER_WARMUP_STEPS, max(1, updates_per_epoch))
+        scale = self.learning_rate_scale or math.sqrt(warmup / PAPER_WARMUP_STEPS)
+        return warmup, scale
 
     def budget(self) -> str:
         """The stopping budget in words, e.g. "budget 30 min or 5000 steps"."""
@@ -168,8 +235,11 @@ def _check_run_directory(out_dir: str, settings: TrainSettings) -> bool:
         return False
     with open(config_path, encoding="utf-8") as f:
         previous = json.load(f)
-    previous_identity = {k: v for k, v in previous.items() if k not in RESUMABLE_FIELDS}
     current = settings.identity()
+    # A setting added since the run was written counts as its default there;
+    # one since removed is ignored.
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainSettings)}
+    previous_identity = {k: previous.get(k, defaults.get(k)) for k in current}
     changed = sorted(
         k
         for k in set(previous_identity) | set(current)
@@ -204,12 +274,35 @@ class _EpochProgress(keras.callbacks.ProgbarLogger):
             print(f"Epoch {epoch + 1} ({self.budget})")
 
 
+def ranked_epochs(history, select_by) -> list[int]:
+    """The epochs of `history`, best first by the validation measure `select_by`.
+
+    Of equal scores the earlier epoch ranks first: a later epoch counts as an
+    improvement only when it is strictly better. Epochs without the measure
+    are left out.
+    """
+    key, larger_is_better = MEASURES[select_by]
+    scored = [(e[key], e["epoch"]) for e in history if e.get(key) is not None]
+    sign = -1 if larger_is_better else 1
+    return [epoch for _, epoch in sorted(scored, key=lambda x: (sign * x[0], x[1]))]
+
+
+def patience_spent(history, select_by, patience) -> bool:
+    """True when the last `patience` epochs brought no better validation measure."""
+    if patience is None or not history:
+        return False
+    ranked = ranked_epochs(history, select_by)
+    return bool(ranked) and history[-1]["epoch"] - ranked[0] >= patience
+
+
 class _RunRecorder(keras.callbacks.Callback):
     """Keeps `history.json` (per-epoch metrics and seconds), epoch checkpoints, and stops.
 
-    Stops at the end of an epoch when `max_minutes` of training (summed over
-    restarts) would be exceeded by one more epoch like the last, and after
-    `max_steps` optimizer steps.
+    Keeps the checkpoints of the last `keep` epochs and of the best `keep` by
+    `select_by`. Stops at the end of an epoch when `max_minutes` of training
+    (summed over restarts) would be exceeded by one more epoch like the last,
+    after `max_steps` optimizer updates, and when `patience` epochs passed
+    without a better validation measure.
     """
 
     def __init__(
@@ -220,6 +313,8 @@ class _RunRecorder(keras.callbacks.Callback):
         max_minutes=None,
         keep=KEEP_CHECKPOINTS,
         strategy=None,
+        select_by="loss",
+        patience=None,
     ):
         super().__init__()
         self.strategy = strategy
@@ -228,6 +323,8 @@ class _RunRecorder(keras.callbacks.Callback):
         self.max_steps = max_steps
         self.max_seconds = None if max_minutes is None else 60.0 * max_minutes
         self.keep = keep
+        self.select_by = select_by
+        self.patience = patience
         self.checkpoint_dir = os.path.join(out_dir, "checkpoints")
         os.makedirs(self.checkpoint_dir, exist_ok=True)
 
@@ -259,17 +356,56 @@ class _RunRecorder(keras.callbacks.Callback):
         path = os.path.join(self.checkpoint_dir, f"epoch-{epoch + 1:03d}.weights.h5")
         with atomic_path(path, suffix=".weights.h5") as tmp:
             self.model.save_weights(tmp)
-        for old in _epoch_checkpoints(self.out_dir)[: -self.keep]:
-            os.remove(old)
+        wanted = set(ranked_epochs(self.history, self.select_by)[: self.keep])
+        checkpoints = _epoch_checkpoints(self.out_dir)
+        wanted.update(_checkpoint_epoch(p) for p in checkpoints[-self.keep :])
+        for old in checkpoints:
+            if _checkpoint_epoch(old) not in wanted:
+                os.remove(old)
         atomic_write_json(os.path.join(self.out_dir, "history.json"), self.history)
         # Each worker times itself; all stop when the chief does.
-        if chief_value(self.strategy, self.budget_spent()):
+        spent = self.budget_spent() or patience_spent(self.history, self.select_by, self.patience)
+        if chief_value(self.strategy, spent):
             self.model.stop_training = True
+
+
+class _ValidationBleu(keras.callbacks.Callback):
+    """Adds `val_bleu` and `val_bleu_lowercase` (greedy, sacreBLEU) to each epoch's logs.
+
+    Runs before the recorder, so the scores reach `history.json`, the
+    checkpoint ranking and TensorBoard.
+    """
+
+    def __init__(self, tokenizer, pairs):
+        super().__init__()
+        self.tokenizer = tokenizer
+        self.pairs = pairs
+
+    def on_epoch_end(self, epoch, logs=None):
+        scores = _bleu_on(self.model, self.tokenizer, self.pairs, beam_size=1)
+        if logs is not None:
+            logs["val_bleu"] = scores["bleu"]
+            logs["val_bleu_lowercase"] = scores["bleu_lowercase"]
+
+
+def _bleu_on(model, tokenizer, pairs, beam_size, progress=False) -> dict:
+    from keras_transformer.evaluation import score_translations
+    from keras_transformer.translation import translate_lines
+
+    hypotheses = translate_lines(
+        model, tokenizer, [s for s, _ in pairs], beam_size=beam_size, batch_size=64,
+        progress=progress,
+    )  # fmt: skip
+    return score_translations(hypotheses, [t for _, t in pairs])
+
+
+def _checkpoint_epoch(path) -> int:
+    return int(re.search(r"epoch-(\d+)", os.path.basename(path)).group(1))
 
 
 def _epoch_checkpoints(out_dir):
     paths = glob.glob(os.path.join(out_dir, "checkpoints", "epoch-*.weights.h5"))
-    return sorted(paths, key=lambda p: int(re.search(r"epoch-(\d+)", p).group(1)))
+    return sorted(paths, key=_checkpoint_epoch)
 
 
 def average_checkpoints(model, paths) -> None:
@@ -311,12 +447,15 @@ def build_and_compile(
     learning_rate_scale: float = 1.0,
     label_smoothing: float = 0.1,
     jit_compile=False,
+    accumulate_steps: int = 1,
 ) -> keras.Model:
     """Builds `config` under `strategy`'s scope in `precision` and compiles it for training.
 
     Adam with the paper's schedule, `LabelSmoothedCrossEntropy` and
-    `MaskedAccuracy`; `mixed_float16` gets Keras' loss scaling. `strategy`
-    None is the default (one-device) strategy.
+    `MaskedAccuracy`; `mixed_float16` gets Keras' loss scaling; "auto"
+    precision is resolved by `keras_transformer.precision.resolve_precision`.
+    `accumulate_steps` > 1 averages that many batches' gradients per update.
+    `strategy` None is the default (one-device) strategy.
 
     Example:
 
@@ -324,10 +463,7 @@ def build_and_compile(
     >>> model = build_and_compile(TransformerConfig.from_preset("small"), strategy)
     >>> model.fit(dataset, epochs=10)  # doctest: +SKIP
     """
-    if precision not in PRECISIONS:
-        raise ValueError(
-            f"precision must be one of {', '.join(PRECISIONS)}. Received: {precision!r}"
-        )
+    precision, _ = resolve_precision(precision)
     scope = strategy.scope() if strategy is not None else contextlib.nullcontext()
     previous_policy = keras.config.dtype_policy()
     with scope:
@@ -337,7 +473,9 @@ def build_and_compile(
         finally:
             keras.config.set_dtype_policy(previous_policy)
         model.compile(
-            optimizer=transformer_optimizer(config.hidden_dim, warmup_steps, learning_rate_scale),
+            optimizer=transformer_optimizer(
+                config.hidden_dim, warmup_steps, learning_rate_scale, accumulate_steps
+            ),
             loss=LabelSmoothedCrossEntropy(label_smoothing),
             metrics=[MaskedAccuracy()],
             jit_compile=jit_compile,
@@ -374,6 +512,37 @@ class _Data:
     valid_stats: object
     valid_text: tuple  # (sources, targets): the validation files' lines
 
+    @functools.cached_property
+    def valid_pairs(self) -> list[tuple[str, str]]:
+        """The validation pairs the validation loss uses (non-empty, within max_length)."""
+        encode, limit = self.tokenizer.encode, self.config.max_length
+        return [
+            (s, t)
+            for s, t in zip(*self.valid_text, strict=True)
+            if s.strip() and t.strip() and len(encode(s)) < limit and len(encode(t)) < limit
+        ]
+
+
+@dataclasses.dataclass
+class _Recipe:
+    """The optimization settings with the automatic ones resolved for this machine and data."""
+
+    precision: str
+    precision_reason: str
+    warmup_steps: int
+    learning_rate_scale: float
+    updates_per_epoch: int
+
+    def compile_args(self, settings) -> dict:
+        return dict(
+            precision=self.precision,
+            warmup_steps=self.warmup_steps,
+            learning_rate_scale=self.learning_rate_scale,
+            label_smoothing=settings.label_smoothing,
+            jit_compile=settings.jit_compile,
+            accumulate_steps=settings.accumulate_steps,
+        )
+
 
 def train(settings: TrainSettings, out_dir: str, verbose: int = 1, strategy=None) -> dict:
     """Trains (or resumes) the run in `out_dir` and returns its metrics.
@@ -391,25 +560,21 @@ def train(settings: TrainSettings, out_dir: str, verbose: int = 1, strategy=None
     )
     run = _open_run(settings, out_dir, verbose, strategy)
     data = _load_data(run, settings, *texts)
-    compile_args = dict(
-        precision=settings.precision,
-        warmup_steps=settings.warmup_steps,
-        learning_rate_scale=settings.learning_rate_scale,
-        label_smoothing=settings.label_smoothing,
-        jit_compile=settings.jit_compile,
-    )
-    model = build_and_compile(data.config, run.strategy, **compile_args)
+    recipe = _recipe(run, settings, data)
+    model = build_and_compile(data.config, run.strategy, **recipe.compile_args(settings))
     history = _fit(run, settings, model, data)
     if not run.chief:
         return {}
     if run.replicas > 1:
-        # Decode and save a one-device copy: the distributed model's variables
-        # belong to the strategy.
+        # Choose, decode and save on a one-device copy: the distributed
+        # model's variables belong to the strategy.
         trained = model
-        model = build_and_compile(data.config, None, **compile_args)
+        model = build_and_compile(data.config, None, **recipe.compile_args(settings))
         model.set_weights(trained.get_weights())
-    averaged = _save_model(run, settings, model, data.config)
-    return _validate_and_record(run, settings, model, data, history, averaged)
+    final = _choose_final(run, settings, model, data, history)
+    atomic_save_model(model, os.path.join(run.out_dir, "model.keras"))
+    atomic_write_json(os.path.join(run.out_dir, "config.json"), data.config.to_dict())
+    return _validate_and_record(run, settings, model, data, history, recipe, final)
 
 
 def _strategy(settings, strategy):
@@ -470,6 +635,23 @@ def _load_data(run, settings, src_train, tgt_train, src_valid, tgt_valid) -> _Da
     )
 
 
+def _recipe(run, settings, data) -> _Recipe:
+    """Resolves the automatic precision, warm-up and learning-rate scale, and says what they are."""
+    precision, reason = resolve_precision(settings.precision)
+    # Every replica takes its share of each global batch: one update per batch.
+    updates_per_epoch = max(1, data.train_stats.batches // settings.accumulate_steps)
+    warmup, scale = settings.schedule(updates_per_epoch)
+    recipe = _Recipe(precision, reason, warmup, scale, updates_per_epoch)
+    peak = TransformerSchedule(data.config.hidden_dim, warmup, scale).peak()
+    run.log(f"Precision: {precision} ({reason}).")
+    run.log(
+        f"Learning rate: warm-up {warmup} updates ({updates_per_epoch} per epoch"
+        + (f", {settings.accumulate_steps} batches each" if settings.accumulate_steps > 1 else "")
+        + f"), peak {peak:.3g} (scale {scale:.3g})."
+    )
+    return recipe
+
+
 def _fit(run, settings, model, data) -> list:
     """`model.fit` with the run's callbacks, unless the budget is spent; returns the history."""
     history_path = os.path.join(run.out_dir, "history.json")
@@ -482,8 +664,10 @@ def _fit(run, settings, model, data) -> list:
         history,
         settings.max_steps,
         settings.max_minutes,
-        keep=max(KEEP_CHECKPOINTS, settings.average_last or 0),
+        keep=max(KEEP_CHECKPOINTS, settings.average),
         strategy=run.strategy,
+        select_by=settings.select_by,
+        patience=settings.patience,
     )
     callbacks = [
         # The recorder writes its checkpoint before the backup is taken: a
@@ -497,72 +681,117 @@ def _fit(run, settings, model, data) -> list:
         keras.callbacks.TensorBoard(os.path.join(run.out_dir, "logs"), update_freq="epoch"),
         _EpochProgress(settings.budget()),
     ]
+    if settings.select_by == "bleu":
+        callbacks.insert(0, _ValidationBleu(data.tokenizer, data.valid_pairs))
     steps_done = history[-1]["steps"] if history else 0
-    spent = recorder.budget_spent() or bool(settings.max_steps and steps_done >= settings.max_steps)
+    spent = (
+        recorder.budget_spent()
+        or bool(settings.max_steps and steps_done >= settings.max_steps)
+        or patience_spent(history, settings.select_by, settings.patience)
+    )
     if chief_value(run.strategy, spent):  # the workers follow the chief's history
         run.log(f"{run.out_dir}: the training budget is already spent; finishing the run.")
     else:
         if run.resume and history:
             run.log(f"Resuming {run.out_dir} after epoch {len(history)}.")
-        model.fit(
-            data.train,
-            validation_data=data.valid,
-            epochs=settings.epochs if settings.epochs is not None else 10_000,
-            callbacks=callbacks,
-            verbose=run.verbose,
-            shuffle=False,  # the dataset shuffles itself, each epoch
-        )
+        with warnings.catch_warnings():
+            # Keras warns at the end of every pass over a dataset of unknown length.
+            warnings.filterwarnings("ignore", message="Your input ran out of data")
+            model.fit(
+                data.train,
+                validation_data=data.valid,
+                epochs=settings.epochs if settings.epochs is not None else 10_000,
+                callbacks=callbacks,
+                verbose=run.verbose,
+                shuffle=False,  # the dataset shuffles itself, each epoch
+            )
     if run.chief and not history:
         raise RuntimeError("Training stopped before completing an epoch; nothing to save.")
     return history
 
 
-def _save_model(run, settings, model, config) -> list:
-    """Loads the last (or the average of the last K) epoch weights and saves the model."""
-    checkpoints = _epoch_checkpoints(run.out_dir)
-    if settings.average_last and settings.average_last > 1:
-        chosen = checkpoints[-settings.average_last :]
-        average_checkpoints(model, chosen)
-        averaged = [os.path.basename(p) for p in chosen]
-        run.log(f"Averaged {len(chosen)} checkpoints: {', '.join(averaged)}")
+def final_candidates(history, checkpoint_epochs, select_by, average, final="auto"):
+    """The epoch sets the final weights may average, as `{name: [epochs]}`.
+
+    `final="last"` / `"best"`: the last / best `average` epochs. `"auto"`:
+    the last epoch, the best epoch, and the last k and best k epochs for
+    k = 2 .. `average`; a set already listed is not repeated. Only epochs whose checkpoint still
+    exists (`checkpoint_epochs`) take part.
+
+    Example:
+
+    >>> history = [{"epoch": e, "val_loss": v} for e, v in [(1, 3.0), (2, 2.0), (3, 2.5)]]
+    >>> final_candidates(history, [1, 2, 3], "loss", 2)
+    {'last epoch': [3], 'best epoch': [2], 'mean of last 2': [2, 3]}
+    >>> final_candidates(history, [1, 2, 3], "loss", 3, final="best")
+    {'mean of best 3': [1, 2, 3]}
+    """
+    available = set(checkpoint_epochs)
+    last = [e["epoch"] for e in history if e["epoch"] in available]
+    best = [e for e in ranked_epochs(history, select_by) if e in available] or last[::-1]
+
+    def named(kind, epochs):
+        k = len(epochs)
+        return (f"{kind} epoch" if k == 1 else f"mean of {kind} {k}"), sorted(epochs)
+
+    if final == "last":
+        pairs = [named("last", last[-average:])]
+    elif final == "best":
+        pairs = [named("best", best[:average])]
     else:
-        model.load_weights(checkpoints[-1])
-        averaged = [os.path.basename(checkpoints[-1])]
-    atomic_save_model(model, os.path.join(run.out_dir, "model.keras"))
-    atomic_write_json(os.path.join(run.out_dir, "config.json"), config.to_dict())
-    return averaged
+        pairs = []
+        for k in range(1, min(average, len(last)) + 1):
+            pairs += [named("last", last[-k:]), named("best", best[:k])]
+    candidates, seen = {}, set()
+    for name, epochs in pairs:
+        if tuple(epochs) not in seen:
+            seen.add(tuple(epochs))
+            candidates[name] = epochs
+    return candidates
 
 
-def _validate_and_record(run, settings, model, data, history, averaged) -> dict:
-    """Validation BLEU of the saved model, and `metrics.json`."""
-    from keras_transformer.evaluation import score_translations
-    from keras_transformer.translation import translate_lines
-
-    # The same pairs the validation loss used: non-empty, within max_length.
-    tokenizer, max_length = data.tokenizer, data.config.max_length
-    pairs = [
-        (s, t)
-        for s, t in zip(*data.valid_text, strict=True)
-        if s.strip()
-        and t.strip()
-        and len(tokenizer.encode(s)) < max_length
-        and len(tokenizer.encode(t)) < max_length
-    ]
-    started = time.perf_counter()
-    hypotheses = translate_lines(
-        model,
-        tokenizer,
-        [s for s, _ in pairs],
-        beam_size=settings.valid_beam,
-        batch_size=64,
-        progress=bool(run.verbose),
+def _choose_final(run, settings, model, data, history) -> dict:
+    """Sets `model` to the final weights (see `final_candidates`) and says how they were chosen."""
+    paths = {_checkpoint_epoch(p): p for p in _epoch_checkpoints(run.out_dir)}
+    candidates = final_candidates(
+        history, paths, settings.select_by, settings.average, settings.final
     )
-    valid_scores = score_translations(hypotheses, [t for _, t in pairs])
+    key, larger_is_better = MEASURES[settings.select_by]
+    scored = []
+    for name, epochs in candidates.items():
+        average_checkpoints(model, [paths[e] for e in epochs])
+        if len(candidates) == 1:
+            scored.append({"name": name, "epochs": epochs})
+            break
+        if settings.select_by == "bleu":
+            scores = _bleu_on(model, data.tokenizer, data.valid_pairs, beam_size=1)
+            value = scores["bleu"]
+        else:
+            value = float(model.evaluate(data.valid, verbose=0, return_dict=True)["loss"])
+        scored.append({"name": name, "epochs": epochs, key: value})
+        run.log(f"  {name} (epochs {', '.join(map(str, epochs))}): {key} {value:.4g}")
+    if len(scored) > 1:
+        sign = -1 if larger_is_better else 1
+        chosen = min(scored, key=lambda c: sign * c[key])  # the first of equals
+        average_checkpoints(model, [paths[e] for e in chosen["epochs"]])
+    else:
+        chosen = scored[0]
+    run.log(f"Final weights: {chosen['name']} (epochs {', '.join(map(str, chosen['epochs']))}).")
+    return {"chosen": chosen["name"], "epochs": chosen["epochs"], "candidates": scored}
+
+
+def _validate_and_record(run, settings, model, data, history, recipe, final) -> dict:
+    """Validation BLEU of the saved model, and `metrics.json`."""
+    started = time.perf_counter()
+    valid_scores = _bleu_on(
+        model, data.tokenizer, data.valid_pairs, settings.valid_beam, progress=bool(run.verbose)
+    )
     decode_seconds = time.perf_counter() - started
 
     train_seconds = float(sum(e["seconds"] for e in history))
     epochs_done = len(history)
     stats = data.train_stats
+    ranked = ranked_epochs(history, settings.select_by)
     metrics = {
         "epochs": epochs_done,
         "steps": history[-1]["steps"],
@@ -574,15 +803,25 @@ def _validate_and_record(run, settings, model, data, history, averaged) -> dict:
         ),
         "train_data": dataclasses.asdict(stats),
         "valid_data": dataclasses.asdict(data.valid_stats),
-        "averaged_checkpoints": averaged,
+        "select_by": settings.select_by,
+        "best_epoch": ranked[0] if ranked else None,
+        "stopped_by_patience": patience_spent(history, settings.select_by, settings.patience),
+        "final": final,
+        "averaged_checkpoints": [f"epoch-{e:03d}.weights.h5" for e in final["epochs"]],
         "valid_bleu": valid_scores["bleu"],
         "valid_bleu_lowercase": valid_scores["bleu_lowercase"],
         "valid_chrf": valid_scores["chrf"],
         "valid_bleu_signature": valid_scores["bleu_signature"],
         "valid_beam": settings.valid_beam,
-        "valid_bleu_sentences": len(pairs),
+        "valid_bleu_sentences": len(data.valid_pairs),
         "valid_decode_seconds": round(decode_seconds, 1),
-        "precision": settings.precision,
+        "precision": recipe.precision,
+        "precision_setting": settings.precision,
+        "precision_reason": recipe.precision_reason,
+        "warmup_steps": recipe.warmup_steps,
+        "learning_rate_scale": recipe.learning_rate_scale,
+        "updates_per_epoch": recipe.updates_per_epoch,
+        "accumulate_steps": settings.accumulate_steps,
         "config": data.config.to_dict(),
         "backend": keras.backend.backend(),
     }

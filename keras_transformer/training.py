@@ -20,10 +20,16 @@ class TransformerSchedule(keras.optimizers.schedules.LearningRateSchedule):
     starts at 0; step 0 is treated as step 1 so that the first update does not
     get a learning rate of zero. The maximum is reached at `warmup_steps`.
 
+    With gradient accumulation Keras passes the count of micro-batches, not of
+    updates; `accumulation_steps` divides it back so that warm-up and decay
+    count optimizer updates.
+
     Args:
         hidden_dim: int. Model width d_model.
-        warmup_steps: int. Length of the linear warm-up.
+        warmup_steps: int. Length of the linear warm-up, in updates.
         scale: float. Multiplier on the whole curve.
+        accumulation_steps: int. Micro-batches per update (the optimizer's
+            `gradient_accumulation_steps`; 1 = none).
 
     Example:
 
@@ -32,16 +38,20 @@ class TransformerSchedule(keras.optimizers.schedules.LearningRateSchedule):
     0.000698771...
     """
 
-    def __init__(self, hidden_dim, warmup_steps=4000, scale=1.0):
+    def __init__(self, hidden_dim, warmup_steps=4000, scale=1.0, accumulation_steps=1):
         check_positive_int("hidden_dim", hidden_dim)
         check_positive_int("warmup_steps", warmup_steps)
+        check_positive_int("accumulation_steps", accumulation_steps)
         if not isinstance(scale, (int, float)) or scale <= 0:
             raise ValueError(f"scale must be a positive number. Received: scale={scale!r}")
         self.hidden_dim = hidden_dim
         self.warmup_steps = warmup_steps
         self.scale = float(scale)
+        self.accumulation_steps = accumulation_steps
 
     def __call__(self, step):
+        if self.accumulation_steps > 1:
+            step = ops.floor_divide(step, self.accumulation_steps)
         step = ops.maximum(ops.cast(step, "float32"), 1.0)
         warmup = ops.cast(self.warmup_steps, "float32")
         rate = ops.minimum(ops.rsqrt(step), step * warmup**-1.5)
@@ -52,20 +62,29 @@ class TransformerSchedule(keras.optimizers.schedules.LearningRateSchedule):
             "hidden_dim": self.hidden_dim,
             "warmup_steps": self.warmup_steps,
             "scale": self.scale,
+            "accumulation_steps": self.accumulation_steps,
         }
 
+    def peak(self) -> float:
+        """The largest learning rate, reached after `warmup_steps` updates."""
+        return self.scale * (self.hidden_dim * self.warmup_steps) ** -0.5
 
-def transformer_optimizer(hidden_dim, warmup_steps=4000, scale=1.0, **kwargs):
+
+def transformer_optimizer(hidden_dim, warmup_steps=4000, scale=1.0, accumulation_steps=1, **kwargs):
     """Adam as in section 5.3 (beta_1=0.9, beta_2=0.98, epsilon=1e-9) on `TransformerSchedule`.
 
-    Extra keyword arguments (e.g. `clipnorm`) go to `keras.optimizers.Adam`.
+    `accumulation_steps` > 1 averages the gradients of that many batches
+    before each update (Keras' `gradient_accumulation_steps`), so one device
+    reaches a large effective batch; the schedule counts updates. Extra
+    keyword arguments (e.g. `clipnorm`, or another `epsilon`) go to
+    `keras.optimizers.Adam`.
     """
+    check_positive_int("accumulation_steps", accumulation_steps)
+    settings = dict(beta_1=0.9, beta_2=0.98, epsilon=1e-9) | kwargs
     return keras.optimizers.Adam(
-        learning_rate=TransformerSchedule(hidden_dim, warmup_steps, scale),
-        beta_1=0.9,
-        beta_2=0.98,
-        epsilon=1e-9,
-        **kwargs,
+        learning_rate=TransformerSchedule(hidden_dim, warmup_steps, scale, accumulation_steps),
+        gradient_accumulation_steps=accumulation_steps if accumulation_steps > 1 else None,
+        **settings,
     )
 
 

@@ -66,7 +66,8 @@ def train_args(paths, out, *extra):
         "--src-train", paths["train.src"], "--tgt-train", paths["train.tgt"],
         "--src-valid", paths["valid.src"], "--tgt-valid", paths["valid.tgt"],
         "--out", str(out), "--preset", "tiny", "--vocab-size", "400",
-        "--tokens-per-batch", "1024", "--warmup-steps", "100", *extra,
+        "--tokens-per-batch", "1024", "--warmup-steps", "100", "--learning-rate-scale", "1",
+        *extra,
     ]  # fmt: skip
 
 

@@ -165,8 +165,9 @@ def test_killed_run_resumes_after_the_last_completed_epoch(corpus_files, tmp_pat
     _, paths = corpus_files
     out = tmp_path / "run"
     command = [sys.executable, "-m", "keras_transformer.cli"] + _train_args(
-        paths, out, "--epochs", "3"
-    )
+        paths, out, "--epochs", "3", "--select-by", "bleu", "--patience", "3",
+        "--accumulate-steps", "2", "--average", "2",
+    )  # fmt: skip
     env = {**os.environ, "TF_CPP_MIN_LOG_LEVEL": "3"}
     process = subprocess.Popen(
         command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
@@ -190,10 +191,11 @@ def test_killed_run_resumes_after_the_last_completed_epoch(corpus_files, tmp_pat
     history = json.loads((out / "history.json").read_text())
     assert [e["epoch"] for e in history] == [1, 2, 3]
     assert history[0] == first[0]  # epoch 1 was not trained again
-    steps_per_epoch = history[0]["steps"]
-    assert history[-1]["steps"] == 3 * steps_per_epoch  # the optimizer state was restored
     metrics = json.loads((out / "metrics.json").read_text())
-    assert metrics["epochs"] == 3
+    # The optimizer state was restored: 2 batches per update all along.
+    assert history[-1]["steps"] == 3 * metrics["train_data"]["batches"] // 2
+    assert metrics["epochs"] == 3 and all("val_bleu" in e for e in history)
+    assert metrics["final"]["chosen"] in {c["name"] for c in metrics["final"]["candidates"]}
 
 
 def test_plot_attention_of_an_output_that_never_ends():
@@ -217,3 +219,68 @@ def test_progress_names_the_budget_and_keras_does_not_warn(corpus_files, tmp_pat
     assert "Epoch 1 (budget 30 min or 3 steps)" in out
     assert "Epoch 1/" not in out
     assert not [w for w in recwarn if "shuffle" in str(w.message)]
+
+
+def test_auto_precision_and_accumulation_are_chosen_said_and_recorded(
+    corpus_files, tmp_path, capsys, monkeypatch
+):
+    """A CPU with bfloat16 units (flags mocked) gets mixed_bfloat16; 2 batches per update."""
+    monkeypatch.setattr("keras_transformer.precision.cpu_flags", lambda: {"avx512_bf16"})
+    monkeypatch.setattr("keras_transformer.precision.gpu_compute_capabilities", lambda: [])
+    _, paths = corpus_files
+    out = tmp_path / "run"
+    args = _train_args(paths, out, "--epochs", "1", "--accumulate-steps", "2")
+    for flag in ("--warmup-steps", "--learning-rate-scale"):  # the automatic schedule
+        del args[args.index(flag) : args.index(flag) + 2]
+    assert cli.main(args) == 0
+    printed = capsys.readouterr().out
+    assert "Precision: mixed_bfloat16 (auto: CPU with avx512_bf16)." in printed
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["precision"] == "mixed_bfloat16" and metrics["precision_setting"] == "auto"
+    assert metrics["precision_reason"] == "auto: CPU with avx512_bf16"
+    batches = metrics["train_data"]["batches"]
+    assert metrics["accumulate_steps"] == 2 and metrics["updates_per_epoch"] == batches // 2
+    assert metrics["steps"] == batches // 2  # optimizer updates, not batches
+    # One epoch of updates to warm up, at the paper's peak learning rate.
+    assert metrics["warmup_steps"] == batches // 2
+    assert metrics["learning_rate_scale"] == pytest.approx((batches // 2 / 4000) ** 0.5)
+    model = keras.saving.load_model(str(out / "model.keras"))
+    assert model.get_layer("decoder_layer_0").dtype_policy.name == "mixed_bfloat16"
+
+
+def test_patience_stops_and_the_best_epoch_is_kept(corpus_files, tmp_path, capsys):
+    """References no output can match give BLEU 0 every epoch: epoch 1 stays best.
+
+    Equal is not better, so `--patience 2` stops after epoch 3, and
+    `--final best --average 1` saves epoch 1's weights, not the last ones.
+    """
+    _, paths = corpus_files
+    unmatched = tmp_path / "valid.tgt"
+    lines = open(paths["valid.tgt"], encoding="utf-8").read().splitlines()
+    unmatched.write_text("".join("zzzz\n" for _ in lines))
+    paths = {**paths, "valid.tgt": str(unmatched)}
+    out = tmp_path / "run"
+    args = _train_args(
+        paths, out, "--epochs", "6", "--select-by", "bleu", "--patience", "2",
+        "--final", "best", "--average", "1",
+    )  # fmt: skip
+    assert cli.main(args) == 0
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert [e["val_bleu"] for e in metrics["history"]] == [0.0, 0.0, 0.0]
+    assert metrics["stopped_by_patience"] and metrics["best_epoch"] == 1
+    assert metrics["final"] == {
+        "chosen": "best epoch", "epochs": [1], "candidates": [{"name": "best epoch", "epochs": [1]}]
+    }  # fmt: skip
+    model = keras.saving.load_model(str(out / "model.keras"))
+    saved = model.get_weights()
+    for epoch, same in ((1, True), (3, False)):
+        model.load_weights(str(out / "checkpoints" / f"epoch-00{epoch}.weights.h5"))
+        assert (
+            all(np.array_equal(a, b) for a, b in zip(saved, model.get_weights(), strict=True))
+            is same
+        )
+    # Rerun with a larger budget: patience is still spent, nothing more is trained.
+    capsys.readouterr()
+    assert cli.main([*args[:-10], "--epochs", "8", *args[-8:]]) == 0
+    assert "already spent" in capsys.readouterr().out
+    assert len(json.loads((out / "history.json").read_text())) == 3

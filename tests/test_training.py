@@ -59,6 +59,59 @@ def test_optimizer_is_the_papers_adam():
     assert isinstance(optimizer._learning_rate, TransformerSchedule)
 
 
+def test_schedule_counts_updates_under_accumulation():
+    plain = TransformerSchedule(hidden_dim=64, warmup_steps=10)
+    accumulated = TransformerSchedule(hidden_dim=64, warmup_steps=10, accumulation_steps=4)
+    # Keras hands the schedule its micro-batch counter: micro-batch i belongs to update i // 4.
+    for micro_batch in (0, 3, 4, 39, 40, 41, 400):
+        assert float(to_numpy(accumulated(micro_batch))) == pytest.approx(
+            float(to_numpy(plain(micro_batch // 4))), rel=1e-6
+        )
+    assert accumulated.peak() == pytest.approx(float(to_numpy(plain(10))), rel=1e-6)
+
+
+def _fit_tiny(accumulation_steps, batch_size, updates, data):
+    from keras_transformer import TransformerConfig, build_transformer
+
+    keras.utils.set_random_seed(3)
+    model = build_transformer(TransformerConfig.from_preset("tiny", vocabulary_size=40))
+    # Adam's epsilon 1e-5 instead of the paper's 1e-9: with 1e-9 a weight whose
+    # gradient is float32 rounding noise (about 1e-9) moves by +-lr either way,
+    # so summing the same gradients in another order would flip it.
+    optimizer = transformer_optimizer(
+        64, warmup_steps=4, accumulation_steps=accumulation_steps, epsilon=1e-5
+    )
+    model.compile(optimizer=optimizer, loss=LabelSmoothedCrossEntropy(0.1))
+    inputs, labels = data
+    model.fit(inputs, labels, batch_size=batch_size, epochs=1, shuffle=False, verbose=0)
+    assert int(to_numpy(model.optimizer.iterations)) == updates
+    return [to_numpy(w) for w in model.trainable_weights]
+
+
+def test_accumulated_half_batches_give_the_full_batch_update():
+    """Two updates from 4 half-batches (accumulation 2) equal two from 2 full batches.
+
+    The loss is the mean over real tokens; every sentence here has 7 real
+    tokens, so the mean of two half-batch means is the full-batch mean. The
+    tiny preset has no dropout. Tolerance: 1e-5 absolute, against updates of
+    about 1e-2 and a largest weight change of 0.1 when the same half-batches
+    are applied one update each.
+    """
+    rng = np.random.default_rng(0)
+    labels = rng.integers(4, 40, size=(8, 7)).astype("int32")
+    inputs = {
+        "source_ids": rng.integers(4, 40, size=(8, 9)).astype("int32"),
+        "target_ids": np.concatenate([np.full((8, 1), 2, "int32"), labels[:, :-1]], axis=1),
+    }
+    full = _fit_tiny(1, 4, updates=2, data=(inputs, labels))
+    accumulated = _fit_tiny(2, 2, updates=2, data=(inputs, labels))
+    separate = _fit_tiny(1, 2, updates=4, data=(inputs, labels))  # no accumulation
+    for a, b in zip(full, accumulated, strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+    largest = max(float(np.abs(a - b).max()) for a, b in zip(full, separate, strict=True))
+    assert largest > 1e-2
+
+
 def _hand_loss(labels, logits, eps):
     total, count = 0.0, 0
     for b in range(labels.shape[0]):

@@ -56,6 +56,7 @@ class PipelineStats:
     kept_pairs: int
     source_tokens: int  # of kept pairs, EOS included
     target_tokens: int  # of kept pairs, EOS included
+    batches: int = 0  # per pass over the kept pairs
 
     def describe(self, name: str = "data") -> str:
         return (
@@ -107,6 +108,12 @@ def _encode_all(tokenizer, sources, targets):
         source_ids.extend(np.split(s.flat_values.numpy(), s.row_splits.numpy()[1:-1]))
         target_ids.extend(np.split(t.flat_values.numpy(), t.row_splits.numpy()[1:-1]))
     return source_ids, target_ids
+
+
+def _count_batches(lengths, boundaries, batch_sizes) -> int:
+    """Batches that length bucketing makes of sequences of `lengths` (one pass, partial ones too)."""
+    counts = np.bincount(np.searchsorted(boundaries, lengths), minlength=len(boundaries))
+    return int(sum(-(-int(n) // size) for n, size in zip(counts, batch_sizes, strict=True)))
 
 
 def make_dataset(
@@ -172,6 +179,11 @@ def make_dataset(
         raise DataError(
             stats.describe() + ". Nothing is left to train on: check the files and max_length."
         )
+    boundaries = bucket_boundaries(max_length)
+    batch_sizes = [max(1, tokens_per_batch // b) for b in boundaries]
+    stats.batches = _count_batches(
+        [max(len(source_ids[k]), len(target_ids[k])) + 1 for k in keep], boundaries, batch_sizes
+    )
 
     def ragged(ids):
         lengths = [len(ids[k]) for k in keep]
@@ -193,8 +205,6 @@ def make_dataset(
         return tf.concat([s, eos], 0), dec, lab
 
     dataset = dataset.map(with_eos, num_parallel_calls=tf.data.AUTOTUNE)
-    boundaries = bucket_boundaries(max_length)
-    batch_sizes = [max(1, tokens_per_batch // b) for b in boundaries]
     dataset = dataset.bucket_by_sequence_length(
         element_length_func=lambda s, d, lab: tf.maximum(tf.shape(s)[0], tf.shape(d)[0]),
         # bucket_by_sequence_length's boundaries are exclusive upper bounds.

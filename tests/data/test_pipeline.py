@@ -64,12 +64,14 @@ def test_shapes_dtypes_and_the_bos_eos_shift(corpus, tokenizer):
 
 
 def test_batches_are_bucketed_and_padded_to_bucket_lengths(corpus, tokenizer):
-    dataset, _ = make_dataset(
+    dataset, stats = make_dataset(
         corpus[0], corpus[1], tokenizer, max_length=64, tokens_per_batch=512, seed=1
     )
     boundaries = bucket_boundaries(64)
     widths = set()
-    for src, dec, _ in _batches(dataset):
+    batches = _batches(dataset)
+    assert stats.batches == len(batches)  # counted before the first pass (the warm-up needs it)
+    for src, dec, _ in batches:
         assert src.shape[1] == dec.shape[1] and src.shape[1] in boundaries
         widths.add(src.shape[1])
         # Bucketing keeps padding small: every row is longer than the bucket below.
