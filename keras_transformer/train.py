@@ -33,7 +33,6 @@ import math
 import os
 import re
 import time
-import warnings
 import zlib
 
 import keras
@@ -694,17 +693,14 @@ def _fit(run, settings, model, data) -> list:
     else:
         if run.resume and history:
             run.log(f"Resuming {run.out_dir} after epoch {len(history)}.")
-        with warnings.catch_warnings():
-            # Keras warns at the end of every pass over a dataset of unknown length.
-            warnings.filterwarnings("ignore", message="Your input ran out of data")
-            model.fit(
-                data.train,
-                validation_data=data.valid,
-                epochs=settings.epochs if settings.epochs is not None else 10_000,
-                callbacks=callbacks,
-                verbose=run.verbose,
-                shuffle=False,  # the dataset shuffles itself, each epoch
-            )
+        model.fit(
+            data.train,
+            validation_data=data.valid,
+            epochs=settings.epochs if settings.epochs is not None else 10_000,
+            callbacks=callbacks,
+            verbose=run.verbose,
+            shuffle=False,  # the dataset shuffles itself, each epoch
+        )
     if run.chief and not history:
         raise RuntimeError("Training stopped before completing an epoch; nothing to save.")
     return history

@@ -232,5 +232,9 @@ def make_dataset(
     dataset = dataset.map(
         lambda s, d, lab: ({"source_ids": s, "target_ids": d}, lab),
         num_parallel_calls=tf.data.AUTOTUNE,
-    ).prefetch(tf.data.AUTOTUNE)
-    return dataset, stats
+    )
+    # A known length: Keras then counts an epoch's steps exactly (with an
+    # unknown one it advances the optimizer's step counter once more per epoch,
+    # which shifts gradient accumulation) and shows a progress bar with a total.
+    dataset = dataset.apply(tf.data.experimental.assert_cardinality(stats.batches))
+    return dataset.prefetch(tf.data.AUTOTUNE), stats

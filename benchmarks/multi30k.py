@@ -1,0 +1,198 @@
+"""The Multi30k recipe record: every training run tried, its settings and its scores.
+
+    python -m benchmarks.multi30k record RUN_DIR --name NAME [--data DIR] [--note TEXT]
+    python -m benchmarks.multi30k table
+
+`record` scores a finished `keras-transformer train` run on test_2016_flickr
+(greedy and beam 5, the hypotheses kept in the run directory) and writes
+`benchmarks/results/multi30k/NAME.json`: the settings and the command that
+reproduces them, the per-epoch validation curve, how the final weights were
+chosen, validation and test scores, training time and the machine. `table`
+rewrites `benchmarks/results/multi30k/README.md` from all of them.
+
+Settings are chosen on `val`; test scores are recorded for every run so that
+what did not help is visible too, but never used to choose.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import glob
+import json
+import os
+import subprocess
+import sys
+
+from benchmarks.machine import describe_machine
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "multi30k")
+DEFAULT_DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared")
+DEFAULT_DATA = os.path.normpath(os.path.join(DEFAULT_DATA, "data", "multi30k"))
+TEST = "test_2016_flickr"
+BEAMS = (1, 5)
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+
+
+def _language(path: str) -> str:
+    """`de` from `.../train.de.gz`."""
+    return os.path.basename(path).removesuffix(".gz").rsplit(".", 1)[-1]
+
+
+def train_command(settings: dict) -> str:
+    """The `keras-transformer train` command of a run's `train_config.json`, defaults left out."""
+    from keras_transformer.train import TrainSettings
+
+    defaults = {f.name: f.default for f in dataclasses.fields(TrainSettings)}
+    words = ["keras-transformer", "train"]
+    for side in ("src", "tgt"):
+        for split in ("train", "valid"):
+            path = settings[f"{side}_{split}"]
+            words += [f"--{side}-{split}", f"$DATA/{os.path.basename(path)}"]
+    words += ["--out", "RUN"]
+    for name, value in settings.items():
+        if name.startswith(("src_", "tgt_")) or value == defaults.get(name, value):
+            continue
+        if name == "epochs" or value is not None:
+            words += [f"--{name.replace('_', '-')}", str(value)]
+    return " ".join(words)
+
+
+def _cpu_flags() -> list[str]:
+    from keras_transformer.precision import cpu_flags
+
+    present = cpu_flags()
+    return [flag for flag in CPU_FLAGS if flag in present]
+
+
+def _evaluate(run_dir: str, data: str, src: str, tgt: str, beam: int) -> dict:
+    """Test scores of the run with `beam` (1 = greedy), computed once and kept in the run."""
+    output = os.path.join(run_dir, f"{TEST}.beam{beam}.hyp")
+    if not os.path.isfile(output + ".json"):
+        command = [
+            sys.executable, "-m", "keras_transformer.cli", "evaluate", run_dir,
+            "--beam", str(beam), "--output", output,
+            "--src", os.path.join(data, f"{TEST}.{src}.gz"),
+            "--ref", os.path.join(data, f"{TEST}.{tgt}.gz"),
+        ]  # fmt: skip
+        subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+    with open(output + ".json", encoding="utf-8") as f:
+        scores = json.load(f)
+    return {k: scores[k] for k in ("bleu", "bleu_lowercase", "chrf", "bleu_signature")}
+
+
+def record(run_dir: str, name: str, data: str, note: str = "") -> dict:
+    with open(os.path.join(run_dir, "train_config.json"), encoding="utf-8") as f:
+        settings = json.load(f)
+    with open(os.path.join(run_dir, "metrics.json"), encoding="utf-8") as f:
+        metrics = json.load(f)
+    src, tgt = _language(settings["src_train"]), _language(settings["tgt_train"])
+    test = {f"beam{b}": _evaluate(run_dir, data, src, tgt, b) for b in BEAMS}
+    curve = [
+        {k: e[k] for k in ("epoch", "val_loss", "val_bleu", "seconds") if k in e}
+        for e in metrics["history"]
+    ]
+    entry = {
+        "name": name,
+        "direction": f"{src}-{tgt}",
+        "note": note,
+        "command": train_command(settings),
+        "settings": {k: v for k, v in settings.items() if not k.startswith(("src_", "tgt_"))},
+        "model": metrics["config"],
+        "precision": metrics.get("precision"),
+        "epochs": metrics["epochs"],
+        "steps": metrics["steps"],
+        "train_minutes": round(metrics["train_seconds"] / 60, 1),
+        "warmup_steps": metrics.get("warmup_steps"),
+        "learning_rate_scale": metrics.get("learning_rate_scale"),
+        "final": metrics.get("final", {"chosen": metrics.get("averaged_checkpoints")}),
+        "valid": {
+            "bleu": metrics["valid_bleu"],
+            "bleu_lowercase": metrics["valid_bleu_lowercase"],
+            "chrf": metrics["valid_chrf"],
+            "beam": metrics["valid_beam"],
+        },
+        "validation_curve": curve,
+        "test_2016_flickr": test,
+        "machine": {**describe_machine(), "cpu_flags": _cpu_flags()},
+    }
+    os.makedirs(RESULTS, exist_ok=True)
+    path = os.path.join(RESULTS, f"{name}.json")
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(entry, f, indent=2)
+        f.write("\n")
+    print(f"Wrote {path}")
+    return entry
+
+
+def _summary(settings: dict, model: dict) -> str:
+    shape = f"{model['num_layers']}L d{model['hidden_dim']} ff{model['intermediate_dim']}"
+    parts = [
+        f"{settings.get('preset')} ({shape})",
+        f"vocab {settings.get('vocab_size')}",
+        f"drop {model['dropout']}",
+        f"ls {settings.get('label_smoothing')}",
+        f"tok {settings.get('tokens_per_batch')}"
+        + (f"x{settings['accumulate_steps']}" if settings.get("accumulate_steps", 1) > 1 else ""),
+    ]
+    return ", ".join(parts)
+
+
+def table() -> str:
+    entries = []
+    for path in sorted(glob.glob(os.path.join(RESULTS, "*.json"))):
+        with open(path, encoding="utf-8") as f:
+            entries.append(json.load(f))
+    lines = [
+        "# Multi30k recipe record",
+        "",
+        "Every run tried, written by `python -m benchmarks.multi30k record RUN --name NAME`;",
+        "each JSON file holds the full settings, the command, the validation curve and the",
+        "machine. Settings are chosen on val; test_2016_flickr is reported for every run.",
+        "BLEU: sacreBLEU 13a, `lower` = lowercase=True.",
+        "",
+        "| run | dir | settings | warm-up, peak scale | epochs | minutes | final | val BLEU "
+        "| test greedy lower | test beam 5 lower / cased / chrF | CPU |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for e in sorted(entries, key=lambda e: (e["direction"], e["name"])):
+        greedy, beam = e["test_2016_flickr"]["beam1"], e["test_2016_flickr"]["beam5"]
+        final = e["final"].get("chosen") if isinstance(e["final"], dict) else e["final"]
+        scale = e.get("learning_rate_scale")
+        lines.append(
+            f"| {e['name']} | {e['direction']} | {_summary(e['settings'], e['model'])} "
+            f"| {e.get('warmup_steps')}, {scale if scale is None else round(scale, 3)} "
+            f"| {e['epochs']} | {e['train_minutes']} | {final} | {e['valid']['bleu']} "
+            f"| {greedy['bleu_lowercase']} "
+            f"| {beam['bleu_lowercase']} / {beam['bleu']} / {beam['chrf']} "
+            f"| {e['machine']['cpu']} ({', '.join(e['machine']['cpu_flags'])}) |"
+        )
+    notes = [f"- **{e['name']}**: {e['note']}" for e in entries if e.get("note")]
+    if notes:
+        lines += ["", *notes]
+    text = "\n".join(lines) + "\n"
+    with open(os.path.join(RESULTS, "README.md"), "w", encoding="utf-8") as f:
+        f.write(text)
+    return text
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.multi30k", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    rec = sub.add_parser("record", help="score a finished run on test and record it")
+    rec.add_argument("run_dir")
+    rec.add_argument("--name", required=True, help="the record's file name (no extension)")
+    rec.add_argument("--data", default=os.environ.get("MULTI30K", DEFAULT_DATA))
+    rec.add_argument("--note", default="", help="what the run tried, in a few words")
+    sub.add_parser("table", help="rewrite the README table from the records")
+    args = parser.parse_args(argv)
+    if args.command == "record":
+        if not os.path.isfile(os.path.join(args.run_dir, "metrics.json")):
+            raise SystemExit(f"error: {args.run_dir} has no metrics.json: is training finished?")
+        record(args.run_dir, args.name, args.data, args.note)
+    print(table(), end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
