@@ -10,6 +10,9 @@ reproduces them, the per-epoch validation curve, how the final weights were
 chosen, validation and test scores, training time and the machine. `table`
 rewrites `benchmarks/results/multi30k/README.md` from all of them.
 
+A run stopped before it finished (`--stopped "why"`) is recorded from its
+`history.json`, without test scores: the validation curve shows what went wrong.
+
 Settings are chosen on `val`; test scores are recorded for every run so that
 what did not help is visible too, but never used to choose.
 """
@@ -81,24 +84,42 @@ def _evaluate(run_dir: str, data: str, src: str, tgt: str, beam: int) -> dict:
     return {k: scores[k] for k in ("bleu", "bleu_lowercase", "chrf", "bleu_signature")}
 
 
-def record(run_dir: str, name: str, data: str, note: str = "") -> dict:
-    with open(os.path.join(run_dir, "train_config.json"), encoding="utf-8") as f:
-        settings = json.load(f)
-    with open(os.path.join(run_dir, "metrics.json"), encoding="utf-8") as f:
-        metrics = json.load(f)
+def _read(run_dir, name):
+    with open(os.path.join(run_dir, name), encoding="utf-8") as f:
+        return json.load(f)
+
+
+def record(
+    run_dir: str, name: str, data: str, note: str = "", stopped: str = "", **known
+) -> dict:
+    """Writes the record of `run_dir`; `stopped` (why) records an unfinished run.
+
+    `known` fills what an unfinished run did not write yet (`warmup_steps`,
+    `learning_rate_scale`, `precision`), as its log printed them.
+    """
+    settings = _read(run_dir, "train_config.json")
     src, tgt = _language(settings["src_train"]), _language(settings["tgt_train"])
-    test = {f"beam{b}": _evaluate(run_dir, data, src, tgt, b) for b in BEAMS}
+    if stopped:
+        history = _read(run_dir, "history.json")
+        metrics = {"history": history, "epochs": len(history), "steps": history[-1]["steps"]}
+        metrics["train_seconds"] = sum(e["seconds"] for e in history)
+        metrics.update(known)
+        test = None
+    else:
+        metrics = _read(run_dir, "metrics.json")
+        test = {f"beam{b}": _evaluate(run_dir, data, src, tgt, b) for b in BEAMS}
     curve = [
-        {k: e[k] for k in ("epoch", "val_loss", "val_bleu", "seconds") if k in e}
+        {k: e[k] for k in ("epoch", "loss", "val_loss", "val_bleu", "seconds") if k in e}
         for e in metrics["history"]
     ]
     entry = {
         "name": name,
         "direction": f"{src}-{tgt}",
         "note": note,
+        "stopped": stopped or None,
         "command": train_command(settings),
         "settings": {k: v for k, v in settings.items() if not k.startswith(("src_", "tgt_"))},
-        "model": metrics["config"],
+        "model": metrics.get("config") or _model_config(settings),
         "precision": metrics.get("precision"),
         "epochs": metrics["epochs"],
         "steps": metrics["steps"],
@@ -106,7 +127,9 @@ def record(run_dir: str, name: str, data: str, note: str = "") -> dict:
         "warmup_steps": metrics.get("warmup_steps"),
         "learning_rate_scale": metrics.get("learning_rate_scale"),
         "final": metrics.get("final", {"chosen": metrics.get("averaged_checkpoints")}),
-        "valid": {
+        "valid": None
+        if stopped
+        else {
             "bleu": metrics["valid_bleu"],
             "bleu_lowercase": metrics["valid_bleu_lowercase"],
             "chrf": metrics["valid_chrf"],
@@ -123,6 +146,13 @@ def record(run_dir: str, name: str, data: str, note: str = "") -> dict:
         f.write("\n")
     print(f"Wrote {path}")
     return entry
+
+
+def _model_config(settings: dict) -> dict:
+    from keras_transformer.config import TransformerConfig
+
+    overrides = {k: settings[k] for k in ("dropout", "attention_dropout") if settings.get(k)}
+    return TransformerConfig.from_preset(settings["preset"], **overrides).to_dict()
 
 
 def _summary(settings: dict, model: dict) -> str:
@@ -156,15 +186,22 @@ def table() -> str:
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for e in sorted(entries, key=lambda e: (e["direction"], e["name"])):
-        greedy, beam = e["test_2016_flickr"]["beam1"], e["test_2016_flickr"]["beam5"]
-        final = e["final"].get("chosen") if isinstance(e["final"], dict) else e["final"]
         scale = e.get("learning_rate_scale")
+        if e.get("stopped"):
+            last = e["validation_curve"][-1]
+            final = f"stopped: {e['stopped']}"
+            scores = f"(val loss {last['val_loss']:.3f}) | - | -"
+        else:
+            greedy, beam = e["test_2016_flickr"]["beam1"], e["test_2016_flickr"]["beam5"]
+            final = e["final"].get("chosen") if isinstance(e["final"], dict) else e["final"]
+            scores = (
+                f"{e['valid']['bleu']} | {greedy['bleu_lowercase']} "
+                f"| {beam['bleu_lowercase']} / {beam['bleu']} / {beam['chrf']}"
+            )
         lines.append(
             f"| {e['name']} | {e['direction']} | {_summary(e['settings'], e['model'])} "
             f"| {e.get('warmup_steps')}, {scale if scale is None else round(scale, 3)} "
-            f"| {e['epochs']} | {e['train_minutes']} | {final} | {e['valid']['bleu']} "
-            f"| {greedy['bleu_lowercase']} "
-            f"| {beam['bleu_lowercase']} / {beam['bleu']} / {beam['chrf']} "
+            f"| {e['epochs']} | {e['train_minutes']} | {final} | {scores} "
             f"| {e['machine']['cpu']} ({', '.join(e['machine']['cpu_flags'])}) |"
         )
     notes = [f"- **{e['name']}**: {e['note']}" for e in entries if e.get("note")]
@@ -184,12 +221,25 @@ def main(argv=None) -> int:
     rec.add_argument("--name", required=True, help="the record's file name (no extension)")
     rec.add_argument("--data", default=os.environ.get("MULTI30K", DEFAULT_DATA))
     rec.add_argument("--note", default="", help="what the run tried, in a few words")
+    rec.add_argument("--stopped", default="", help="why an unfinished run was stopped")
+    rec.add_argument("--warmup-steps", type=int, help="an unfinished run's printed warm-up")
+    rec.add_argument("--learning-rate-scale", type=float, help="its printed scale")
+    rec.add_argument("--precision", help="its printed precision")
     sub.add_parser("table", help="rewrite the README table from the records")
     args = parser.parse_args(argv)
     if args.command == "record":
-        if not os.path.isfile(os.path.join(args.run_dir, "metrics.json")):
-            raise SystemExit(f"error: {args.run_dir} has no metrics.json: is training finished?")
-        record(args.run_dir, args.name, args.data, args.note)
+        finished = os.path.isfile(os.path.join(args.run_dir, "metrics.json"))
+        if not finished and not args.stopped:
+            raise SystemExit(
+                f"error: {args.run_dir} has no metrics.json: training is not finished "
+                '(record it with --stopped "why" if it was stopped on purpose).'
+            )
+        known = {
+            k: getattr(args, k)
+            for k in ("warmup_steps", "learning_rate_scale", "precision")
+            if getattr(args, k) is not None
+        }
+        record(args.run_dir, args.name, args.data, args.note, args.stopped, **known)
     print(table(), end="")
     return 0
 

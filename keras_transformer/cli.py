@@ -225,7 +225,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--warmup-steps",
         type=int,
-        help="warm-up updates (default: one epoch of updates, at most the paper's 4000)",
+        help="warm-up updates (default: 3 epochs of updates, at most the paper's 4000)",
     )
     train.add_argument(
         "--learning-rate-scale",

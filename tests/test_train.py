@@ -242,9 +242,9 @@ def test_auto_precision_and_accumulation_are_chosen_said_and_recorded(
     batches = metrics["train_data"]["batches"]
     assert metrics["accumulate_steps"] == 2 and metrics["updates_per_epoch"] == batches // 2
     assert metrics["steps"] == batches // 2  # optimizer updates, not batches
-    # One epoch of updates to warm up, at the paper's peak learning rate.
-    assert metrics["warmup_steps"] == batches // 2
-    assert metrics["learning_rate_scale"] == pytest.approx((batches // 2 / 4000) ** 0.5)
+    # 3 epochs of updates to warm up, at the paper's peak learning rate.
+    assert metrics["warmup_steps"] == 3 * (batches // 2)
+    assert metrics["learning_rate_scale"] == pytest.approx((3 * (batches // 2) / 4000) ** 0.5)
     model = keras.saving.load_model(str(out / "model.keras"))
     assert model.get_layer("decoder_layer_0").dtype_policy.name == "mixed_bfloat16"
 

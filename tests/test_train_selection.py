@@ -84,15 +84,15 @@ def test_recorder_keeps_last_and_best_checkpoints_and_stops_on_patience(tmp_path
     assert [e["val_loss"] for e in history] == losses
 
 
-def test_automatic_warmup_is_one_epoch_and_keeps_the_papers_peak(tmp_path):
+def test_automatic_warmup_is_three_epochs_and_keeps_the_papers_peak(tmp_path):
     paths = []
     for name in ("a", "b"):
         (tmp_path / name).write_text("x\n")
         paths.append(str(tmp_path / name))
     settings = TrainSettings(*paths, *paths, preset="tiny")
     assert settings.precision == "auto"
-    assert settings.schedule(250) == (250, pytest.approx(math.sqrt(250 / 4000)))
-    assert settings.schedule(10_000) == (4000, 1.0)  # a big corpus: the paper's schedule
+    assert settings.schedule(250) == (750, pytest.approx(math.sqrt(750 / 4000)))
+    assert settings.schedule(2_000) == (4000, 1.0)  # a big corpus: the paper's schedule
     explicit = TrainSettings(*paths, *paths, warmup_steps=800, learning_rate_scale=0.4)
     assert explicit.schedule(250) == (800, 0.4)
     with pytest.raises(ValueError, match="select_by must be one of loss, bleu"):
