@@ -89,9 +89,7 @@ def _read(run_dir, name):
         return json.load(f)
 
 
-def record(
-    run_dir: str, name: str, data: str, note: str = "", stopped: str = "", **known
-) -> dict:
+def record(run_dir: str, name: str, data: str, note: str = "", stopped: str = "", **known) -> dict:
     """Writes the record of `run_dir`; `stopped` (why) records an unfinished run.
 
     `known` fills what an unfinished run did not write yet (`warmup_steps`,

@@ -15,7 +15,7 @@ KT=${KT:-.venv/bin/keras-transformer}
 "$KT" train \
   --src-train "$DATA/train.$SRC.gz" --tgt-train "$DATA/train.$TGT.gz" \
   --src-valid "$DATA/val.$SRC.gz" --tgt-valid "$DATA/val.$TGT.gz" \
-  --out "$RUN" --preset small --precision mixed_bfloat16 \
+  --out "$RUN" --preset small \
   --max-minutes 30 --tokens-per-batch 2048 \
   --warmup-steps "${WARMUP:-800}" --learning-rate-scale "${LR_SCALE:-0.4}" \
   --dropout 0.1 --label-smoothing 0.1 --vocab-size 8000 --average-last "${AVERAGE_LAST:-5}" \

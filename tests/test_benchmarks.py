@@ -160,3 +160,19 @@ def test_mixed_precision_peers_are_held_to_the_peak_of_their_type_on_a_gpu():
         cpu = Namespace(device="cpu", mixed_precision=mixed)
         # On the CPU every peer is held to the float32 peak (torch runs in float32).
         assert {_precision(p, cpu) for p in ("ours", "ours-bf16", "torch")} == {"float32"}
+
+
+def test_multi30k_record_command_names_only_what_differs_from_the_defaults():
+    from benchmarks.multi30k import train_command
+
+    settings = {
+        "src_train": "/data/train.de.gz", "tgt_train": "/data/train.en.gz",
+        "src_valid": "/data/val.de.gz", "tgt_valid": "/data/val.en.gz",
+        "preset": "small", "epochs": 10, "tokens_per_batch": 2048, "precision": "auto",
+        "warmup_steps": None, "dropout": 0.1, "select_by": "bleu", "average_last": None,
+    }  # fmt: skip
+    assert train_command(settings) == (
+        "keras-transformer train --src-train $DATA/train.de.gz --src-valid $DATA/val.de.gz "
+        "--tgt-train $DATA/train.en.gz --tgt-valid $DATA/val.en.gz --out RUN --epochs 10 "
+        "--tokens-per-batch 2048 --dropout 0.1 --select-by bleu"
+    )
