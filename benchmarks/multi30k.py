@@ -147,10 +147,15 @@ def record(run_dir: str, name: str, data: str, note: str = "", stopped: str = ""
 
 
 def _model_config(settings: dict) -> dict:
-    from keras_transformer.config import TransformerConfig
+    from keras_transformer.train import preset_config
 
-    overrides = {k: settings[k] for k in ("dropout", "attention_dropout") if settings.get(k)}
-    return TransformerConfig.from_preset(settings["preset"], **overrides).to_dict()
+    config = preset_config(
+        settings["preset"],
+        settings["vocab_size"],
+        settings.get("dropout"),
+        settings.get("attention_dropout"),
+    )
+    return config.to_dict()
 
 
 def _summary(settings: dict, model: dict) -> str:

@@ -216,12 +216,17 @@ class TrainSettings:
         return "budget " + " or ".join(limits)
 
     def model_config(self, vocabulary_size: int) -> TransformerConfig:
-        overrides = {"vocabulary_size": vocabulary_size}
-        if self.dropout is not None:
-            overrides["dropout"] = self.dropout
-        if self.attention_dropout is not None:
-            overrides["attention_dropout"] = self.attention_dropout
-        return TransformerConfig.from_preset(self.preset, **overrides)
+        return preset_config(self.preset, vocabulary_size, self.dropout, self.attention_dropout)
+
+
+def preset_config(preset, vocabulary_size, dropout=None, attention_dropout=None):
+    """The `TransformerConfig` of a run: the preset with the run's vocabulary and dropouts."""
+    overrides = {"vocabulary_size": vocabulary_size}
+    if dropout is not None:
+        overrides["dropout"] = dropout
+    if attention_dropout is not None:
+        overrides["attention_dropout"] = attention_dropout
+    return TransformerConfig.from_preset(preset, **overrides)
 
 
 def _check_run_directory(out_dir: str, settings: TrainSettings) -> bool:
@@ -286,10 +291,14 @@ def ranked_epochs(history, select_by) -> list[int]:
     improvement only when it is strictly better. Epochs without the measure
     are left out.
     """
-    key, larger_is_better = MEASURES[select_by]
+    key = MEASURES[select_by][0]
     scored = [(e[key], e["epoch"]) for e in history if e.get(key) is not None]
-    sign = -1 if larger_is_better else 1
-    return [epoch for _, epoch in sorted(scored, key=lambda x: (sign * x[0], x[1]))]
+    return [epoch for _, epoch in sorted(scored, key=lambda x: (_worse(select_by, x[0]), x[1]))]
+
+
+def _worse(select_by, value) -> float:
+    """`value` of the measure `select_by` as a key that sorts the best first."""
+    return -value if MEASURES[select_by][1] else value
 
 
 def patience_spent(history, select_by, patience) -> bool:
@@ -576,10 +585,10 @@ def train(settings: TrainSettings, out_dir: str, verbose: int = 1, strategy=None
         trained = model
         model = build_and_compile(data.config, None, **recipe.compile_args(settings))
         model.set_weights(trained.get_weights())
-    final = _choose_final(run, settings, model, data, history)
+    final, greedy = _choose_final(run, settings, model, data, history)
     atomic_save_model(model, os.path.join(run.out_dir, "model.keras"))
     atomic_write_json(os.path.join(run.out_dir, "config.json"), data.config.to_dict())
-    return _validate_and_record(run, settings, model, data, history, recipe, final)
+    return _validate_and_record(run, settings, model, data, history, recipe, final, greedy)
 
 
 def _strategy(settings, strategy):
@@ -752,41 +761,51 @@ def final_candidates(history, checkpoint_epochs, select_by, average, final="auto
     return candidates
 
 
-def _choose_final(run, settings, model, data, history) -> dict:
-    """Sets `model` to the final weights (see `final_candidates`) and says how they were chosen."""
+def _choose_final(run, settings, model, data, history) -> tuple[dict, dict | None]:
+    """Sets `model` to the final weights (see `final_candidates`); says how they were chosen.
+
+    A single epoch's score is the one its epoch end recorded in `history`;
+    only means of checkpoints are scored here. Returns the choice and, when
+    it was decoded here, the chosen weights' greedy validation scores.
+    """
     paths = {_checkpoint_epoch(p): p for p in _epoch_checkpoints(run.out_dir)}
     candidates = final_candidates(
         history, paths, settings.select_by, settings.average, settings.final
     )
-    key, larger_is_better = MEASURES[settings.select_by]
-    scored = []
+    key = MEASURES[settings.select_by][0]
+    recorded = {e["epoch"]: e.get(key) for e in history}
+    scored, decoded = [], {}
     for name, epochs in candidates.items():
-        average_checkpoints(model, [paths[e] for e in epochs])
         if len(candidates) == 1:
             scored.append({"name": name, "epochs": epochs})
             break
-        if settings.select_by == "bleu":
-            scores = _bleu_on(model, data.tokenizer, data.valid_pairs, beam_size=1)
-            value = scores["bleu"]
-        else:
-            value = float(model.evaluate(data.valid, verbose=0, return_dict=True)["loss"])
+        value = recorded.get(epochs[0]) if len(epochs) == 1 else None
+        if value is None:
+            average_checkpoints(model, [paths[e] for e in epochs])
+            if settings.select_by == "bleu":
+                decoded[name] = _bleu_on(model, data.tokenizer, data.valid_pairs, beam_size=1)
+                value = decoded[name]["bleu"]
+            else:
+                value = float(model.evaluate(data.valid, verbose=0, return_dict=True)["loss"])
         scored.append({"name": name, "epochs": epochs, key: value})
         run.log(f"  {name} (epochs {', '.join(map(str, epochs))}): {key} {value:.4g}")
-    if len(scored) > 1:
-        sign = -1 if larger_is_better else 1
-        chosen = min(scored, key=lambda c: sign * c[key])  # the first of equals
-        average_checkpoints(model, [paths[e] for e in chosen["epochs"]])
-    else:
-        chosen = scored[0]
+    # The first of equals: the earlier candidate in `final_candidates`' order.
+    chosen = min(scored, key=lambda c: _worse(settings.select_by, c.get(key, 0.0)))
+    average_checkpoints(model, [paths[e] for e in chosen["epochs"]])
     run.log(f"Final weights: {chosen['name']} (epochs {', '.join(map(str, chosen['epochs']))}).")
-    return {"chosen": chosen["name"], "epochs": chosen["epochs"], "candidates": scored}
+    final = {"chosen": chosen["name"], "epochs": chosen["epochs"], "candidates": scored}
+    return final, decoded.get(chosen["name"])
 
 
-def _validate_and_record(run, settings, model, data, history, recipe, final) -> dict:
-    """Validation BLEU of the saved model, and `metrics.json`."""
+def _validate_and_record(run, settings, model, data, history, recipe, final, greedy) -> dict:
+    """Validation BLEU of the saved model (`greedy`: its greedy scores, if known), `metrics.json`."""
     started = time.perf_counter()
-    valid_scores = _bleu_on(
-        model, data.tokenizer, data.valid_pairs, settings.valid_beam, progress=bool(run.verbose)
+    valid_scores = (
+        greedy
+        if greedy is not None and settings.valid_beam == 1
+        else _bleu_on(
+            model, data.tokenizer, data.valid_pairs, settings.valid_beam, progress=bool(run.verbose)
+        )
     )
     decode_seconds = time.perf_counter() - started
 

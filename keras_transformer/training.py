@@ -79,7 +79,6 @@ def transformer_optimizer(hidden_dim, warmup_steps=4000, scale=1.0, accumulation
     keyword arguments (e.g. `clipnorm`, or another `epsilon`) go to
     `keras.optimizers.Adam`.
     """
-    check_positive_int("accumulation_steps", accumulation_steps)
     settings = dict(beta_1=0.9, beta_2=0.98, epsilon=1e-9) | kwargs
     return keras.optimizers.Adam(
         learning_rate=TransformerSchedule(hidden_dim, warmup_steps, scale, accumulation_steps),
