@@ -154,6 +154,7 @@ def _model_config(settings: dict) -> dict:
         settings["vocab_size"],
         settings.get("dropout"),
         settings.get("attention_dropout"),
+        settings.get("normalize_first"),
     )
     return config.to_dict()
 
@@ -161,7 +162,7 @@ def _model_config(settings: dict) -> dict:
 def _summary(settings: dict, model: dict) -> str:
     shape = f"{model['num_layers']}L d{model['hidden_dim']} ff{model['intermediate_dim']}"
     parts = [
-        f"{settings.get('preset')} ({shape})",
+        f"{settings.get('preset')} ({shape}{', pre-norm' if model['normalize_first'] else ''})",
         f"vocab {settings.get('vocab_size')}",
         f"drop {model['dropout']}",
         f"ls {settings.get('label_smoothing')}",

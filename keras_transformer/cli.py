@@ -44,6 +44,7 @@ def _train(args):
             vocab_size=args.vocab_size,
             dropout=args.dropout,
             attention_dropout=args.attention_dropout,
+            normalize_first=args.normalize_first,
             seed=args.seed,
             select_by=args.select_by,
             patience=args.patience,
@@ -251,6 +252,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         help="dropout on the attention weights alone (default: --dropout; 0 as in the paper "
         "lets training use the fused attention kernel)",
+    )
+    train.add_argument(
+        "--normalize-first",
+        action="store_true",
+        default=None,
+        help="pre-norm: LayerNorm before each sublayer instead of after the residual sum "
+        "(default: the preset's, post-norm as in the paper)",
     )
     train.add_argument("--seed", type=int, default=0)
     choose = train.add_argument_group("choosing on the validation set")

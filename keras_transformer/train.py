@@ -118,6 +118,8 @@ class TrainSettings:
     vocab_size: int = DEFAULT_VOCABULARY_SIZE
     dropout: float | None = None
     attention_dropout: float | None = None
+    # None: the preset's; True: LayerNorm before each sublayer (pre-norm).
+    normalize_first: bool | None = None
     seed: int = 0
     # The validation measure that ranks epochs: "loss" or "bleu" (greedy).
     select_by: str = "loss"
@@ -216,16 +218,27 @@ class TrainSettings:
         return "budget " + " or ".join(limits)
 
     def model_config(self, vocabulary_size: int) -> TransformerConfig:
-        return preset_config(self.preset, vocabulary_size, self.dropout, self.attention_dropout)
+        return preset_config(
+            self.preset,
+            vocabulary_size,
+            self.dropout,
+            self.attention_dropout,
+            self.normalize_first,
+        )
 
 
-def preset_config(preset, vocabulary_size, dropout=None, attention_dropout=None):
-    """The `TransformerConfig` of a run: the preset with the run's vocabulary and dropouts."""
+def preset_config(
+    preset, vocabulary_size, dropout=None, attention_dropout=None, normalize_first=None
+):
+    """The `TransformerConfig` of a run: the preset with the run's vocabulary and overrides."""
     overrides = {"vocabulary_size": vocabulary_size}
-    if dropout is not None:
-        overrides["dropout"] = dropout
-    if attention_dropout is not None:
-        overrides["attention_dropout"] = attention_dropout
+    for name, value in (
+        ("dropout", dropout),
+        ("attention_dropout", attention_dropout),
+        ("normalize_first", normalize_first),
+    ):
+        if value is not None:
+            overrides[name] = value
     return TransformerConfig.from_preset(preset, **overrides)
 
 
