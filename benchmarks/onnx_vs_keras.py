@@ -83,8 +83,9 @@ def main(argv=None):
     parser.add_argument("--out", help="JSON path")
     args = parser.parse_args(argv)
 
-    from export.onnx import export_onnx, float32_copy
-    from export.runtime import OnnxTranslator
+    from keras_transformer_runtime.runtime import OnnxTranslator
+
+    from keras_transformer.export.onnx import export_onnx, float32_copy
     from keras_transformer.model import transformer_parts
     from keras_transformer.translation import load_run, translate_lines
 

@@ -145,7 +145,7 @@ def _evaluate(args):
 
 
 def _export(args):
-    from export.onnx import ExportError, export_onnx
+    from keras_transformer.export.onnx import ExportError, export_onnx
 
     out = args.out or os.path.join(args.run_dir, "onnx")
     try:
@@ -337,7 +337,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     export = sub.add_parser(
         "export",
-        help="convert a run to ONNX graphs for ONNX Runtime (python -m export.translate)",
+        help="convert a run to ONNX graphs for ONNX Runtime (keras-transformer-translate)",
     )
     export.add_argument("run_dir", help="run directory with model.keras and its tokenizer")
     export.add_argument("--out", help="export folder (default: RUN_DIR/onnx)")

@@ -20,12 +20,8 @@ from __future__ import annotations
 import keras
 import numpy as np
 from keras import ops
-
-from export.search import (
-    BOS_ID,
-    EOS_ID,
+from keras_transformer_runtime.search import (
     EXTRA_OUTPUT_TOKENS,
-    PAD_ID,
     banned_ids,
     beam_loop,
     check_beam_arguments,
@@ -34,6 +30,8 @@ from export.search import (
     output_limits,
     source_array,
 )
+from keras_transformer_runtime.specials import BOS_ID, EOS_ID, PAD_ID
+
 from keras_transformer.model import TransformerParts, transformer_parts
 
 __all__ = [

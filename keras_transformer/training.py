@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import keras
 from keras import ops
+from keras_transformer_runtime.specials import PAD_ID
 
-from keras_transformer.layers.masks import PAD_ID
 from keras_transformer.ops.loss import label_smoothed_token_losses
 from keras_transformer.validation import check_positive_int, check_rate
 

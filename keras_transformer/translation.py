@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 
 import keras
+from keras_transformer_runtime.search import translate_texts
 
-from export.search import translate_texts
 from keras_transformer.decoding import beam_search, greedy_search
 from keras_transformer.model import transformer_parts
 

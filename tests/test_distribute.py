@@ -17,9 +17,6 @@ import pytest
 from keras_transformer.config import TransformerConfig
 from keras_transformer.training import LabelSmoothedCrossEntropy
 
-# Trained fixtures, exports and commands end to end: `make integration`.
-pytestmark = pytest.mark.integration
-
 pytestmark = pytest.mark.skipif(
     keras.backend.backend() != "tensorflow", reason="tf.distribute needs the TensorFlow backend"
 )

@@ -16,18 +16,16 @@ import numpy as np
 import onnx
 import pytest
 
-# Trained fixtures, exports and commands end to end: `make integration`.
-pytestmark = pytest.mark.integration
-
 pytestmark = pytest.mark.skipif(
     keras.backend.backend() != "tensorflow", reason="ONNX export converts TensorFlow graphs"
 )
 
-from export.onnx import ExportError, export_onnx, float32_copy  # noqa: E402
-from export.runtime import ExportFileError, OnnxTranslator  # noqa: E402
+from keras_transformer_runtime.runtime import ExportFileError, OnnxTranslator  # noqa: E402
+
 from keras_transformer import cli  # noqa: E402
 from keras_transformer.data.toy import generate_toy_corpus  # noqa: E402
 from keras_transformer.decoding import beam_search, greedy_search  # noqa: E402
+from keras_transformer.export.onnx import ExportError, export_onnx, float32_copy  # noqa: E402
 from keras_transformer.model import transformer_parts  # noqa: E402
 from keras_transformer.translation import load_run, translate_lines  # noqa: E402
 
@@ -144,7 +142,7 @@ def test_export_refuses_foreign_or_existing_folders_and_leaves_nothing_on_failur
     with pytest.raises(ValueError, match="precision"):
         export_onnx(run_dir, tmp_path / "x", precision="int8")
 
-    import export.onnx as export_module
+    import keras_transformer.export.onnx as export_module
 
     def failing(*args, **kwargs):
         raise RuntimeError("conversion failed")
@@ -244,7 +242,7 @@ def test_runtime_imports_neither_tensorflow_nor_keras(exported):
     code = (
         "import io, sys\n"
         "sys.stdin = io.StringIO('ka ko\\n\\nli lo mina\\n')\n"
-        "from export.translate import main\n"
+        "from keras_transformer_runtime.translate import main\n"
         f"main([{out!r}, '--beam', '2'])\n"
         "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('tensorflow', 'keras'))\n"
         "print('HEAVY', heavy, file=sys.stderr)\n"
@@ -258,11 +256,53 @@ def test_runtime_imports_neither_tensorflow_nor_keras(exported):
     assert len(lines) == 4 and lines[1] == "" and lines[3] == ""  # one line per input line
 
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HEAVY = {"tensorflow", "tensorflow-cpu", "tensorflow-text", "tf2onnx", "keras", "jax", "jaxlib"}
+
+
+def test_runtime_distribution_alone_translates_without_tensorflow(exported, tmp_path):
+    """A fresh venv that installs only ./export holds no TensorFlow, Keras or JAX and
+    translates an export through its console script, as the in-process runtime does."""
+    _, _, translator, out = exported("mixed_bfloat16")
+    venv = tmp_path / "runtime-venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    python = str(venv / "bin" / "python")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    pip = [sys.executable, "-m", "pip", "--python", python]
+    installed = subprocess.run(
+        [*pip, "install", "--quiet", os.path.join(ROOT, "export")],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=env,
+    )
+    assert installed.returncode == 0, installed.stderr
+    listed = subprocess.run(
+        [*pip, "list", "--format=freeze"], capture_output=True, text=True, env=env, check=True
+    )
+    names = {line.split("==")[0].lower() for line in listed.stdout.split()}
+    assert "keras-transformer-runtime" in names and "sentencepiece" in names
+    assert not names & HEAVY, sorted(names & HEAVY)
+    assert "keras-transformer" not in names
+    lines = held_out_lines(24, seed=47)
+    result = subprocess.run(
+        [str(venv / "bin" / "keras-transformer-translate"), out, "--beam", "2", "--cpu"],
+        input="".join(line + "\n" for line in lines),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == translator.translate(lines, beam_size=2)
+
+
 def test_module_command_translates_stdin_in_order(exported):
     model, tokenizer, _, out = exported("float32")
     lines = held_out_lines(40, seed=43)
     result = subprocess.run(
-        [sys.executable, "-m", "export.translate", out, "--beam", "1"],
+        [sys.executable, "-m", "keras_transformer_runtime.translate", out, "--beam", "1"],
         input="".join(line + "\n" for line in lines),
         capture_output=True,
         text=True,
@@ -342,7 +382,7 @@ def test_damaged_export_folders_name_the_file(exported, tmp_path, damage, match)
     with pytest.raises(ExportFileError, match=match):
         OnnxTranslator(copy)
     result = subprocess.run(
-        [sys.executable, "-m", "export.translate", str(copy)],
+        [sys.executable, "-m", "keras_transformer_runtime.translate", str(copy)],
         input="ka\n",
         capture_output=True,
         text=True,

@@ -13,8 +13,8 @@ import gzip
 import os
 
 import numpy as np
+from keras_transformer_runtime.specials import BOS_ID, EOS_ID, PAD_ID
 
-from keras_transformer.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
 from keras_transformer.validation import check_positive_int
 
 

@@ -15,11 +15,13 @@ import io
 import os
 
 import sentencepiece as spm
+from keras_transformer_runtime.specials import BOS_ID, EOS_ID, PAD_ID, UNK_ID
+from keras_transformer_runtime.tokenizers import SentencePieceModel
 
 from keras_transformer.io_utils import atomic_path
 from keras_transformer.validation import check_positive_int
 
-PAD_ID, BOS_ID, EOS_ID, UNK_ID = 0, 1, 2, 3
+__all__ = ["BOS_ID", "EOS_ID", "PAD_ID", "UNK_ID", "SentencePieceTokenizer", "train_sentencepiece"]
 # Byte pieces (256) + the four specials; below this the byte fallback cannot fit.
 MIN_VOCABULARY_SIZE = 300
 DEFAULT_VOCABULARY_SIZE = 8000
@@ -94,8 +96,11 @@ def train_sentencepiece(
     return SentencePieceTokenizer(buffer.getvalue())
 
 
-class SentencePieceTokenizer:
+class SentencePieceTokenizer(SentencePieceModel):
     """A SentencePiece model held as bytes, usable from Python and inside tf.data.
+
+    The runtime's `SentencePieceModel` (encoding, decoding, the special-id
+    check) with loading, saving and a tf.data tokenizer.
 
     Args:
         model_proto: bytes. A serialized SentencePiece model (`spm.model`).
@@ -107,24 +112,6 @@ class SentencePieceTokenizer:
     'Ein Hund läuft.'
     """
 
-    pad_id, bos_id, eos_id, unk_id = PAD_ID, BOS_ID, EOS_ID, UNK_ID
-
-    def __init__(self, model_proto: bytes):
-        self.model_proto = bytes(model_proto)
-        self._processor = spm.SentencePieceProcessor(model_proto=self.model_proto)
-        expected = {"pad": PAD_ID, "bos": BOS_ID, "eos": EOS_ID, "unk": UNK_ID}
-        actual = {
-            "pad": self._processor.pad_id(),
-            "bos": self._processor.bos_id(),
-            "eos": self._processor.eos_id(),
-            "unk": self._processor.unk_id(),
-        }
-        if actual != expected:
-            raise ValueError(
-                f"The SentencePiece model has special ids {actual}; this package needs "
-                f"{expected}. Train it with `train_sentencepiece`."
-            )
-
     @classmethod
     def load(cls, path: str) -> SentencePieceTokenizer:
         """Reads a `.model` file; a missing or corrupt file raises a clear error."""
@@ -134,44 +121,13 @@ class SentencePieceTokenizer:
             data = f.read()
         try:
             return cls(data)
-        except (RuntimeError, OSError) as error:
+        except ValueError as error:
             raise ValueError(f"{path} is not a valid SentencePiece model: {error}") from error
 
     def save(self, path: str) -> None:
         """Writes the model bytes to `path` atomically."""
         with atomic_path(path) as tmp, open(tmp, "wb") as f:
             f.write(self.model_proto)
-
-    def __len__(self) -> int:
-        return self._processor.get_piece_size()
-
-    @property
-    def vocabulary_size(self) -> int:
-        return len(self)
-
-    def encode(self, text: str) -> list[int]:
-        """Piece ids of `text`, without BOS or EOS."""
-        return self._processor.encode(text, out_type=int)
-
-    def encode_batch(self, texts) -> list[list[int]]:
-        return self._processor.encode(list(texts), out_type=int)
-
-    def decode(self, ids) -> str:
-        """Text of `ids`; stops at the first EOS and skips pad and BOS."""
-        pieces = []
-        for i in ids:
-            i = int(i)
-            if i == EOS_ID:
-                break
-            if i not in (PAD_ID, BOS_ID):
-                pieces.append(i)
-        return self._processor.decode(pieces)
-
-    def id_to_piece(self, i: int) -> str:
-        return self._processor.id_to_piece(int(i))
-
-    def pieces(self, ids) -> list[str]:
-        return [self.id_to_piece(i) for i in ids]
 
     def tf_tokenizer(self):
         """A new `tensorflow_text.SentencepieceTokenizer` on the same model bytes (int32 ids).

@@ -16,6 +16,8 @@ import os
 import random
 
 import numpy as np
+from keras_transformer_runtime import tokenizers
+from keras_transformer_runtime.specials import SPECIAL_PIECES
 
 from keras_transformer.io_utils import atomic_write_text
 
@@ -25,8 +27,7 @@ SOURCE_WORDS = (
 # Words whose translation is two target words.
 COMPOUND_EVERY = 4
 
-PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
-SPECIALS = (PAD, BOS, EOS, UNK)  # ids 0, 1, 2, 3 everywhere in the project
+SPECIALS = SPECIAL_PIECES  # ids 0, 1, 2, 3 everywhere in the project
 
 
 def _translation_table(seed: int) -> dict[str, list[str]]:
@@ -116,15 +117,16 @@ def generate_toy_corpus(
     return ToyCorpus(table=table, **splits)
 
 
-class WordVocabulary:
-    """Whitespace word vocabulary with the project's fixed special ids.
+class WordVocabulary(tokenizers.WordVocabulary):
+    """Whitespace word vocabulary of `words` after the project's four special pieces.
 
-    The demo uses it on the toy corpus; real text uses SentencePiece.
+    The demo uses it on the toy corpus; real text uses SentencePiece. The
+    runtime's `WordVocabulary` (encoding, decoding) with saving and building
+    from a corpus.
     """
 
     def __init__(self, words):
-        self.tokens = list(SPECIALS) + sorted(set(words) - set(SPECIALS))
-        self.index = {token: i for i, token in enumerate(self.tokens)}
+        super().__init__(list(SPECIALS) + sorted(set(words) - set(SPECIALS)))
 
     def save(self, path: str) -> None:
         """Writes one token per line (ids are line numbers), atomically."""
@@ -147,42 +149,6 @@ class WordVocabulary:
             words.update(source.split())
             words.update(target.split())
         return cls(words)
-
-    def __len__(self):
-        return len(self.tokens)
-
-    @property
-    def pad_id(self):
-        return 0
-
-    @property
-    def bos_id(self):
-        return 1
-
-    @property
-    def eos_id(self):
-        return 2
-
-    @property
-    def unk_id(self):
-        return 3
-
-    def encode(self, text: str) -> list[int]:
-        return [self.index.get(word, self.unk_id) for word in text.split()]
-
-    def pieces(self, ids) -> list[str]:
-        return [self.tokens[int(i)] if int(i) < len(self.tokens) else UNK for i in ids]
-
-    def decode(self, ids) -> str:
-        words = []
-        for i in ids:
-            i = int(i)
-            if i == self.eos_id:
-                break
-            if i in (self.pad_id, self.bos_id):
-                continue
-            words.append(self.tokens[i] if i < len(self.tokens) else UNK)
-        return " ".join(words)
 
 
 def encode_pairs(pairs, vocabulary, max_length: int):

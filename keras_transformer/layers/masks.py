@@ -7,8 +7,7 @@ from __future__ import annotations
 
 import keras
 from keras import ops
-
-PAD_ID = 0
+from keras_transformer_runtime.specials import PAD_ID
 
 
 def padding_mask_from_ids(token_ids, pad_id: int = PAD_ID):

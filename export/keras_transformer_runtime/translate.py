@@ -1,4 +1,6 @@
-"""Translate stdin to stdout with an ONNX export: `python -m export.translate ONNX_DIR [--beam N]`.
+"""Translate stdin to stdout with an ONNX export: `keras-transformer-translate ONNX_DIR [--beam N]`.
+
+Also `python -m keras_transformer_runtime.translate`.
 
 One output line per input line, in order. Needs numpy, onnxruntime and
 sentencepiece only (no TensorFlow, no Keras).
@@ -9,12 +11,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-from export.runtime import ExportFileError, OnnxTranslator
+from keras_transformer_runtime.runtime import ExportFileError, OnnxTranslator
 
 
 def build_parser():
     parser = argparse.ArgumentParser(
-        prog="python -m export.translate",
+        prog="keras-transformer-translate",
         description="Translate lines from stdin to stdout with an ONNX export of keras-transformer.",
     )
     parser.add_argument("onnx_dir", help="folder written by `keras-transformer export`")

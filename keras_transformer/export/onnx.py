@@ -7,7 +7,7 @@ Three graphs:
   bool` and, per decoder layer i, `cross_key_i` and `cross_value_i (batch,
   heads, source_len, head_dim)`: the cross-attention keys and values,
   computed once per sentence.
-- `decoder_step.onnx` (built node by node, `export.step_graph`):
+- `decoder_step.onnx` (built node by node, `keras_transformer.export.step_graph`):
   `token_ids (batch, 1) int32`, `source_mask`, the cross keys and values, and
   `self_key_i`, `self_value_i (batch, heads, past_len, head_dim)` ->
   `log_probs (batch, vocabulary) float32` and `new_self_key_i`,
@@ -40,7 +40,7 @@ import os
 import shutil
 import tempfile
 
-from export.step_graph import build_decoder_step
+from keras_transformer.export.step_graph import build_decoder_step
 
 GRAPHS = ("encoder", "decoder_step", "model")
 MANIFEST = "manifest.json"
@@ -188,7 +188,7 @@ def graph_functions(model):
     """The converted graphs as `(name, function, input_signature, output_names)`.
 
     They call the model's own layers. The decoder step is built separately
-    (`export.step_graph`).
+    (`keras_transformer.export.step_graph`).
     """
     import tensorflow as tf
     from keras import ops

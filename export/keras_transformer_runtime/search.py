@@ -5,10 +5,10 @@ log-probabilities of the next token; the loops own everything else (which
 tokens may be produced, when a sentence stops, the length penalty, which
 beams survive). Keeping one copy is what makes the two decoders agree.
 
-This module needs numpy only: `export.runtime` imports it without
+This module needs numpy only: `keras_transformer_runtime.runtime` imports it without
 TensorFlow or Keras.
 
-Conventions: padding id 0, BOS 1, EOS 2. Returned token ids exclude BOS and
+Conventions: the special ids of `keras_transformer_runtime.specials`. Returned token ids exclude BOS and
 stop before EOS. An empty source gives an empty output with score 0.
 """
 
@@ -18,9 +18,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from export.progress import Progress
+from keras_transformer_runtime.progress import Progress
+from keras_transformer_runtime.specials import BOS_ID, EOS_ID, PAD_ID
 
-PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 EXTRA_OUTPUT_TOKENS = 50  # default maximum output length = source length + 50
 
 

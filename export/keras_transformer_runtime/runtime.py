@@ -1,7 +1,7 @@
 """Translate with exported ONNX graphs on ONNX Runtime: numpy, onnxruntime and sentencepiece only.
 
 Importing this module imports neither TensorFlow nor Keras. The search rules
-(`export.search`) are the ones the Keras decoder uses, so both give the same
+(`keras_transformer_runtime.search`) are the ones the Keras decoder uses, so both give the same
 translations.
 
 Example:
@@ -17,8 +17,8 @@ import os
 
 import numpy as np
 
-from export.search import (
-    EOS_ID,
+from keras_transformer_runtime import tokenizers
+from keras_transformer_runtime.search import (
     beam_loop,
     check_beam_arguments,
     greedy_loop,
@@ -26,6 +26,7 @@ from export.search import (
     source_array,
     translate_texts,
 )
+from keras_transformer_runtime.specials import EOS_ID
 
 MANIFEST = "manifest.json"
 _CUDA = "CUDAExecutionProvider"
@@ -36,68 +37,14 @@ class ExportFileError(RuntimeError):
     """A file of an ONNX export folder is missing or unreadable; the message names it."""
 
 
-# --------------------------------------------------------------------------- tokenizers
-
-
-class _SentencePiece:
-    def __init__(self, path):
-        import sentencepiece as spm
-
-        self._processor = spm.SentencePieceProcessor()
-        try:
-            with open(path, "rb") as f:
-                self._processor.LoadFromSerializedProto(f.read())
-        except (OSError, RuntimeError) as error:
-            raise ExportFileError(f"Cannot read the SentencePiece model {path}: {error}") from error
-
-    def encode(self, text):
-        return self._processor.encode(text, out_type=int)
-
-    def decode(self, ids):
-        kept = []
-        for i in ids:
-            if i == EOS_ID:
-                break
-            if i > EOS_ID:  # skip padding and BOS
-                kept.append(int(i))
-        return self._processor.decode(kept)
-
-
-class _Words:
-    """The toy corpus's whitespace vocabulary (`vocab.txt`, one token per line)."""
-
-    SPECIALS = ("<pad>", "<s>", "</s>", "<unk>")
-
-    def __init__(self, path):
-        try:
-            with open(path, encoding="utf-8") as f:
-                self.tokens = [line.rstrip("\n") for line in f]
-        except (OSError, UnicodeDecodeError) as error:
-            raise ExportFileError(f"Cannot read the vocabulary {path}: {error}") from error
-        if tuple(self.tokens[:4]) != self.SPECIALS:
-            raise ExportFileError(
-                f"{path} is not a vocabulary file: it must start with <pad> <s> </s> <unk>."
-            )
-        self.index = {token: i for i, token in enumerate(self.tokens)}
-
-    def encode(self, text):
-        return [self.index.get(word, 3) for word in text.split()]
-
-    def decode(self, ids):
-        words = []
-        for i in ids:
-            i = int(i)
-            if i == EOS_ID:
-                break
-            if i > EOS_ID:
-                words.append(self.tokens[i] if i < len(self.tokens) else "<unk>")
-        return " ".join(words)
-
-
 def load_tokenizer(path):
+    """The export's tokenizer; a missing or unreadable file raises `ExportFileError` naming it."""
     if not os.path.isfile(path):
         raise ExportFileError(f"Tokenizer file missing: {path}")
-    return _SentencePiece(path) if path.endswith(".model") else _Words(path)
+    try:
+        return tokenizers.load_tokenizer(path)
+    except (OSError, ValueError) as error:
+        raise ExportFileError(f"Cannot read the tokenizer {path}: {error}") from error
 
 
 # --------------------------------------------------------------------------- sessions

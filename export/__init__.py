@@ -1,1 +1,0 @@
-"""Deployment side: ONNX export and an ONNX Runtime translator."""
