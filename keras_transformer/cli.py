@@ -7,6 +7,8 @@ import json
 import os
 import sys
 
+from keras_transformer_runtime.translate import warn
+
 
 def _demo(args):
     from keras_transformer.demo import run_demo
@@ -90,6 +92,7 @@ def _translate(args):
         beam_size=beam,
         batch_size=args.batch_size,
         progress=not sys.stdin.isatty() and len(lines) > args.batch_size,
+        warn=warn,
     )
     sys.stdout.write("".join(line + "\n" for line in outputs))
     sys.stdout.flush()
@@ -132,7 +135,13 @@ def _evaluate(args):
         raise SystemExit(f"error: {error}") from None
     model, tokenizer = _load(args.run_dir)
     hypotheses = translate_lines(
-        model, tokenizer, sources, beam_size=beam, batch_size=args.batch_size, progress=True
+        model,
+        tokenizer,
+        sources,
+        beam_size=beam,
+        batch_size=args.batch_size,
+        progress=True,
+        warn=warn,
     )
     name = os.path.basename(args.src).removesuffix(".gz")
     output = args.output or os.path.join(args.run_dir, f"{name}.hyp")

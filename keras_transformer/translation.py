@@ -26,11 +26,40 @@ def load_run(run_dir: str):
             "(e.g. `keras-transformer demo --out DIR`)."
         )
     tokenizer = load_tokenizer(run_dir)
+    check_keras_archive(model_path)
     try:
         model = keras.saving.load_model(model_path)
     except Exception as error:  # a truncated or foreign file
         raise ValueError(f"Cannot load {model_path}: {error}") from error
     return model, tokenizer
+
+
+def check_keras_archive(path: str) -> None:
+    """Raises a `ValueError` that says what is wrong when `path` is not a whole `.keras` file.
+
+    Keras reports a truncated or foreign file as "File not found"; this says
+    whether the file is no zip archive at all, a damaged one, or one without
+    a model's config and weights.
+    """
+    import zipfile
+
+    size = os.path.getsize(path)
+    if not zipfile.is_zipfile(path):
+        raise ValueError(
+            f"{path} is not a Keras model file ({size} bytes, not a .keras zip archive): "
+            "it may be truncated or overwritten. Train or copy the model again."
+        )
+    try:
+        with zipfile.ZipFile(path) as archive:
+            names = set(archive.namelist())
+            damaged = archive.testzip()
+    except (zipfile.BadZipFile, OSError, EOFError) as error:
+        raise ValueError(f"{path} is a damaged .keras archive ({size} bytes): {error}") from error
+    if damaged is not None:
+        raise ValueError(f"{path} is a damaged .keras archive: {damaged} fails its checksum.")
+    missing = [name for name in ("config.json", "model.weights.h5") if name not in names]
+    if missing:
+        raise ValueError(f"{path} is not a Keras model file: it has no {', '.join(missing)}.")
 
 
 def load_tokenizer(run_dir: str):
@@ -49,12 +78,14 @@ def load_tokenizer(run_dir: str):
 
 
 def translate_lines(
-    model, tokenizer, lines, beam_size=4, batch_size=32, max_length=None, progress=False
+    model, tokenizer, lines, beam_size=4, batch_size=32, max_length=None, progress=False, warn=None
 ):
     """Translates `lines` in order; `beam_size=1` (or `None`) is greedy search.
 
     Sentences are sorted by length into batches, so padding stays small, and
-    the outputs are put back in input order. Empty lines give empty lines.
+    the outputs are put back in input order. Empty lines give empty lines;
+    a line longer than the model's `max_length` is translated whole and
+    reported to `warn(message)` when given.
     """
     limit = transformer_parts(model).config.max_length
 
@@ -64,5 +95,5 @@ def translate_lines(
         return beam_search(model, batch, beam_size=beam_size, max_length=max_length)[0]
 
     return translate_texts(
-        lines, tokenizer.encode, tokenizer.decode, search, limit, batch_size, progress
+        lines, tokenizer.encode, tokenizer.decode, search, limit, batch_size, progress, warn
     )

@@ -4,6 +4,7 @@ import os
 
 import pytest
 
+from keras_transformer import transformer_parts
 from keras_transformer.cli import main
 from keras_transformer.translation import load_run, translate_lines
 
@@ -76,14 +77,76 @@ def test_bad_run_dir_and_beam(tmp_path, toy_run):
         main(["translate", toy_run[3]["run_dir"], "--beam", "0"])
 
 
-def test_corrupt_model_file_is_reported(tmp_path, toy_run):
+@pytest.mark.parametrize(
+    "damage,message",
+    [
+        ("not a zip file", r"not a Keras model file \(14 bytes, not a .keras zip archive\)"),
+        ("truncated", r"not a Keras model file \(\d+ bytes, not a .keras zip archive\)"),
+        ("flipped", r"damaged .keras archive: model.weights.h5 fails its checksum"),
+        ("other zip", r"not a Keras model file: it has no config.json, model.weights.h5"),
+    ],
+)
+def test_corrupt_model_file_is_reported(damage, message, tmp_path, toy_run):
+    """Each kind of damage is named, where Keras itself says "File not found"."""
+    import zipfile
+
+    source = toy_run[3]["run_dir"]
+    with open(os.path.join(source, "model.keras"), "rb") as f:
+        data = f.read()
+    if damage == "truncated":
+        data = data[: len(data) // 2]
+    elif damage == "flipped":
+        data = bytearray(data)
+        data[len(data) // 2] ^= 0xFF
+    elif damage == "other zip":
+        buffer = io.BytesIO()
+        with zipfile.ZipFile(buffer, "w") as archive:
+            archive.writestr("notes.txt", "hello")
+        data = buffer.getvalue()
+    else:
+        data = damage.encode()
     run = tmp_path / "run"
     run.mkdir()
-    (run / "model.keras").write_bytes(b"not a zip file")
-    with open(os.path.join(toy_run[3]["run_dir"], "vocab.txt")) as f:
+    (run / "model.keras").write_bytes(bytes(data))
+    with open(os.path.join(source, "vocab.txt")) as f:
         (run / "vocab.txt").write_text(f.read())
-    with pytest.raises(ValueError, match="Cannot load .*model.keras"):
+    with pytest.raises(ValueError, match=message) as caught:
         load_run(str(run))
+    assert "File not found" not in str(caught.value)
+    with pytest.raises(SystemExit, match=message):
+        main(["translate", str(run)])
+
+
+def test_over_long_lines_are_translated_with_a_warning(toy_run, tmp_path, capsys, monkeypatch):
+    """A line past the model's max_length among normal ones: every line translated,
+    one warning per long line and a count, through translate and evaluate."""
+    model, corpus, vocabulary, metrics = toy_run
+    limit = transformer_parts(model).config.max_length
+    normal = [source for source, _ in corpus.test[:6]]
+    long_line = " ".join(normal * 12)  # far past max_length
+    assert len(vocabulary.encode(long_line)) > limit
+    lines = normal[:3] + [long_line] + normal[3:]
+    monkeypatch.setattr("sys.stdin", io.StringIO("".join(line + "\n" for line in lines)))
+    assert main(["translate", metrics["run_dir"], "--beam", "2"]) == 0
+    captured = capsys.readouterr()
+    outputs = captured.out.split("\n")[:-1]
+    assert outputs == translate_lines(model, vocabulary, lines, beam_size=2)
+    assert len(outputs) == len(lines)
+    warnings = [line for line in captured.err.splitlines() if line.startswith("warning:")]
+    assert warnings == [
+        f"warning: line 4 has {len(vocabulary.encode(long_line)) + 1} tokens, more than the "
+        f"model's max_length={limit}; translated whole, quality may suffer",
+        f"warning: 1 of {len(lines)} lines were longer than the model's max_length={limit} "
+        "tokens and were translated whole",
+    ]
+    src, ref = tmp_path / "test.src", tmp_path / "test.ref"
+    src.write_text("".join(line + "\n" for line in lines))
+    ref.write_text("".join(line.upper() + "\n" for line in lines))
+    assert main(["evaluate", metrics["run_dir"], "--src", str(src), "--ref", str(ref)]) == 0
+    captured = capsys.readouterr()
+    assert "warning: line 4 has" in captured.err
+    with open(tmp_path / "test.src.hyp") as f:
+        assert len(f.read().splitlines()) == len(lines)
 
 
 def test_the_command_prints_only_its_own_error(tmp_path):

@@ -25,8 +25,10 @@ def random_model():
 
 
 def default_limit(model, source):
-    """The default output limit: source length + 50, capped by the model's max_length."""
-    return min(len(source) + EXTRA_OUTPUT_TOKENS, transformer_parts(model).config.max_length)
+    """The default output limit: source length + 50, capped by the model's max_length
+    or twice the source length, whichever is larger."""
+    cap = max(transformer_parts(model).config.max_length, 2 * len(source))
+    return min(len(source) + EXTRA_OUTPUT_TOKENS, cap)
 
 
 def random_sources(count, seed=0, vocabulary_size=64, longest=15):
@@ -173,11 +175,23 @@ def test_empty_source_gives_empty_output(random_model):
     assert greedy_search(random_model, np.zeros((2, 4), np.int32))[0] == [[], []]
 
 
-def test_too_long_source_raises(random_model):
-    with pytest.raises(ValueError, match="has 41 tokens but the model's max_length is 40"):
-        greedy_search(random_model, [[5] * 41])
-    with pytest.raises(ValueError, match="max_length"):
-        beam_search(random_model, [[5] * 41])
+def test_source_longer_than_max_length_decodes_as_with_a_longer_table(random_model):
+    """Positions past max_length are computed: the same weights with a table long
+    enough give the same outputs, and the output may be as long as needed."""
+    longer = build_transformer(TransformerConfig.from_preset("tiny", max_length=160))
+    longer.set_weights(random_model.get_weights())
+    sources = [list(range(4, 61)), [5, 6, 7], list(range(10, 53))]  # 57 and 43 > 40 tokens
+    # One explicit output limit: the default one depends on max_length.
+    for search, kwargs in (
+        (greedy_search, {"max_length": 90}),
+        (beam_search, {"beam_size": 3, "max_length": 90}),
+    ):
+        tokens, scores = search(random_model, sources, **kwargs)
+        expected_tokens, expected_scores = search(longer, sources, **kwargs)
+        assert tokens == expected_tokens
+        np.testing.assert_allclose(scores, expected_scores, rtol=1e-4, atol=1e-4)
+    tokens, _ = greedy_search(random_model, sources, max_length=70, ignore_eos=True)
+    assert [len(t) for t in tokens] == [70, 70, 70]  # past max_length=40 too
 
 
 @pytest.mark.parametrize("beam_size", [0, -2, 1.5, True])
@@ -187,8 +201,8 @@ def test_bad_beam_size_raises(random_model, beam_size):
 
 
 def test_bad_arguments_raise(random_model):
-    with pytest.raises(ValueError, match="max_length=99 exceeds"):
-        greedy_search(random_model, [[5, 6]], max_length=99)
+    with pytest.raises(ValueError, match="max_length must be a positive integer"):
+        greedy_search(random_model, [[5, 6]], max_length=0)
     with pytest.raises(ValueError, match="shape"):
         greedy_search(random_model, np.zeros((2, 3, 4), np.int32))
     with pytest.raises(ValueError, match="integer"):

@@ -352,8 +352,35 @@ def test_bad_runtime_inputs_raise_clear_errors(exported):
         translator.translate(["ka"], beam_size=0)
     with pytest.raises(TypeError, match="list of strings"):
         translator.translate("ka ko")
-    with pytest.raises(ValueError, match="longer than the model's max_length"):
-        translator.translate(["ka " * 200])
+
+
+def test_over_long_lines_translate_as_in_keras_with_a_warning(exported):
+    """Past max_length the graphs compute their positions as Keras does: a long line
+    among normal ones is translated like Keras, and the command warns and goes on."""
+    model, tokenizer, translator, out = exported("mixed_bfloat16")
+    normal = held_out_lines(6, seed=53)
+    long_line = " ".join(normal * 10)
+    tokens = len(tokenizer.encode(long_line)) + 1  # with EOS
+    assert tokens > translator.max_length
+    lines = normal[:2] + [long_line] + normal[2:]
+    for beam in (1, 3):
+        expected = translate_lines(model, tokenizer, lines, beam_size=beam)
+        assert translator.translate(lines, beam_size=beam) == expected
+    result = subprocess.run(
+        [sys.executable, "-m", "keras_transformer_runtime.translate", out, "--beam", "1"],
+        input="".join(line + "\n" for line in lines),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == translator.translate(lines, beam_size=1)
+    assert "Traceback" not in result.stderr
+    assert (
+        f"warning: line 3 has {tokens} tokens, more than the model's "
+        f"max_length={translator.max_length}; translated whole" in result.stderr
+    )
+    assert f"warning: 1 of {len(lines)} lines were longer than" in result.stderr
 
 
 @pytest.mark.parametrize(

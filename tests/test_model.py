@@ -93,10 +93,20 @@ def test_padding_invariance():
     np.testing.assert_allclose(logits_of(model, shorter)[0][real[0]], base[0][real[0]], atol=1e-5)
 
 
-def test_sequence_longer_than_max_length_raises():
+def test_sequence_longer_than_max_length_is_taken_whole():
+    """Past max_length the model computes its positions: the same weights with a
+    longer table give the same logits."""
     model = build_transformer(tiny(max_length=8))
-    with pytest.raises(ValueError, match="max_length=8"):
-        model({"source_ids": np.ones((1, 9), "int32"), "target_ids": np.ones((1, 3), "int32")})
+    longer = build_transformer(tiny(max_length=64))
+    longer.set_weights(model.get_weights())
+    rng = np.random.default_rng(3)
+    inputs = {
+        "source_ids": rng.integers(3, 50, (2, 30)).astype("int32"),
+        "target_ids": rng.integers(3, 50, (2, 21)).astype("int32"),
+    }
+    np.testing.assert_allclose(
+        to_numpy(model(inputs)), to_numpy(longer(inputs)), rtol=1e-4, atol=1e-4
+    )
 
 
 def _compile(model, config):

@@ -321,12 +321,15 @@ class OnnxTranslator:
 
         return beam_loop(step, reorder, limits, beam_size, length_penalty)
 
-    def translate(self, sentences, beam_size=4, max_length=None, batch_size=32, progress=False):
+    def translate(
+        self, sentences, beam_size=4, max_length=None, batch_size=32, progress=False, warn=None
+    ):
         """Translates a list of strings; `beam_size=1` is greedy search.
 
         Sentences are sorted by length into batches and put back in order.
         An empty (or whitespace-only) string gives an empty string; a sentence
-        longer than the model's `max_length` raises a `ValueError` naming it.
+        longer than the model's `max_length` is translated whole; `warn(message)`
+        hears about each one (see `translate_texts`).
         """
         if isinstance(sentences, str):
             raise TypeError("translate takes a list of strings, not one string.")
@@ -351,4 +354,5 @@ class OnnxTranslator:
             self.max_length,
             batch_size=batch_size,
             progress=progress,
+            warn=warn,
         )

@@ -50,8 +50,10 @@ def source_array(source_ids, model_max_length):
     """Pads token-id lists (or checks an array) into an int32 `(batch, width)` array.
 
     The width is a multiple of 8 so that a new source length rarely means a
-    new compiled shape. Returns `(array, lengths)`. A source longer than
-    `model_max_length` raises a `ValueError`: it is never truncated.
+    new compiled shape. Returns `(array, lengths)`. Nothing is truncated: a
+    source longer than `model_max_length` (the positions the model trained
+    on) is taken whole, its later positions computed rather than read from
+    the table.
     """
     if isinstance(source_ids, np.ndarray):
         if source_ids.ndim != 2:
@@ -73,14 +75,9 @@ def source_array(source_ids, model_max_length):
                 raise ValueError("source_ids must hold integer token ids.")
     lengths = np.array([len(row) for row in rows], np.int64)
     longest = int(lengths.max(initial=0))
-    if longest > model_max_length:
-        index = int(lengths.argmax())
-        raise ValueError(
-            f"Source sentence {index} has {longest} tokens but the model's max_length is "
-            f"{model_max_length}. Shorten or split it before decoding (it is not truncated)."
-        )
     width = max(8, -(-longest // 8) * 8)
-    width = min(width, model_max_length) if longest else width
+    if 0 < longest <= model_max_length:
+        width = min(width, model_max_length)
     array = np.zeros((len(rows), max(width, 1)), np.int32)
     for i, row in enumerate(rows):
         array[i, : len(row)] = row
@@ -88,17 +85,21 @@ def source_array(source_ids, model_max_length):
 
 
 def output_limits(lengths, max_length, model_max_length):
-    """Per-sentence maximum number of generated tokens (EOS included); 0 for empty sources."""
+    """Per-sentence maximum number of generated tokens (EOS included); 0 for empty sources.
+
+    Given `max_length`, that for every sentence. Otherwise the source length
+    plus `EXTRA_OUTPUT_TOKENS`, at most `model_max_length` or twice the
+    source length, whichever is larger: a source longer than the model's
+    training positions may get an output as long.
+    """
     if max_length is not None:
         check_positive_int("max_length", max_length)
-        if max_length > model_max_length:
-            raise ValueError(
-                f"max_length={max_length} exceeds the model's max_length={model_max_length}."
-            )
         limits = np.full(len(lengths), max_length, np.int64)
     else:
-        limits = np.minimum(lengths + EXTRA_OUTPUT_TOKENS, model_max_length)
-    return np.where(lengths == 0, 0, limits)
+        lengths = np.asarray(lengths, np.int64)
+        cap = np.maximum(model_max_length, 2 * lengths)
+        limits = np.minimum(lengths + EXTRA_OUTPUT_TOKENS, cap)
+    return np.where(np.asarray(lengths) == 0, 0, limits)
 
 
 def banned_ids(ignore_eos=False):
@@ -254,27 +255,37 @@ def beam_loop(step, reorder, limits, beam_size, length_penalty=0.6, ignore_eos=F
     return best_tokens, best_scores
 
 
-def translate_texts(texts, encode, decode, search, model_max_length, batch_size=32, progress=False):
+def translate_texts(
+    texts,
+    encode,
+    decode,
+    search,
+    model_max_length,
+    batch_size=32,
+    progress=False,
+    warn=None,
+):
     """Translates strings in order with a batched `search(sources) -> token lists`.
 
     Each text becomes `encode(text) + [EOS]` (an empty or whitespace-only text
     stays empty and translates to ""); texts are sorted by length into
     batches, so padding stays small, and the outputs are put back in input
-    order. A text longer than `model_max_length` tokens raises a `ValueError`
-    naming the first such line before anything is translated.
+    order. Every text is translated: one longer than `model_max_length`
+    tokens (the positions the model trained on) is translated whole, and
+    `warn(message)`, when given, gets one line for each such text before
+    the search and their count after it.
     """
     sources = []
     for text in texts:
         ids = encode(text) if text.strip() else []
         sources.append(ids + [EOS_ID] if ids else [])
     too_long = [i for i, s in enumerate(sources) if len(s) > model_max_length]
-    if too_long:
-        i = too_long[0]
-        raise ValueError(
-            f"{len(too_long)} input line(s) are longer than the model's max_length="
-            f"{model_max_length} tokens; the first is line {i + 1} ({len(sources[i])} tokens). "
-            "Split long sentences before translating."
-        )
+    if warn is not None:
+        for i in too_long:
+            warn(
+                f"line {i + 1} has {len(sources[i])} tokens, more than the model's "
+                f"max_length={model_max_length}; translated whole, quality may suffer"
+            )
     order = np.argsort([len(s) for s in sources], kind="stable")
     outputs = [""] * len(sources)
     bar = Progress(len(sources), progress)
@@ -284,4 +295,9 @@ def translate_texts(texts, encode, decode, search, model_max_length, batch_size=
         for i, ids in zip(chunk, tokens, strict=True):
             outputs[i] = decode(ids)
         bar.update(len(chunk))
+    if warn is not None and too_long:
+        warn(
+            f"{len(too_long)} of {len(sources)} lines were longer than the model's "
+            f"max_length={model_max_length} tokens and were translated whole"
+        )
     return outputs

@@ -31,6 +31,12 @@ def build_parser():
     return parser
 
 
+def warn(message):
+    """One warning line on stderr (translation goes on)."""
+    sys.stderr.write(f"warning: {message}\n")
+    sys.stderr.flush()
+
+
 def main(argv=None):
     args = build_parser().parse_args(argv)
     for name in ("beam", "batch_size", "max_length", "threads"):
@@ -51,6 +57,7 @@ def main(argv=None):
             max_length=args.max_length,
             batch_size=args.batch_size,
             progress=not sys.stdin.isatty() and len(lines) > args.batch_size,
+            warn=warn,
         )
     except (ExportFileError, ValueError) as error:
         raise SystemExit(f"error: {error}") from None

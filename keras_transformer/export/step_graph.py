@@ -46,6 +46,59 @@ class _Builder:
         return outputs[0] if len(outputs) == 1 else outputs
 
 
+def _position_encoding(g, position, table, frequencies):
+    """The sinusoid of `position` ((1,) int64) as `(1, d)`: from the table inside it,
+    computed in float32 past it, as `positional_encoding` does in Keras."""
+    from onnx import TensorProto
+
+    length, d = table.shape
+    last = g.const("last_table_position", np.array([length - 1], np.int64))
+    from_table = g.node(
+        "Gather", [g.const("positions", table), g.node("Min", [position, last])], axis=0
+    )
+    angles = g.node(
+        "Mul",
+        [
+            g.node(
+                "Unsqueeze",
+                [
+                    g.node("Cast", [position], to=TensorProto.FLOAT),
+                    g.const("axes_1", np.array([1], np.int64)),
+                ],
+            ),
+            g.const("frequencies", frequencies[None, :]),
+        ],
+    )  # (1, ceil(d/2))
+    axis_2 = g.const("axes_2", np.array([2], np.int64))
+    pairs = g.node(
+        "Concat",
+        [
+            g.node("Unsqueeze", [g.node("Sin", [angles]), axis_2]),
+            g.node("Unsqueeze", [g.node("Cos", [angles]), axis_2]),
+        ],
+        axis=2,
+    )  # (1, ceil(d/2), 2)
+    flat = g.node("Reshape", [pairs, g.const("shape_pairs", np.array([1, -1], np.int64))])
+    computed = g.node(
+        "Slice",
+        [
+            flat,
+            g.const("slice_start", np.array([0], np.int64)),
+            g.const("slice_end", np.array([d], np.int64)),
+            g.const("slice_axis", np.array([1], np.int64)),
+        ],
+    )
+    inside = g.node("Less", [position, g.const("table_length", np.array([length], np.int64))])
+    return g.node(
+        "Where",
+        [
+            g.node("Unsqueeze", [inside, g.const("axes_1b", np.array([1], np.int64))]),
+            from_table,
+            computed,
+        ],
+    )
+
+
 def build_decoder_step(parts, opset=17):
     """Returns the decoder-step `onnx.ModelProto` for a float32 model's `TransformerParts`.
 
@@ -75,11 +128,12 @@ def build_decoder_step(parts, opset=17):
     # Embedding of the new token at position past_len (read off the first cache).
     embeddings = _value(parts.target_embedding._embeddings)
     table = np.asarray(parts.target_embedding._table, np.float32)
+    frequencies = np.asarray(parts.target_embedding._frequencies, np.float32)
     tokens = g.node("Reshape", ["token_ids", g.const("shape_flat", np.array([-1], np.int64))])
     x = g.node("Gather", [g.const("embeddings", embeddings), tokens], axis=0)
     x = g.node("Mul", [x, g.const("embedding_scale", np.float32(parts.target_embedding._scale))])
     position = g.node("Shape", ["self_key_0"], start=2, end=3)  # (1,) int64
-    x = g.node("Add", [x, g.node("Gather", [g.const("positions", table), position], axis=0)])
+    x = g.node("Add", [x, _position_encoding(g, position, table, frequencies)])
 
     # Additive mask of the source padding, (batch, 1, source_len, 1), shared by the layers.
     mask = g.node("Unsqueeze", ["source_mask", g.const("axes_1_3", np.array([1, 3], np.int64))])

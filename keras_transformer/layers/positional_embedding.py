@@ -26,6 +26,29 @@ def sinusoid_table(max_length: int, hidden_dim: int) -> np.ndarray:
     return table.astype(np.float32)
 
 
+def sinusoid_frequencies(hidden_dim: int) -> np.ndarray:
+    """The float32 `1 / 10000^(2i / d)` of each sin/cos pair of section 3.5, `(ceil(d / 2),)`."""
+    even = np.arange(0, hidden_dim, 2, dtype=np.float64)
+    return (1.0 / np.power(10000.0, even / hidden_dim)).astype(np.float32)
+
+
+def positional_encoding(positions, table, frequencies):
+    """Sinusoids of int `positions` `(T,)`, any of them, as float32 `(T, hidden_dim)`.
+
+    Positions inside `table` are read from it (computed in float64, so exact);
+    later ones are computed in float32 from `frequencies`, which is what lets
+    the model take sequences longer than the table, as the paper intends
+    (section 3.5: sinusoids "may allow the model to extrapolate").
+    """
+    length, hidden_dim = table.shape
+    positions = ops.cast(positions, "int32")
+    from_table = ops.take(table, ops.minimum(positions, length - 1), axis=0)
+    angles = ops.cast(positions, "float32")[:, None] * frequencies[None, :]  # (T, ceil(d/2))
+    pairs = ops.stack([ops.sin(angles), ops.cos(angles)], axis=-1)  # (T, ceil(d/2), 2)
+    computed = ops.reshape(pairs, (-1, 2 * frequencies.shape[0]))[:, :hidden_dim]
+    return ops.where(ops.less(positions, length)[:, None], from_table, computed)
+
+
 @keras.saving.register_keras_serializable(package="keras_transformer")
 class PositionalEmbedding(keras.layers.Layer):
     """Scaled token embedding plus sinusoidal positions, then dropout.
@@ -37,7 +60,9 @@ class PositionalEmbedding(keras.layers.Layer):
     Args:
         vocabulary_size: int. Number of token ids; id 0 is padding.
         hidden_dim: int. Width of the embedding (d_model).
-        max_length: int. Longest sequence the position table covers.
+        max_length: int. Positions the exact float64 table covers (the
+            longest training sequence); later positions are computed in
+            float32, so any length is accepted.
         dropout: float. Dropout rate applied to the summed embedding.
         embeddings_initializer: initializer of the embedding matrix.
 
@@ -81,6 +106,7 @@ class PositionalEmbedding(keras.layers.Layer):
         self.dropout = float(dropout)
         self.embeddings_initializer = keras.initializers.get(embeddings_initializer)
         self._table = sinusoid_table(max_length, hidden_dim)
+        self._frequencies = sinusoid_frequencies(hidden_dim)
         self._scale = math.sqrt(hidden_dim)
         self.dropout_layer = Dropout(self.dropout, dtype=self.dtype_policy, name="dropout_layer")
 
@@ -97,28 +123,20 @@ class PositionalEmbedding(keras.layers.Layer):
         """The `(vocabulary_size, hidden_dim)` embedding matrix (a variable)."""
         return self._embeddings
 
-    def _check_length(self, seq_len, start_index):
-        if isinstance(seq_len, int) and isinstance(start_index, int):
-            if start_index + seq_len > self.max_length:
-                raise ValueError(
-                    f"Sequence too long for {self.name}: positions {start_index}.."
-                    f"{start_index + seq_len - 1} requested, but max_length={self.max_length} "
-                    "covers positions 0.."
-                    f"{self.max_length - 1}. Shorten or drop the input, or build the "
-                    "model with a larger max_length."
-                )
-
     def call(self, inputs, start_index=0, reverse=False, training=None):
         if reverse:
             kernel = ops.cast(ops.transpose(self._embeddings), self.compute_dtype)
             logits = ops.matmul(ops.cast(inputs, self.compute_dtype), kernel)
             return ops.cast(logits, "float32")
-        self._check_length(inputs.shape[1], start_index)
         x = ops.take(self._embeddings, ops.cast(inputs, "int32"), axis=0)  # (B, T, D)
         x = ops.cast(x, self.compute_dtype) * ops.cast(self._scale, self.compute_dtype)
-        table = ops.convert_to_tensor(self._table)  # float32, exact
         positions = ops.arange(ops.shape(inputs)[1], dtype="int32") + start_index  # (T,)
-        x = x + ops.cast(ops.take(table, positions, axis=0), self.compute_dtype)[None]
+        encoding = positional_encoding(
+            positions,
+            ops.convert_to_tensor(self._table),
+            ops.convert_to_tensor(self._frequencies),
+        )
+        x = x + ops.cast(encoding, self.compute_dtype)[None]
         return self.dropout_layer(x, training=training)
 
     def get_config(self):

@@ -60,10 +60,20 @@ def test_reverse_uses_the_embedding_matrix():
     )
 
 
-def test_too_long_sequence_raises_clear_error():
-    layer = PositionalEmbedding(vocabulary_size=12, hidden_dim=6, max_length=4)
-    with pytest.raises(ValueError, match="max_length=4"):
-        layer(np.ones((1, 5), "int32"))
+@pytest.mark.parametrize("hidden_dim", [6, 7, 64])
+def test_positions_past_max_length_follow_the_sinusoids(hidden_dim):
+    """Past the table, positions are computed: the paper's formula at every position,
+    the table's exact values inside it, also from a start index (cached decoding)."""
+    layer = PositionalEmbedding(vocabulary_size=12, hidden_dim=hidden_dim, max_length=4)
+    ids = np.full((1, 300), 5, "int32")
+    outputs = to_numpy(layer(ids))[0]
+    token = to_numpy(layer.embeddings)[5] * math.sqrt(hidden_dim)
+    positions = outputs - token
+    expected = sinusoid_table(300, hidden_dim)
+    np.testing.assert_allclose(positions[:4], expected[:4], atol=1e-6)  # the exact table
+    np.testing.assert_allclose(positions, expected, atol=5e-5)  # float32 angles up to 299
+    step = to_numpy(layer(ids[:, :1], start_index=250))[0, 0] - token
+    np.testing.assert_allclose(step, expected[250], atol=5e-5)
 
 
 @pytest.mark.parametrize(
