@@ -167,7 +167,7 @@ def _export(args):
         f
         for graph in manifest["graphs"].values()
         for k, f in graph.items()
-        if k in ("float32", "float16")
+        if k in ("float32", "float16", "int8")
     )
     print(f"Wrote {', '.join(files)} and {manifest.get('tokenizer', 'no tokenizer')} to {out}")
     return 0
@@ -353,8 +353,9 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument(
         "--precision",
         default="float32",
-        choices=["float32", "float16"],
-        help="float16 also writes float16 graphs (for GPUs)",
+        choices=["float32", "float16", "int8"],
+        help="float16 also writes float16 graphs (for GPUs); int8 also writes graphs with "
+        "int8 weight matrices (dynamic quantization, for CPUs)",
     )
     export.add_argument("--opset", type=int, default=17, help="ONNX opset (default 17)")
     export.add_argument(

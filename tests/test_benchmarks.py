@@ -176,3 +176,45 @@ def test_multi30k_record_command_names_only_what_differs_from_the_defaults():
         "--tgt-train $DATA/train.en.gz --tgt-valid $DATA/val.en.gz --out RUN --epochs 10 "
         "--tokens-per-batch 2048 --dropout 0.1 --select-by bleu"
     )
+
+
+@pytest.mark.parametrize("normalize_first", [False, True])
+def test_ctranslate2_peer_scores_as_the_keras_model(normalize_first, tmp_path):
+    """The CTranslate2 conversion holds the same model: the log-probabilities CTranslate2
+    gives reference translations match Keras' own, token by token (random weights and
+    layer norms, a real SentencePiece model, post-norm and pre-norm)."""
+    ctranslate2 = pytest.importorskip("ctranslate2")
+    import keras
+
+    from benchmarks.ctranslate2_peer import ctranslate2_model
+    from keras_transformer import build_transformer
+    from keras_transformer.data.tokenizer import train_sentencepiece
+    from keras_transformer.data.toy import generate_toy_corpus
+    from keras_transformer.decoding import sequence_log_probs
+
+    corpus = generate_toy_corpus(num_train=400, num_valid=1, num_test=12, max_words=8, seed=5)
+    tokenizer = train_sentencepiece(
+        [s for pair in corpus.train for s in pair], vocabulary_size=400, seed=0
+    )
+    keras.utils.set_random_seed(3)
+    config = TransformerConfig.from_preset(
+        "tiny", vocabulary_size=len(tokenizer), normalize_first=normalize_first
+    )
+    model = build_transformer(config)
+    rng = np.random.default_rng(0)
+    for weight in model.weights:  # layer norms that do something
+        if weight.path.endswith(("gamma", "beta")):
+            centre = 1.0 if weight.path.endswith("gamma") else 0.0
+            weight.assign(rng.normal(centre, 0.3, weight.shape).astype("float32"))
+    ctranslate2_model(model, tokenizer, str(tmp_path / "ct2"))
+    sources = [tokenizer.encode(s) + [2] for s, _ in corpus.test]
+    targets = [tokenizer.encode(t) for _, t in corpus.test]
+    translator = ctranslate2.Translator(str(tmp_path / "ct2"), device="cpu")
+    results = translator.score_batch(
+        [tokenizer.pieces(s) for s in sources], [tokenizer.pieces(t) for t in targets]
+    )
+    for result, target in zip(results, targets, strict=True):
+        assert len(result.log_probs) == len(target) + 1  # and EOS
+    theirs = np.array([sum(result.log_probs) for result in results])
+    ours = sequence_log_probs(model, sources, targets)
+    np.testing.assert_allclose(theirs, ours, rtol=1e-5, atol=1e-4)

@@ -233,6 +233,34 @@ def test_float16_graphs_translate_within_half_a_point_of_float32(exported, toy_r
     assert abs(scores["float16"] - scores["float32"]) <= 0.5, scores
 
 
+def test_int8_graphs_are_smaller_and_translate_within_a_point_of_float32(toy_run, tmp_path):
+    """`--precision int8`: quantized weight matrices, a smaller folder, and the toy
+    language translated about as well as in float32."""
+    out = str(tmp_path / "int8")
+    assert cli.main(["export", toy_run[3]["run_dir"], "--out", out, "--precision", "int8"]) == 0
+    with open(os.path.join(out, "manifest.json")) as f:
+        manifest = json.load(f)
+    assert manifest["precisions"] == ["float32", "int8"]
+    for name, graph in manifest["graphs"].items():
+        quantized = onnx.load(os.path.join(out, graph["int8"]))
+        ops = {node.op_type for node in quantized.graph.node}
+        assert ops & {"MatMulInteger", "DynamicQuantizeLinear"}, name
+        assert os.path.getsize(os.path.join(out, graph["int8"])) < 0.6 * os.path.getsize(
+            os.path.join(out, graph["float32"])
+        ), name
+    full, quantized = OnnxTranslator(out), OnnxTranslator(out, precision="int8")
+    lines = held_out_lines(200, seed=59)
+    references = [toy_run[1].translate(line) for line in lines]
+    scores = {}
+    for name, runner in (("float32", full), ("int8", quantized)):
+        outputs = runner.translate(lines, beam_size=1)
+        scores[name] = 100 * np.mean([o == r for o, r in zip(outputs, references, strict=True)])
+    assert scores["float32"] >= 10
+    assert abs(scores["int8"] - scores["float32"]) <= 1.0, scores
+    with pytest.raises(ValueError, match="no 'float16' graphs"):
+        OnnxTranslator(out, precision="float16")
+
+
 # --------------------------------------------------------------------------- runtime contract
 
 

@@ -113,7 +113,7 @@ class OnnxTranslator:
         providers: ONNX Runtime execution providers; default CUDA when usable,
             otherwise CPU. `self.provider` says which one runs.
         num_threads: intra-op threads (default: ONNX Runtime's choice).
-        precision: "float32", or "float16" for graphs exported with it.
+        precision: "float32", or "float16" / "int8" for graphs exported with it.
         spinning: let ONNX Runtime's idle worker threads spin (its default);
             off here, see `_session`.
     """

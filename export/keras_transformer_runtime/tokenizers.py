@@ -73,6 +73,9 @@ class SentencePieceModel:
     def id_to_piece(self, i: int) -> str:
         return self._processor.id_to_piece(int(i))
 
+    def piece_to_id(self, piece: str) -> int:
+        return self._processor.piece_to_id(piece)
+
     def pieces(self, ids) -> list[str]:
         return [self.id_to_piece(i) for i in ids]
 

@@ -25,7 +25,10 @@ def build_parser():
     parser.add_argument("--max-length", type=int, help="maximum output tokens per sentence")
     parser.add_argument("--threads", type=int, help="ONNX Runtime intra-op threads")
     parser.add_argument(
-        "--precision", default="float32", choices=["float32", "float16"], help="graphs to run"
+        "--precision",
+        default="float32",
+        choices=["float32", "float16", "int8"],
+        help="graphs to run: float32 (default), float16 (GPU) or int8 (CPU), where exported",
     )
     parser.add_argument("--cpu", action="store_true", help="run on CPU even when CUDA is usable")
     return parser

@@ -27,7 +27,11 @@ returns a fresh output buffer per step either way.
 A model trained under `mixed_float16`/`mixed_bfloat16` is first rebuilt as a
 float32 copy from its config and weights. `precision="float16"` also writes
 `*_fp16.onnx` graphs converted with ONNX Runtime's float16 tool, with float32
-inputs and outputs so that they stay usable from numpy.
+inputs and outputs so that they stay usable from numpy. `precision="int8"`
+also writes `*_int8.onnx` graphs: ONNX Runtime's dynamic quantization of the
+weight matrices of every MatMul and Gemm with a constant weight (int8
+weights, activations quantized per call; attention's activation-by-activation
+products, layer norms and softmax stay float32).
 
 The result is written to a temporary folder beside `out_dir` and renamed into
 place, with the tokenizer (`spm.model` or `vocab.txt`) and `manifest.json`.
@@ -46,6 +50,9 @@ GRAPHS = ("encoder", "decoder_step", "model")
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
 TOKENIZER_FILES = ("spm.model", "vocab.txt")
+PRECISIONS = ("float32", "float16", "int8")
+# The file suffix of each extra precision's graphs.
+SUFFIXES = {"float16": "_fp16", "int8": "_int8"}
 
 
 class ExportError(RuntimeError):
@@ -69,14 +76,17 @@ def export_onnx(
             only with `overwrite=True`; any other existing non-empty folder
             is refused.
         opset: ONNX opset (at least 17).
-        precision: "float32", or "float16" to also write float16 graphs.
+        precision: "float32"; "float16" or "int8" to also write graphs of
+            that precision.
         tokenizer_path: the tokenizer file to copy when a model object is given.
 
     Returns:
         The manifest (a dict), also written to `out_dir/manifest.json`.
     """
-    if precision not in ("float32", "float16"):
-        raise ValueError(f'precision must be "float32" or "float16". Received: {precision!r}')
+    if precision not in PRECISIONS:
+        raise ValueError(
+            f"precision must be one of {', '.join(PRECISIONS)}. Received: {precision!r}"
+        )
     if isinstance(opset, bool) or not isinstance(opset, int) or opset < 17:
         raise ValueError(
             f"opset must be an integer >= 17 (for LayerNormalization). Received: opset={opset!r}"
@@ -254,17 +264,21 @@ def _write_graphs(model, folder, opset, precision):
         path = os.path.join(folder, f"{name}.onnx")
         onnx.save(proto, path)
         graphs[name] = {"float32": f"{name}.onnx"}
-        if precision == "float16":
-            half = _float16(proto)
-            onnx.checker.check_model(half, full_check=True)
-            onnx.save(half, os.path.join(folder, f"{name}_fp16.onnx"))
-            graphs[name]["float16"] = f"{name}_fp16.onnx"
+        if precision != "float32":
+            extra = f"{name}{SUFFIXES[precision]}.onnx"
+            if precision == "float16":
+                half = _float16(proto)
+                onnx.checker.check_model(half, full_check=True)
+                onnx.save(half, os.path.join(folder, extra))
+            else:
+                _int8(path, os.path.join(folder, extra))
+            graphs[name][precision] = extra
         graphs[name]["inputs"] = _describe(proto.graph.input)
         graphs[name]["outputs"] = _describe(proto.graph.output)
     return {
         "format_version": FORMAT_VERSION,
         "opset": opset,
-        "precisions": ["float32"] + (["float16"] if precision == "float16" else []),
+        "precisions": ["float32"] + ([precision] if precision != "float32" else []),
         "special_ids": {"pad": 0, "bos": 1, "eos": 2, "unk": 3},
         "config": config.to_dict(),
         "num_layers": config.num_layers,
@@ -354,6 +368,24 @@ def _float16(proto):
     half = convert_float_to_float16(proto, keep_io_types=True, disable_shape_infer=False)
     _sort_topologically(half.graph)  # the converter appends its input casts at the end
     return half
+
+
+def _int8(path, out_path):
+    """Dynamic int8 quantization of the constant-weight MatMul and Gemm of a float32 graph.
+
+    Weights are quantized per output channel (one scale per column), which
+    follows the weights' spread better than one scale per matrix.
+    """
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    quantize_dynamic(
+        path,
+        out_path,
+        op_types_to_quantize=["MatMul", "Gemm"],
+        per_channel=True,
+        weight_type=QuantType.QInt8,
+        extra_options={"MatMulConstBOnly": True},
+    )
 
 
 def _sort_topologically(graph):

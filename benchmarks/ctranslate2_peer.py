@@ -1,0 +1,167 @@
+"""CTranslate2 loaded with a keras-transformer run's own weights (the deployment peer).
+
+`ctranslate2_model(run_dir, out_dir, quantization)` builds a CTranslate2
+`TransformerSpec` from the Keras layers: post-norm (or pre-norm) layers, ReLU
+feed-forward, fused QKV and KV projections, the shared embedding also as the
+output projection, the model's own sinusoid table as position encodings, and
+the SentencePiece pieces as both vocabularies. CTranslate2 stores linear
+weights `[out, in]`; Keras stores them `[in, out]`.
+
+Needs `ctranslate2` (the `bench` extra), never a runtime dependency.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+# Rows of the position table given to CTranslate2: as many source or output
+# positions as it can encode (ours compute any position).
+POSITIONS = 1024
+
+
+def _array(variable):
+    import keras
+
+    return np.asarray(keras.ops.convert_to_numpy(variable), np.float32)
+
+
+def _linear(spec, kernel, bias):
+    """Sets a CTranslate2 LinearSpec from a Keras `[in, out]` kernel."""
+    spec.weight = np.ascontiguousarray(kernel.T)
+    spec.bias = np.ascontiguousarray(bias)
+
+
+def _norm(spec, layer):
+    spec.gamma = _array(layer.gamma)
+    spec.beta = _array(layer.beta)
+
+
+def _projection(dense, d):
+    return _array(dense.kernel).reshape(d, -1), _array(dense.bias).reshape(-1)
+
+
+def _self_attention(spec, mha, norm, d):
+    q, k, v = (_projection(x, d) for x in (mha.query_dense, mha.key_dense, mha.value_dense))
+    _linear(
+        spec.linear[0], np.concatenate([q[0], k[0], v[0]], 1), np.concatenate([q[1], k[1], v[1]])
+    )
+    _linear(spec.linear[1], *_output(mha, d))
+    _norm(spec.layer_norm, norm)
+
+
+def _cross_attention(spec, mha, norm, d):
+    q, k, v = (_projection(x, d) for x in (mha.query_dense, mha.key_dense, mha.value_dense))
+    _linear(spec.linear[0], *q)
+    _linear(spec.linear[1], np.concatenate([k[0], v[0]], 1), np.concatenate([k[1], v[1]]))
+    _linear(spec.linear[2], *_output(mha, d))
+    _norm(spec.layer_norm, norm)
+
+
+def _output(mha, d):
+    return _array(mha.output_dense.kernel).reshape(d, d), _array(mha.output_dense.bias)
+
+
+def _feed_forward(spec, ff, norm):
+    _linear(spec.linear_0, _array(ff.intermediate_dense.kernel), _array(ff.intermediate_dense.bias))
+    _linear(spec.linear_1, _array(ff.output_dense.kernel), _array(ff.output_dense.bias))
+    _norm(spec.layer_norm, norm)
+
+
+def ctranslate2_spec(model, tokenizer):
+    """A validated `ctranslate2.specs.TransformerSpec` holding `model`'s weights."""
+    from ctranslate2.specs import common_spec, transformer_spec
+
+    from keras_transformer.layers.positional_embedding import sinusoid_table
+    from keras_transformer.model import transformer_parts
+
+    parts = transformer_parts(model)
+    c = parts.config
+    if parts.output_projection is not None:
+        raise ValueError("Only models with the shared (tied) embedding are converted.")
+    for layer in parts.encoder_layers + parts.decoder_layers:
+        if getattr(layer.feed_forward.activation, "__name__", "") != "relu":
+            raise ValueError("Only the ReLU feed-forward of the paper is converted.")
+    d = c.hidden_dim
+    spec = transformer_spec.TransformerSpec.from_config(
+        c.num_layers,
+        c.num_heads,
+        pre_norm=c.normalize_first,
+        activation=common_spec.Activation.RELU,
+    )
+    spec.config.layer_norm_epsilon = c.layer_norm_epsilon
+    embeddings = _array(parts.source_embedding.embeddings)
+    table = sinusoid_table(max(POSITIONS, c.max_length), d)
+    for side in (spec.encoder, spec.decoder):
+        side.scale_embeddings = True
+        side.position_encodings.encodings = table
+    spec.encoder.embeddings[0].weight = embeddings
+    spec.decoder.embeddings.weight = embeddings
+    spec.decoder.projection.weight = embeddings
+    spec.decoder.projection.bias = np.zeros(c.vocabulary_size, np.float32)
+    if c.normalize_first:
+        _norm(spec.encoder.layer_norm, parts.encoder_final_norm)
+        _norm(spec.decoder.layer_norm, parts.decoder_final_norm)
+    for layer_spec, layer in zip(spec.encoder.layer, parts.encoder_layers, strict=True):
+        _self_attention(
+            layer_spec.self_attention, layer.self_attention, layer.self_attention_norm, d
+        )
+        _feed_forward(layer_spec.ffn, layer.feed_forward, layer.feed_forward_norm)
+    for layer_spec, layer in zip(spec.decoder.layer, parts.decoder_layers, strict=True):
+        _self_attention(
+            layer_spec.self_attention, layer.self_attention, layer.self_attention_norm, d
+        )
+        _cross_attention(layer_spec.attention, layer.cross_attention, layer.cross_attention_norm, d)
+        _feed_forward(layer_spec.ffn, layer.feed_forward, layer.feed_forward_norm)
+    pieces = [tokenizer.id_to_piece(i) for i in range(c.vocabulary_size)]
+    spec.register_source_vocabulary(pieces)
+    spec.register_target_vocabulary(pieces)
+    spec.config.unk_token, spec.config.bos_token, spec.config.eos_token = (
+        pieces[3],
+        pieces[1],
+        pieces[2],
+    )
+    spec.validate()
+    return spec
+
+
+def ctranslate2_model(model, tokenizer, out_dir, quantization=None):
+    """Writes a CTranslate2 model folder (`quantization`: None = float32, or "int8")."""
+    spec = ctranslate2_spec(model, tokenizer)
+    spec.optimize(quantization=quantization)
+    os.makedirs(out_dir, exist_ok=True)
+    spec.save(out_dir)
+    return out_dir
+
+
+class CTranslate2Translator:
+    """`translate(lines, beam_size)` with CTranslate2, on our tokenizer's pieces."""
+
+    def __init__(self, folder, tokenizer, compute_type="float32", threads=2):
+        import ctranslate2
+
+        self.tokenizer = tokenizer
+        self.translator = ctranslate2.Translator(
+            folder, device="cpu", compute_type=compute_type, intra_threads=threads
+        )
+
+    def translate(self, lines, beam_size=4, batch_size=32):
+        """Batches sorted by length, as `OnnxTranslator.translate` makes them."""
+        eos = self.tokenizer.id_to_piece(2)
+        sources = [self.tokenizer.pieces(self.tokenizer.encode(line)) + [eos] for line in lines]
+        order = np.argsort([len(s) for s in sources], kind="stable")
+        outputs = [""] * len(lines)
+        for start in range(0, len(order), batch_size):
+            chunk = order[start : start + batch_size]
+            batch = [sources[i] for i in chunk]
+            results = self.translator.translate_batch(
+                batch,
+                beam_size=beam_size,
+                max_decoding_length=max(len(s) for s in batch) + 50,
+                length_penalty=0.6 if beam_size > 1 else 0.0,
+            )
+            for i, result in zip(chunk, results, strict=True):
+                ids = [self.tokenizer.piece_to_id(piece) for piece in result.hypotheses[0]]
+                outputs[i] = self.tokenizer.decode(ids)
+        return outputs

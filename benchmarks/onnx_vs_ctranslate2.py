@@ -1,0 +1,173 @@
+"""ONNX Runtime against CTranslate2 on the same weights: float32 and int8, greedy and beam 4.
+
+    python -m benchmarks.onnx_vs_ctranslate2 RUN_DIR --src test.de.gz --ref test.en.gz
+
+The run is exported to ONNX with its int8 graphs (RUN_DIR/onnx-int8) and
+converted to CTranslate2 float32 and int8 folders (RUN_DIR/ct2-*) from the
+same Keras weights (`benchmarks.ctranslate2_peer`). Each cell (search x batch
+size) translates the same sentences with every system; repetitions are
+interleaved across systems and the median is kept. Reported per cell and
+system: sentences/s, the ratio to CTranslate2 at the same precision, the
+outputs identical to ONNX Runtime float32, and BLEU. Writes JSON to
+benchmarks/results/onnx_vs_ctranslate2.json (or --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+CELLS = (("greedy", 1, 1), ("greedy", 1, 32), ("beam 4", 4, 1), ("beam 4", 4, 32))
+SYSTEMS = ("ort-float32", "ort-int8", "ct2-float32", "ct2-int8")
+PEER = {"ort-float32": "ct2-float32", "ort-int8": "ct2-int8"}
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.onnx_vs_ctranslate2")
+    parser.add_argument("run_dir", help="a trained run (model.keras and spm.model)")
+    parser.add_argument("--src", required=True, help="source sentences (plain or .gz)")
+    parser.add_argument("--ref", help="references, for BLEU")
+    parser.add_argument("--lines", type=int, default=200, help="first N sentences (default 200)")
+    parser.add_argument("--threads", type=int, default=2, help="intra-op threads of both")
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved repetitions")
+    parser.add_argument(
+        "--out", default=os.path.join("benchmarks", "results", "onnx_vs_ctranslate2.json")
+    )
+    return parser
+
+
+def _systems(run_dir, tokenizer, model, threads):
+    from keras_transformer_runtime import OnnxTranslator
+
+    from benchmarks.ctranslate2_peer import CTranslate2Translator, ctranslate2_model
+    from keras_transformer.export.onnx import export_onnx
+
+    onnx_dir = os.path.join(run_dir, "onnx-int8")
+    if not os.path.isfile(os.path.join(onnx_dir, "manifest.json")):
+        export_onnx(run_dir, onnx_dir, precision="int8")
+    systems, sizes = {}, {}
+    for precision in ("float32", "int8"):
+        name = f"ort-{precision}"
+        systems[name] = OnnxTranslator(
+            onnx_dir, providers=["CPUExecutionProvider"], num_threads=threads, precision=precision
+        )
+        sizes[name] = sum(
+            os.path.getsize(os.path.join(onnx_dir, graph[precision]))
+            for key, graph in systems[name].manifest["graphs"].items()
+            if key != "model"  # the teacher-forced graph is not used to translate
+        )
+        folder = os.path.join(run_dir, f"ct2-{precision}")
+        if not os.path.isfile(os.path.join(folder, "model.bin")):
+            ctranslate2_model(model, tokenizer, folder, None if precision == "float32" else "int8")
+        name = f"ct2-{precision}"
+        systems[name] = CTranslate2Translator(folder, tokenizer, precision, threads)
+        sizes[name] = os.path.getsize(os.path.join(folder, "model.bin"))
+    return systems, sizes
+
+
+def run(args):
+    from benchmarks.machine import describe_machine
+    from keras_transformer.data.pipeline import read_lines
+    from keras_transformer.evaluation import score_translations
+    from keras_transformer.export.onnx import float32_copy
+    from keras_transformer.translation import load_run
+
+    lines = read_lines(args.src)[: args.lines]
+    references = read_lines(args.ref)[: args.lines] if args.ref else None
+    model, tokenizer = load_run(args.run_dir)
+    systems, sizes = _systems(args.run_dir, tokenizer, float32_copy(model), args.threads)
+    results = []
+    for label, beam, batch in CELLS:
+        times = {name: [] for name in SYSTEMS}
+        outputs = {}
+        for _ in range(args.repeats):
+            for name in SYSTEMS:
+                start = time.perf_counter()
+                outputs[name] = systems[name].translate(lines, beam_size=beam, batch_size=batch)
+                times[name].append(time.perf_counter() - start)
+        cell = {"search": label, "beam_size": beam, "batch_size": batch, "systems": {}}
+        for name in SYSTEMS:
+            entry = {
+                "sentences_per_second": len(lines) / statistics.median(times[name]),
+                "seconds": times[name],
+                "identical_to_ort_float32": sum(
+                    a == b for a, b in zip(outputs[name], outputs["ort-float32"], strict=True)
+                ),
+            }
+            if references is not None:
+                scores = score_translations(outputs[name], references)
+                entry.update({k: scores[k] for k in ("bleu", "bleu_lowercase", "chrf")})
+            cell["systems"][name] = entry
+        for name, peer in PEER.items():
+            ours, theirs = cell["systems"][name], cell["systems"][peer]
+            ours["ratio_to_ct2"] = ours["sentences_per_second"] / theirs["sentences_per_second"]
+        results.append(cell)
+        print(_row(cell), flush=True)
+    report = {
+        "command": "python -m benchmarks.onnx_vs_ctranslate2 "
+        + " ".join(f"{k}={v}" for k, v in vars(args).items()),
+        "sentences": len(lines),
+        "threads": args.threads,
+        "repeats": args.repeats,
+        "size_bytes": sizes,
+        "cells": results,
+        "machine": describe_machine(),
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w", encoding="utf-8") as f:
+        json.dump(report, f, indent=2)
+        f.write("\n")
+    print(table(report))
+    return report
+
+
+def _row(cell):
+    parts = [f"{cell['search']}, batch {cell['batch_size']}:"]
+    for name, entry in cell["systems"].items():
+        parts.append(f"{name} {entry['sentences_per_second']:.1f}/s")
+    return " ".join(parts)
+
+
+def table(report):
+    """The markdown table of a report."""
+    lines = [
+        "| search, batch | ORT float32 (sent/s) | CT2 float32 | ORT / CT2 | ORT int8 | CT2 int8 "
+        "| ORT / CT2 | identical to ORT float32 (ORT int8, CT2 float32, CT2 int8) |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    total = report["sentences"]
+    for cell in report["cells"]:
+        s = cell["systems"]
+        lines.append(
+            f"| {cell['search']}, {cell['batch_size']} "
+            f"| {s['ort-float32']['sentences_per_second']:.1f} "
+            f"| {s['ct2-float32']['sentences_per_second']:.1f} "
+            f"| {s['ort-float32']['ratio_to_ct2']:.2f}x "
+            f"| {s['ort-int8']['sentences_per_second']:.1f} "
+            f"| {s['ct2-int8']['sentences_per_second']:.1f} "
+            f"| {s['ort-int8']['ratio_to_ct2']:.2f}x "
+            f"| {s['ort-int8']['identical_to_ort_float32']}, "
+            f"{s['ct2-float32']['identical_to_ort_float32']}, "
+            f"{s['ct2-int8']['identical_to_ort_float32']} of {total} |"
+        )
+    if "bleu_lowercase" in report["cells"][0]["systems"]["ort-float32"]:
+        lines += ["", "| search | " + " | ".join(SYSTEMS) + " |", "| --- |" + " --- |" * 4]
+        for cell in report["cells"]:
+            if cell["batch_size"] != 32:
+                continue
+            bleu = [f"{cell['systems'][n]['bleu_lowercase']:.2f}" for n in SYSTEMS]
+            lines.append(f"| {cell['search']} (lower-cased BLEU) | " + " | ".join(bleu) + " |")
+    sizes = report["size_bytes"]
+    lines += ["", "Size on disk (MB): " + ", ".join(f"{k} {v / 1e6:.1f}" for k, v in sizes.items())]
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    run(build_parser().parse_args(argv))
+
+
+if __name__ == "__main__":
+    main()
