@@ -142,10 +142,12 @@ def test_over_long_lines_are_translated_with_a_warning(toy_run, tmp_path, capsys
     src, ref = tmp_path / "test.src", tmp_path / "test.ref"
     src.write_text("".join(line + "\n" for line in lines))
     ref.write_text("".join(line.upper() + "\n" for line in lines))
-    assert main(["evaluate", metrics["run_dir"], "--src", str(src), "--ref", str(ref)]) == 0
+    hyp = tmp_path / "test.hyp"
+    command = ["evaluate", metrics["run_dir"], "--src", str(src), "--ref", str(ref)]
+    assert main([*command, "--output", str(hyp)]) == 0
     captured = capsys.readouterr()
     assert "warning: line 4 has" in captured.err
-    with open(tmp_path / "test.src.hyp") as f:
+    with open(hyp) as f:
         assert len(f.read().splitlines()) == len(lines)
 
 

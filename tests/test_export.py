@@ -420,7 +420,7 @@ def test_over_long_lines_translate_as_in_keras_with_a_warning(exported):
         ("corrupt:manifest.json", "manifest.json is not a valid export manifest"),
         ("missing:vocab.txt", "Tokenizer file missing: .*vocab.txt"),
         ("missing:spm.model", "Tokenizer file missing: .*spm.model"),
-        ("corrupt:spm.model", "Cannot read the SentencePiece model .*spm.model"),
+        ("corrupt:spm.model", "Cannot read the tokenizer .*spm.model: not a SentencePiece model"),
     ],
 )
 def test_damaged_export_folders_name_the_file(exported, tmp_path, damage, match):
