@@ -307,19 +307,29 @@ class OnnxTranslator:
         if (limits == 0).all():
             return beam_loop(None, None, limits, beam_size, length_penalty)
         _, mask, cross = self.encode(np.repeat(source, beam_size, axis=0))
-        feeds = self._search_feeds(mask, cross)
-        state = {"caches": self.empty_self_caches(len(mask))}
+        state = {
+            "feeds": self._search_feeds(mask, cross),
+            "caches": self.empty_self_caches(len(mask)),
+        }
 
         def step(last, t):
             log_probs, state["caches"] = self._run_step(
-                last[:, None].copy(), feeds, state["caches"]
+                last[:, None].copy(), state["feeds"], state["caches"]
             )
             return log_probs
 
         def reorder(rows):
             state["caches"] = [cache[rows] for cache in state["caches"]]
+            if len(rows) < len(state["feeds"]["source_mask"]):
+                # Finished sentences left the batch: their encoder rows go too
+                # (every row of a sentence holds the same source).
+                state["feeds"] = {
+                    name: value[rows]
+                    for name, value in state["feeds"].items()
+                    if name == "source_mask" or name.startswith("cross_")
+                }
 
-        return beam_loop(step, reorder, limits, beam_size, length_penalty)
+        return beam_loop(step, reorder, limits, beam_size, length_penalty, drop_finished=True)
 
     def translate(
         self, sentences, beam_size=4, max_length=None, batch_size=32, progress=False, warn=None

@@ -107,12 +107,6 @@ def banned_ids(ignore_eos=False):
     return [PAD_ID, BOS_ID] + ([EOS_ID] if ignore_eos else [])
 
 
-def forbid_specials(log_probs, ignore_eos=False):
-    log_probs = log_probs.copy()
-    log_probs[..., banned_ids(ignore_eos)] = -np.inf
-    return log_probs
-
-
 def greedy_loop(step, limits, ignore_eos=False):
     """Greedy search over a step function.
 
@@ -155,8 +149,10 @@ def greedy_loop(step, limits, ignore_eos=False):
     return [tokens[i, : lengths[i]].tolist() for i in range(batch)], scores
 
 
-def beam_loop(step, reorder, limits, beam_size, length_penalty=0.6, ignore_eos=False):
-    """Beam search over a step function; row `b * beam_size + j` is beam j of sentence b.
+def beam_loop(
+    step, reorder, limits, beam_size, length_penalty=0.6, ignore_eos=False, drop_finished=False
+):
+    """Beam search over a step function; row `p * beam_size + j` is beam j of sentence p.
 
     A hypothesis is finished when it produces EOS; its score is its summed
     log-probability (EOS included) divided by the length penalty of its
@@ -167,9 +163,9 @@ def beam_loop(step, reorder, limits, beam_size, length_penalty=0.6, ignore_eos=F
     (live beams are then scored as they are).
 
     Args:
-        step: `step(last, t) -> log_probs`: `last` is the int32
-            `(batch * beam_size,)` newest token of every row, the result is
-            `(batch * beam_size, vocab)`.
+        step: `step(last, t) -> log_probs`: `last` is the int32 newest token
+            of every row of the decoder state, `(sentences * beam_size,)`;
+            the result is `(sentences * beam_size, vocab)`.
         reorder: `reorder(rows)`, called before every step after the first:
             row i of the decoder state must become row `rows[i]` of the
             previous state (the beams that survived).
@@ -177,6 +173,11 @@ def beam_loop(step, reorder, limits, beam_size, length_penalty=0.6, ignore_eos=F
         beam_size: beams kept per sentence.
         length_penalty: alpha of the length penalty; 0 disables it.
         ignore_eos: never finish at EOS (for benchmarks).
+        drop_finished: leave finished sentences out of the decoder state:
+            `rows` then covers only the sentences still searched (in input
+            order), so the state, and each step's batch, shrinks. For
+            decoders whose step takes any batch size; the results are the
+            same either way.
 
     Returns:
         `(tokens, scores)`: the best hypothesis of each sentence (int list cut
@@ -198,27 +199,37 @@ def beam_loop(step, reorder, limits, beam_size, length_penalty=0.6, ignore_eos=F
     alive_scores = np.full((batch, k), -np.inf)
     alive_scores[:, 0] = 0.0  # one live beam at the start
     finished = [[] for _ in range(batch)]  # (normalized score, tokens)
+    active = np.arange(batch)  # the sentences the decoder state holds, in state order
     last = np.full(batch * k, BOS_ID, np.int32)
+    banned = banned_ids(ignore_eos)
 
     for t in range(int(limits.max())):
-        log_probs = np.asarray(step(last, t), np.float64)
-        log_probs = forbid_specials(log_probs, ignore_eos)
-        vocab = log_probs.shape[-1]
-        candidates = (alive_scores[:, :, None] + log_probs.reshape(batch, k, vocab)).reshape(
-            batch, k * vocab
-        )
-        origin = np.tile(np.arange(k), batch)  # default: each row keeps its own state
-        # The 2k best candidates of every sentence, best first (ties: lower index).
-        width = min(2 * k, k * vocab)
-        best = np.argpartition(-candidates, width - 1, axis=1)[:, :width]
-        for b in np.flatnonzero(~done):
-            top = best[b][np.lexsort((best[b], -candidates[b, best[b]]))]
+        log_probs = np.array(step(last, t), dtype=np.float32)  # a copy: banned ids are set
+        log_probs[:, banned] = -np.inf
+        count, vocab = len(active), log_probs.shape[-1]
+        # A sentence's 2k best candidates are among the 2k best tokens of each
+        # of its beams: select per row first, then rank only those.
+        width = min(2 * k, vocab)
+        top = np.argpartition(-log_probs, width - 1, axis=1)[:, :width]  # (rows, width)
+        top_scores = np.take_along_axis(log_probs, top, axis=1).astype(np.float64)
+        candidates = (
+            alive_scores[active][:, :, None] + top_scores.reshape(count, k, width)
+        ).reshape(count, k * width)
+        flat = (np.arange(k)[:, None] * vocab + top.reshape(count, k, width)).reshape(
+            count, k * width
+        )  # beam * vocab + token
+        origin = np.tile(np.arange(k), count)  # default: each row keeps its own state
+        for p, b in enumerate(active):
+            if done[b]:
+                continue
+            # The 2k best candidates, best first (ties: lower beam * vocab + token).
+            ranked = np.lexsort((flat[p], -candidates[p]))[: 2 * k]
             new_alive, new_scores = [], []
-            for rank, flat in enumerate(top):
-                score = candidates[b, flat]
+            for rank, i in enumerate(ranked):
+                score = candidates[p, i]
                 if not np.isfinite(score):
                     break
-                beam, token = divmod(int(flat), vocab)
+                beam, token = divmod(int(flat[p, i]), vocab)
                 if token == EOS_ID:
                     if rank < k:
                         finished[b].append((score / penalty(t + 1), alive[b][beam]))
@@ -247,11 +258,17 @@ def beam_loop(step, reorder, limits, beam_size, length_penalty=0.6, ignore_eos=F
             for j, ((tokens, beam), score) in enumerate(zip(new_alive, new_scores, strict=True)):
                 alive[b][j] = tokens
                 alive_scores[b, j] = score
-                origin[b * k + j] = beam
-                last[b * k + j] = tokens[-1]
+                origin[p * k + j] = beam
+                last[p * k + j] = tokens[-1]
         if done.all():
             break
-        reorder((np.arange(batch * k) // k * k + origin).astype(np.int32))
+        rows = np.arange(count * k) // k * k + origin
+        if drop_finished and done[active].any():
+            keep = np.flatnonzero(~done[active])  # positions in the state
+            rows = rows.reshape(count, k)[keep].reshape(-1)
+            last = last.reshape(count, k)[keep].reshape(-1)
+            active = active[keep]
+        reorder(rows.astype(np.int32))
     return best_tokens, best_scores
 
 

@@ -1,0 +1,88 @@
+"""The numpy search loops of the runtime (`keras_transformer_runtime.search`) on a toy decoder."""
+
+import zlib
+
+import numpy as np
+import pytest
+from keras_transformer_runtime.search import beam_loop, greedy_loop
+from keras_transformer_runtime.specials import BOS_ID, EOS_ID
+
+VOCAB = 12
+
+
+def _log_probs(sentence, prefix):
+    """Deterministic next-token log-probabilities of a prefix; EOS likelier as it grows."""
+    seed = zlib.crc32(np.asarray([sentence, *prefix], np.int64).tobytes())
+    logits = np.random.default_rng(seed).normal(size=VOCAB).astype(np.float32) * 2
+    logits[EOS_ID] += 0.4 * len(prefix) - 1.5
+    return logits - np.log(np.exp(logits).sum())
+
+
+class ToyDecoder:
+    """A decoder state of prefixes, one per row, reordered like a KV cache."""
+
+    def __init__(self, batch, beam_size):
+        self.sentences = np.repeat(np.arange(batch), beam_size)
+        self.prefixes = [[] for _ in self.sentences]
+        self.batch_sizes = []
+
+    def step(self, last, t):
+        assert len(last) == len(self.prefixes)
+        self.batch_sizes.append(len(last))
+        self.prefixes = [p + [int(token)] for p, token in zip(self.prefixes, last, strict=True)]
+        return np.stack(
+            [_log_probs(s, p[1:]) for s, p in zip(self.sentences, self.prefixes, strict=True)]
+        )
+
+    def reorder(self, rows):
+        self.sentences = self.sentences[rows]
+        self.prefixes = [list(self.prefixes[r]) for r in rows]
+
+
+def _beam(limits, beam_size, drop_finished):
+    decoder = ToyDecoder(len(limits), beam_size)
+    result = beam_loop(
+        decoder.step, decoder.reorder, limits, beam_size, drop_finished=drop_finished
+    )
+    return result, decoder.batch_sizes
+
+
+@pytest.mark.parametrize("beam_size", [1, 3, 5])
+def test_dropping_finished_sentences_changes_the_batch_not_the_results(beam_size):
+    limits = np.array([9, 0, 4, 12, 1, 7, 12, 3])
+    (tokens, scores), kept = _beam(limits, beam_size, drop_finished=False)
+    (dropped_tokens, dropped_scores), shrunk = _beam(limits, beam_size, drop_finished=True)
+    assert dropped_tokens == tokens
+    np.testing.assert_array_equal(dropped_scores, scores)
+    assert set(kept) == {len(limits) * beam_size}
+    assert shrunk[0] == len(limits) * beam_size and shrunk[-1] < shrunk[0]
+    assert sorted(shrunk, reverse=True) == shrunk
+    assert tokens[1] == [] and scores[1] == 0.0  # an empty source
+    for row, limit in zip(tokens, limits, strict=True):
+        assert len(row) <= limit and BOS_ID not in row and EOS_ID not in row
+
+
+def test_beam_one_is_greedy_and_the_scores_are_the_toy_log_probs():
+    limits = np.array([6, 10, 3, 8])
+
+    def step(inputs, t):
+        return np.stack([_log_probs(s, list(row[1:])) for s, row in enumerate(inputs)])
+
+    greedy_tokens, greedy_scores = greedy_loop(step, limits)
+    (tokens, scores), _ = _beam(limits, 1, drop_finished=True)
+    assert tokens == greedy_tokens
+    for s, row in enumerate(tokens):
+        prefix, total = [], 0.0
+        for token in [*row, EOS_ID][: limits[s]]:
+            total += float(_log_probs(s, prefix)[token])
+            prefix.append(token)
+        assert greedy_scores[s] == pytest.approx(total, rel=1e-6)
+        length = min(len(row) + 1, limits[s])
+        assert scores[s] == pytest.approx(total / ((5 + length) / 6) ** 0.6, rel=1e-6)
+
+
+def test_wider_beams_never_score_worse_on_the_toy_decoder():
+    limits = np.full(16, 10)
+    (_, narrow), _ = _beam(limits, 1, drop_finished=True)
+    (_, wide), _ = _beam(limits, 6, drop_finished=True)
+    assert (wide >= narrow - 1e-9).mean() >= 0.9 and (wide > narrow + 1e-6).any()
