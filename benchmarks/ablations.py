@@ -317,7 +317,8 @@ def _model_step_variants(rows, layers, policy, variants, reference, forward=Fals
     """
     import numpy as np
 
-    from benchmarks.train_throughput import KerasPeer, make_batches, training_flops
+    from benchmarks.throughput.batches import make_batches, training_flops
+    from benchmarks.throughput.peers.keras_peers import KerasPeer
     from keras_transformer import TransformerConfig, build_transformer
 
     config = TransformerConfig.from_preset(

@@ -28,13 +28,9 @@ import sys
 import time
 
 from benchmarks.machine import describe_machine
-from benchmarks.train_throughput import (
-    _setup,
-    _write_json,
-    matmul_peak,
-    time_product,
-    training_flops,
-)
+from benchmarks.throughput.batches import training_flops
+from benchmarks.throughput.timing import matmul_peak, time_product
+from benchmarks.train_throughput import _setup, _write_json
 
 
 def step_products(config, batch_size, source_len, target_len):
@@ -113,7 +109,7 @@ def _timer(product, repeats):
 
 def time_training_step(config, batch, steps):
     """Median seconds of `steps` training steps of ours (float32), after two warm-up steps."""
-    from benchmarks.train_throughput import KerasPeer, build_ours
+    from benchmarks.throughput.peers.keras_peers import KerasPeer, build_ours
 
     peer = KerasPeer("ours", build_ours, config)
     prepared = peer.prepare(batch)

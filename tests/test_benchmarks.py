@@ -5,7 +5,7 @@ import pytest
 
 from benchmarks.matmul_ceiling import main as ceiling_main
 from benchmarks.matmul_ceiling import step_products
-from benchmarks.train_throughput import training_flops
+from benchmarks.throughput.batches import training_flops
 from keras_transformer import TransformerConfig
 
 # Trained fixtures, exports and commands end to end: `make integration`.
