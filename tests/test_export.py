@@ -7,6 +7,7 @@ rebuild. Sentences come from a corpus drawn with a seed no training run uses.
 """
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -21,6 +22,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 from keras_transformer_runtime.runtime import ExportFileError, OnnxTranslator  # noqa: E402
+from keras_transformer_runtime.specials import BOS_ID, PAD_ID  # noqa: E402
 
 from keras_transformer import cli  # noqa: E402
 from keras_transformer.data.toy import generate_toy_corpus  # noqa: E402
@@ -192,9 +194,18 @@ def test_encoder_teacher_forced_and_step_outputs_match_keras(kind, exported):
     caches = translator.empty_self_caches(len(source))
     real = target != 0
     for t in range(target.shape[1]):
+        feeds = translator._search_feeds(mask, cross)
+        selected, _ = translator._run_step(target[:, t : t + 1], feeds, caches, top_k=7)
         step_log_probs, caches = translator.decoder_step(target[:, t : t + 1], mask, cross, caches)
         assert all(cache.shape[2] == t + 1 for cache in caches)
         np.testing.assert_allclose(step_log_probs[real[:, t]], log_probs[real[:, t], t], atol=1e-4)
+        # The graph's own selection: each row's 7 best tokens but padding and BOS, best first.
+        values, ids = selected
+        allowed = step_log_probs.copy()
+        allowed[:, [PAD_ID, BOS_ID]] = -np.inf
+        assert ids.shape == (len(source), 7) and not np.isin(ids, [PAD_ID, BOS_ID]).any()
+        np.testing.assert_array_equal(values, np.take_along_axis(allowed, ids, axis=1))
+        np.testing.assert_array_equal(values, -np.sort(-allowed, axis=1)[:, :7])
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -233,11 +244,13 @@ def test_float16_graphs_translate_within_half_a_point_of_float32(exported, toy_r
     assert abs(scores["float16"] - scores["float32"]) <= 0.5, scores
 
 
-def test_int8_graphs_are_smaller_and_translate_within_a_point_of_float32(toy_run, tmp_path):
+def test_int8_graphs_are_smaller_and_translate_within_a_point_of_float32(toy_run, tmp_path, caplog):
     """`--precision int8`: quantized weight matrices, a smaller folder, and the toy
     language translated about as well as in float32."""
     out = str(tmp_path / "int8")
-    assert cli.main(["export", toy_run[3]["run_dir"], "--out", out, "--precision", "int8"]) == 0
+    with caplog.at_level(logging.WARNING):
+        assert cli.main(["export", toy_run[3]["run_dir"], "--out", out, "--precision", "int8"]) == 0
+    assert not [r for r in caplog.records if "quantization" in r.getMessage()]
     with open(os.path.join(out, "manifest.json")) as f:
         manifest = json.load(f)
     assert manifest["precisions"] == ["float32", "int8"]

@@ -4,7 +4,7 @@ import zlib
 
 import numpy as np
 import pytest
-from keras_transformer_runtime.search import beam_loop, greedy_loop
+from keras_transformer_runtime.search import banned_ids, beam_loop, greedy_loop
 from keras_transformer_runtime.specials import BOS_ID, EOS_ID
 
 VOCAB = 12
@@ -18,29 +18,43 @@ def _log_probs(sentence, prefix):
     return logits - np.log(np.exp(logits).sum())
 
 
-class ToyDecoder:
-    """A decoder state of prefixes, one per row, reordered like a KV cache."""
+def _top(log_probs, width):
+    """What the exported step graph returns: each row's best allowed tokens, best first."""
+    allowed = log_probs.copy()
+    allowed[:, banned_ids()] = -np.inf
+    ids = np.argsort(-allowed, axis=1, kind="stable")[:, :width]
+    return np.take_along_axis(allowed, ids, axis=1), ids
 
-    def __init__(self, batch, beam_size):
+
+class ToyDecoder:
+    """A decoder state of prefixes, one per row, reordered like a KV cache.
+
+    With `top_k`, each step returns `(top_log_probs, top_ids)` of that width
+    instead of the whole `log_probs`, as the ONNX step graph does.
+    """
+
+    def __init__(self, batch, beam_size, top_k=None):
         self.sentences = np.repeat(np.arange(batch), beam_size)
         self.prefixes = [[] for _ in self.sentences]
         self.batch_sizes = []
+        self.top_k = top_k
 
     def step(self, last, t):
         assert len(last) == len(self.prefixes)
         self.batch_sizes.append(len(last))
         self.prefixes = [p + [int(token)] for p, token in zip(self.prefixes, last, strict=True)]
-        return np.stack(
+        log_probs = np.stack(
             [_log_probs(s, p[1:]) for s, p in zip(self.sentences, self.prefixes, strict=True)]
         )
+        return log_probs if self.top_k is None else _top(log_probs, self.top_k)
 
     def reorder(self, rows):
         self.sentences = self.sentences[rows]
         self.prefixes = [list(self.prefixes[r]) for r in rows]
 
 
-def _beam(limits, beam_size, drop_finished):
-    decoder = ToyDecoder(len(limits), beam_size)
+def _beam(limits, beam_size, drop_finished, top_k=None):
+    decoder = ToyDecoder(len(limits), beam_size, top_k)
     result = beam_loop(
         decoder.step, decoder.reorder, limits, beam_size, drop_finished=drop_finished
     )
@@ -60,6 +74,26 @@ def test_dropping_finished_sentences_changes_the_batch_not_the_results(beam_size
     assert tokens[1] == [] and scores[1] == 0.0  # an empty source
     for row, limit in zip(tokens, limits, strict=True):
         assert len(row) <= limit and BOS_ID not in row and EOS_ID not in row
+
+
+@pytest.mark.parametrize("beam_size", [1, 2, 4])
+def test_a_step_that_selects_the_top_tokens_gives_the_same_search(beam_size):
+    limits = np.array([9, 0, 4, 12, 1, 7, 12, 3])
+    full_tokens, full_scores = _beam(limits, beam_size, drop_finished=True)[0]
+    for width in (2 * beam_size, 2 * beam_size + 3):
+        tokens, scores = _beam(limits, beam_size, drop_finished=True, top_k=width)[0]
+        assert tokens == full_tokens
+        np.testing.assert_array_equal(scores, full_scores)
+
+    def step(inputs, t):
+        return np.stack([_log_probs(s, list(row[1:])) for s, row in enumerate(inputs)])
+
+    greedy = greedy_loop(step, limits)
+    chosen = greedy_loop(lambda inputs, t: _top(step(inputs, t), 1), limits)
+    assert chosen[0] == greedy[0]
+    np.testing.assert_array_equal(chosen[1], greedy[1])
+    with pytest.raises(ValueError, match="ignore_eos"):
+        greedy_loop(lambda inputs, t: _top(step(inputs, t), 1), limits, ignore_eos=True)
 
 
 def test_beam_one_is_greedy_and_the_scores_are_the_toy_log_probs():

@@ -157,9 +157,12 @@ class OnnxTranslator:
         self._graph_files = {name: entry[precision] for name, entry in graphs.items()}
         self._sessions = {}
         self._self_names = self.cache_names("self")
+        self._new_self_names = ["new_" + name for name in self._self_names]
         self.encoder_session = self.session("encoder")
         self.step_session = self.session("decoder_step")
         self.provider = self.step_session.get_providers()[0]
+        # Exports older than the step graph's `top_k` input select in numpy.
+        self._top_k_in_graph = "top_ids" in {o.name for o in self.step_session.get_outputs()}
 
     def session(self, name):
         """The ONNX Runtime session of graph `name` ("encoder", "decoder_step" or "model")."""
@@ -237,7 +240,7 @@ class OnnxTranslator:
                 if cache.dtype != np.float32:
                     raise ValueError(f"{name} must be float32. Received dtype {cache.dtype}")
                 feeds[name] = cache
-        log_probs, *new_caches = self.step_session.run(None, feeds)
+        log_probs, *new_caches = self.step_session.run(["log_probs", *self._new_self_names], feeds)
         return log_probs, new_caches
 
     def _search_feeds(self, mask, cross_caches):
@@ -245,12 +248,25 @@ class OnnxTranslator:
         feeds.update(zip(self.cache_names("cross"), cross_caches, strict=True))
         return feeds
 
-    def _run_step(self, token_ids, feeds, self_caches):
-        """`decoder_step` without the input checks, for the search loops."""
+    def _run_step(self, token_ids, feeds, self_caches, top_k):
+        """`decoder_step` without the input checks, for the search loops.
+
+        Returns `(scores, new_self_caches)`: the graph's `(top_log_probs,
+        top_ids)` of width `top_k` where the export has them, else `log_probs`
+        (the loops accept either).
+        """
         feeds["token_ids"] = token_ids
         feeds.update(zip(self._self_names, self_caches, strict=True))
-        log_probs, *new_caches = self.step_session.run(None, feeds)
-        return log_probs, new_caches
+        if not self._top_k_in_graph:
+            log_probs, *new_caches = self.step_session.run(
+                ["log_probs", *self._new_self_names], feeds
+            )
+            return log_probs, new_caches
+        feeds["top_k"] = np.array([min(top_k, self.vocabulary_size)], np.int64)
+        values, ids, *new_caches = self.step_session.run(
+            ["top_log_probs", "top_ids", *self._new_self_names], feeds
+        )
+        return (values, ids), new_caches
 
     def logits(self, source_ids, target_ids):
         """Teacher-forced logits from `model.onnx` (for parity checks)."""
@@ -277,6 +293,7 @@ class OnnxTranslator:
             "feeds": self._search_feeds(mask, cross),
             "caches": self.empty_self_caches(len(source)),
         }
+        best = np.zeros((len(source), 1), np.float32), np.zeros((len(source), 1), np.int64)
         log_probs = np.zeros((len(source), self.vocabulary_size), np.float32)
 
         def step(inputs, t):
@@ -293,8 +310,11 @@ class OnnxTranslator:
                 state["caches"] = [cache[keep] for cache in state["caches"]]
             rows = state["rows"]
             out, state["caches"] = self._run_step(
-                np.ascontiguousarray(inputs[rows, -1:]), state["feeds"], state["caches"]
+                np.ascontiguousarray(inputs[rows, -1:]), state["feeds"], state["caches"], 1
             )
+            if isinstance(out, tuple):  # the best token of each row, from the graph
+                best[0][rows], best[1][rows] = out
+                return best
             log_probs[rows] = out
             return log_probs
 
@@ -313,10 +333,10 @@ class OnnxTranslator:
         }
 
         def step(last, t):
-            log_probs, state["caches"] = self._run_step(
-                last[:, None].copy(), state["feeds"], state["caches"]
+            scores, state["caches"] = self._run_step(
+                last[:, None].copy(), state["feeds"], state["caches"], 2 * beam_size
             )
-            return log_probs
+            return scores
 
         def reorder(rows):
             state["caches"] = [cache[rows] for cache in state["caches"]]

@@ -113,7 +113,9 @@ def greedy_loop(step, limits, ignore_eos=False):
     Args:
         step: `step(inputs, t) -> log_probs`, where `inputs` is the int32
             `(batch, t + 1)` decoder input so far (BOS first; a finished
-            sentence is fed EOS) and `log_probs` is `(batch, vocab)`.
+            sentence is fed EOS) and `log_probs` is `(batch, vocab)`; or
+            `-> (top_log_probs, top_ids)`, each `(batch, 1)`: the best token
+            of each row other than `banned_ids()` (not with `ignore_eos`).
         limits: per-sentence maximum output length (EOS included); 0 = empty.
         ignore_eos: never stop at EOS (for benchmarks).
 
@@ -134,12 +136,19 @@ def greedy_loop(step, limits, ignore_eos=False):
     for t in range(steps):
         if done.all():
             break
-        log_probs = np.asarray(step(inputs, t))
-        masked = log_probs.copy()
-        masked[:, banned] = -np.inf
-        next_ids = masked.argmax(-1).astype(np.int32)
+        out = step(inputs, t)
+        if isinstance(out, tuple):  # the step chose already
+            if ignore_eos:
+                raise ValueError("ignore_eos needs a step that returns the whole log_probs")
+            chosen, next_ids = out[0][:, 0], np.asarray(out[1][:, 0], np.int32)
+        else:
+            log_probs = np.asarray(out)
+            masked = log_probs.copy()
+            masked[:, banned] = -np.inf
+            next_ids = masked.argmax(-1).astype(np.int32)
+            chosen = log_probs[rows, next_ids]
         live = ~done
-        scores[live] += log_probs[rows, next_ids][live].astype(np.float64)
+        scores[live] += chosen[live].astype(np.float64)
         ended = next_ids == EOS_ID
         grows = live & ~ended
         tokens[grows, t] = next_ids[grows]
@@ -165,7 +174,10 @@ def beam_loop(
     Args:
         step: `step(last, t) -> log_probs`: `last` is the int32 newest token
             of every row of the decoder state, `(sentences * beam_size,)`;
-            the result is `(sentences * beam_size, vocab)`.
+            the result is `(sentences * beam_size, vocab)`. Or `-> (top_log_probs,
+            top_ids)`, each `(sentences * beam_size, w)`, w >= min(2 * beam_size,
+            vocab): each row's w best tokens other than `banned_ids()`, best
+            first (not with `ignore_eos`).
         reorder: `reorder(rows)`, called before every step after the first:
             row i of the decoder state must become row `rows[i]` of the
             previous state (the beams that survived).
@@ -204,14 +216,23 @@ def beam_loop(
     banned = banned_ids(ignore_eos)
 
     for t in range(int(limits.max())):
-        log_probs = np.array(step(last, t), dtype=np.float32)  # a copy: banned ids are set
-        log_probs[:, banned] = -np.inf
-        count, vocab = len(active), log_probs.shape[-1]
         # A sentence's 2k best candidates are among the 2k best tokens of each
-        # of its beams: select per row first, then rank only those.
-        width = min(2 * k, vocab)
-        top = np.argpartition(-log_probs, width - 1, axis=1)[:, :width]  # (rows, width)
-        top_scores = np.take_along_axis(log_probs, top, axis=1).astype(np.float64)
+        # of its beams: select per row first (or take the step's selection),
+        # then rank only those.
+        out = step(last, t)
+        if isinstance(out, tuple):
+            if ignore_eos:
+                raise ValueError("ignore_eos needs a step that returns the whole log_probs")
+            top_scores, top = np.asarray(out[0], np.float64), np.asarray(out[1], np.int64)
+            vocab = int(top.max()) + 1  # any bound above the ids orders beam * vocab + token
+        else:
+            log_probs = np.array(out, dtype=np.float32)  # a copy: banned ids are set
+            log_probs[:, banned] = -np.inf
+            vocab = log_probs.shape[-1]
+            width = min(2 * k, vocab)
+            top = np.argpartition(-log_probs, width - 1, axis=1)[:, :width]  # (rows, width)
+            top_scores = np.take_along_axis(log_probs, top, axis=1).astype(np.float64)
+        count, width = len(active), top.shape[1]
         candidates = (
             alive_scores[active][:, :, None] + top_scores.reshape(count, k, width)
         ).reshape(count, k * width)

@@ -10,7 +10,9 @@ Three graphs:
 - `decoder_step.onnx` (built node by node, `keras_transformer.export.step_graph`):
   `token_ids (batch, 1) int32`, `source_mask`, the cross keys and values, and
   `self_key_i`, `self_value_i (batch, heads, past_len, head_dim)` ->
-  `log_probs (batch, vocabulary) float32` and `new_self_key_i`,
+  `log_probs (batch, vocabulary) float32`, `top_log_probs` and `top_ids
+  (batch, top_k)` (each row's best tokens but padding and BOS, for an
+  optional `top_k` input, default 1) and `new_self_key_i`,
   `new_self_value_i` of length `past_len + 1`. The step index is the cache
   length: the first step gets caches of length 0, so one graph serves every
   step and the two can never disagree.
@@ -48,7 +50,7 @@ from keras_transformer.export.step_graph import build_decoder_step
 
 GRAPHS = ("encoder", "decoder_step", "model")
 MANIFEST = "manifest.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the step graph's top_k input and outputs
 TOKENIZER_FILES = ("spm.model", "vocab.txt")
 PRECISIONS = ("float32", "float16", "int8")
 # The file suffix of each extra precision's graphs.
@@ -287,7 +289,9 @@ def _write_graphs(model, folder, opset, precision):
             "Feed token_ids (batch, 1), source_mask, cross_key_i and cross_value_i from "
             "encoder.onnx, and self_key_i/self_value_i (batch, heads, t, head_dim), length 0 "
             "at the first step; the new token is at position t. Returns log_probs and "
-            "new_self_key_i/new_self_value_i of length t + 1."
+            "new_self_key_i/new_self_value_i of length t + 1; with top_k (1,) int64 "
+            "(default 1), also top_log_probs and top_ids (batch, top_k), the best tokens "
+            "other than padding and BOS."
         ),
         "versions": _versions(),
     }
@@ -376,16 +380,36 @@ def _int8(path, out_path):
     Weights are quantized per output channel (one scale per column), which
     follows the weights' spread better than one scale per matrix.
     """
+    import logging
+
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
-    quantize_dynamic(
-        path,
-        out_path,
-        op_types_to_quantize=["MatMul", "Gemm"],
-        per_channel=True,
-        weight_type=QuantType.QInt8,
-        extra_options={"MatMulConstBOnly": True},
-    )
+    # The quantizer advises, on the root logger and once per graph, an optional
+    # pre-processing pass; the int8 graphs are judged by their translations
+    # instead (tests/test_export.py, benchmarks.onnx_vs_ctranslate2).
+    hush = _DropMessages("pre-processing before quantization")
+    logging.getLogger().addFilter(hush)
+    try:
+        quantize_dynamic(
+            path,
+            out_path,
+            op_types_to_quantize=["MatMul", "Gemm"],
+            per_channel=True,
+            weight_type=QuantType.QInt8,
+            extra_options={"MatMulConstBOnly": True},
+        )
+    finally:
+        logging.getLogger().removeFilter(hush)
+
+
+class _DropMessages:
+    """A logging filter that drops the records whose message contains `text`."""
+
+    def __init__(self, text):
+        self.text = text
+
+    def filter(self, record):
+        return self.text not in record.getMessage()
 
 
 def _sort_topologically(graph):

@@ -17,6 +17,7 @@ the Keras model to 1e-4.
 from __future__ import annotations
 
 import numpy as np
+from keras_transformer_runtime.search import banned_ids
 
 MASKED_SCORE = -65504.0  # as keras_transformer.ops.attention
 
@@ -106,8 +107,12 @@ def build_decoder_step(parts, opset=17):
     bool`, per layer i `cross_key_i`, `cross_value_i (batch, heads,
     source_len, head_dim)` (from encoder.onnx) and `self_key_i`,
     `self_value_i (batch, heads, past_len, head_dim)`. The new token is at
-    position `past_len`. Outputs: `log_probs (batch, vocabulary)` and
-    `new_self_key_i`, `new_self_value_i (batch, heads, past_len + 1, head_dim)`.
+    position `past_len`. Optional input: `top_k (1,) int64`, default 1.
+    Outputs: `log_probs (batch, vocabulary)`; `top_log_probs (batch, top_k)`
+    and `top_ids (batch, top_k) int64`, the best `top_k` tokens of each row
+    other than padding and BOS, best first (ties: lower id), which is all a
+    search step reads; and `new_self_key_i`, `new_self_value_i (batch,
+    heads, past_len + 1, head_dim)`.
     """
     from onnx import TensorProto, helper
 
@@ -273,6 +278,13 @@ def build_decoder_step(parts, opset=17):
             "output_projection",
         )
     g.node("LogSoftmax", [logits], ["log_probs"], axis=-1)
+    # The search loops' selection, in the graph: a row's `top_k` best tokens
+    # cost less to find here than in numpy, and less to copy out than the row.
+    never = np.zeros(c.vocabulary_size, np.float32)
+    never[banned_ids()] = -np.inf
+    allowed = g.node("Add", ["log_probs", g.const("banned_ids_bias", never)])
+    g.const("top_k", np.array([1], np.int64))  # an input with a default value
+    g.node("TopK", [allowed, "top_k"], ["top_log_probs", "top_ids"], axis=-1, largest=1, sorted=1)
 
     def cache(name, length):
         return helper.make_tensor_value_info(name, f32, ["batch", n, length, h])
@@ -285,8 +297,11 @@ def build_decoder_step(parts, opset=17):
         inputs += [cache(f"cross_key_{i}", "source_len"), cache(f"cross_value_{i}", "source_len")]
     for i in range(c.num_layers):
         inputs += [cache(f"self_key_{i}", "past_len"), cache(f"self_value_{i}", "past_len")]
+    inputs.append(helper.make_tensor_value_info("top_k", TensorProto.INT64, [1]))
     graph_outputs = [
-        helper.make_tensor_value_info("log_probs", f32, ["batch", c.vocabulary_size])
+        helper.make_tensor_value_info("log_probs", f32, ["batch", c.vocabulary_size]),
+        helper.make_tensor_value_info("top_log_probs", f32, ["batch", "top_k"]),
+        helper.make_tensor_value_info("top_ids", TensorProto.INT64, ["batch", "top_k"]),
     ] + [cache(name, "past_len_plus_1") for name in outputs]
     graph = helper.make_graph(g.nodes, "decoder_step", inputs, graph_outputs, g.initializers)
     model = helper.make_model(
