@@ -240,6 +240,8 @@ class OnnxTranslator:
                 if cache.dtype != np.float32:
                     raise ValueError(f"{name} must be float32. Received dtype {cache.dtype}")
                 feeds[name] = cache
+        if self._top_k_in_graph:
+            feeds["top_k"] = np.array([1], np.int64)
         log_probs, *new_caches = self.step_session.run(["log_probs", *self._new_self_names], feeds)
         return log_probs, new_caches
 

@@ -11,8 +11,8 @@ Three graphs:
   `token_ids (batch, 1) int32`, `source_mask`, the cross keys and values, and
   `self_key_i`, `self_value_i (batch, heads, past_len, head_dim)` ->
   `log_probs (batch, vocabulary) float32`, `top_log_probs` and `top_ids
-  (batch, top_k)` (each row's best tokens but padding and BOS, for an
-  optional `top_k` input, default 1) and `new_self_key_i`,
+  (batch, top_k)` (each row's best tokens but padding and BOS, as many
+  as the `top_k (1,) int64` input asks) and `new_self_key_i`,
   `new_self_value_i` of length `past_len + 1`. The step index is the cache
   length: the first step gets caches of length 0, so one graph serves every
   step and the two can never disagree.
@@ -289,9 +289,9 @@ def _write_graphs(model, folder, opset, precision):
             "Feed token_ids (batch, 1), source_mask, cross_key_i and cross_value_i from "
             "encoder.onnx, and self_key_i/self_value_i (batch, heads, t, head_dim), length 0 "
             "at the first step; the new token is at position t. Returns log_probs and "
-            "new_self_key_i/new_self_value_i of length t + 1; with top_k (1,) int64 "
-            "(default 1), also top_log_probs and top_ids (batch, top_k), the best tokens "
-            "other than padding and BOS."
+            "new_self_key_i/new_self_value_i of length t + 1, and for top_k (1,) int64, "
+            "top_log_probs and top_ids (batch, top_k), the best tokens other than padding "
+            "and BOS."
         ),
         "versions": _versions(),
     }

@@ -107,9 +107,9 @@ def build_decoder_step(parts, opset=17):
     bool`, per layer i `cross_key_i`, `cross_value_i (batch, heads,
     source_len, head_dim)` (from encoder.onnx) and `self_key_i`,
     `self_value_i (batch, heads, past_len, head_dim)`. The new token is at
-    position `past_len`. Optional input: `top_k (1,) int64`, default 1.
-    Outputs: `log_probs (batch, vocabulary)`; `top_log_probs (batch, top_k)`
-    and `top_ids (batch, top_k) int64`, the best `top_k` tokens of each row
+    position `past_len`; and `top_k (1,) int64`. Outputs: `log_probs (batch,
+    vocabulary)`; `top_log_probs (batch, top_k)` and `top_ids (batch, top_k)
+    int64`, the best `top_k` tokens of each row
     other than padding and BOS, best first (ties: lower id), which is all a
     search step reads; and `new_self_key_i`, `new_self_value_i (batch,
     heads, past_len + 1, head_dim)`.
@@ -283,7 +283,6 @@ def build_decoder_step(parts, opset=17):
     never = np.zeros(c.vocabulary_size, np.float32)
     never[banned_ids()] = -np.inf
     allowed = g.node("Add", ["log_probs", g.const("banned_ids_bias", never)])
-    g.const("top_k", np.array([1], np.int64))  # an input with a default value
     g.node("TopK", [allowed, "top_k"], ["top_log_probs", "top_ids"], axis=-1, largest=1, sorted=1)
 
     def cache(name, length):
