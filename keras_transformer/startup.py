@@ -29,6 +29,21 @@ def quiet_tensorflow_start():
         yield
         return
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    with quiet_native_stderr():
+        yield
+
+
+@contextlib.contextmanager
+def quiet_native_stderr():
+    """Silences standard error's file descriptor for the command (not `--verbose`).
+
+    For native code that logs at INFO level on its own, such as the
+    SentencePiece library inside tensorflow-text, which reports the identity
+    normalization of our tokenizer models each time one is loaded.
+    """
+    if not is_quiet_command():
+        yield
+        return
     sys.stderr.flush()
     saved = os.dup(2)
     devnull = os.open(os.devnull, os.O_WRONLY)

@@ -138,4 +138,7 @@ class SentencePieceTokenizer(SentencePieceModel):
         import tensorflow as tf
         import tensorflow_text
 
-        return tensorflow_text.SentencepieceTokenizer(model=self.model_proto, out_type=tf.int32)
+        from keras_transformer.startup import quiet_native_stderr
+
+        with quiet_native_stderr():
+            return tensorflow_text.SentencepieceTokenizer(model=self.model_proto, out_type=tf.int32)
