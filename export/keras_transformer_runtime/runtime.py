@@ -328,7 +328,10 @@ class OnnxTranslator:
         source, limits = self._prepare(source_ids, max_length)
         if (limits == 0).all():
             return beam_loop(None, None, limits, beam_size, length_penalty)
-        _, mask, cross = self.encode(np.repeat(source, beam_size, axis=0))
+        # Each sentence encoded once; its beams share the encoder's outputs.
+        _, mask, cross = self.encode(source)
+        mask = np.repeat(mask, beam_size, axis=0)
+        cross = [np.repeat(cache, beam_size, axis=0) for cache in cross]
         state = {
             "feeds": self._search_feeds(mask, cross),
             "caches": self.empty_self_caches(len(mask)),
