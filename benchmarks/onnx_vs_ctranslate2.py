@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 
 CELLS = (("greedy", 1, 1), ("greedy", 1, 32), ("beam 4", 4, 1), ("beam 4", 4, 32))
@@ -107,8 +108,8 @@ def run(args):
         results.append(cell)
         print(_row(cell), flush=True)
     report = {
-        "command": "python -m benchmarks.onnx_vs_ctranslate2 "
-        + " ".join(f"{k}={v}" for k, v in vars(args).items()),
+        "command": "python -m benchmarks.onnx_vs_ctranslate2 " + " ".join(args.argv),
+        "settings": {k: v for k, v in vars(args).items() if k != "argv"},
         "sentences": len(lines),
         "threads": args.threads,
         "repeats": args.repeats,
@@ -166,7 +167,10 @@ def table(report):
 
 
 def main(argv=None):
-    run(build_parser().parse_args(argv))
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser().parse_args(argv)
+    args.argv = argv
+    run(args)
 
 
 if __name__ == "__main__":

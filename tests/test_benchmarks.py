@@ -218,3 +218,33 @@ def test_ctranslate2_peer_scores_as_the_keras_model(normalize_first, tmp_path):
     theirs = np.array([sum(result.log_probs) for result in results])
     ours = sequence_log_probs(model, sources, targets)
     np.testing.assert_allclose(theirs, ours, rtol=1e-5, atol=1e-4)
+
+
+def test_onnx_vs_ctranslate2_runs_every_system_and_writes_json(trained_run, corpus_files, tmp_path):
+    """The deployment benchmark end to end on the SentencePiece test run: four systems,
+    four cells, ratios to CTranslate2 at the same precision, the command as given."""
+    pytest.importorskip("ctranslate2")
+    from benchmarks.onnx_vs_ctranslate2 import CELLS, SYSTEMS
+    from benchmarks.onnx_vs_ctranslate2 import main as deploy_main
+
+    _, paths = corpus_files
+    out = tmp_path / "deploy.json"
+    argv = [str(trained_run), "--src", paths["test.src"], "--ref", paths["test.tgt"]]
+    argv += ["--lines", "12", "--repeats", "1", "--out", str(out)]
+    deploy_main(argv)
+    report = json.loads(out.read_text())
+    assert report["command"] == "python -m benchmarks.onnx_vs_ctranslate2 " + " ".join(argv)
+    assert [(c["search"], c["batch_size"]) for c in report["cells"]] == [
+        (s, b) for s, _, b in CELLS
+    ]
+    for cell in report["cells"]:
+        systems = cell["systems"]
+        assert set(systems) == set(SYSTEMS)
+        assert systems["ort-float32"]["identical_to_ort_float32"] == 12
+        for name, peer in (("ort-float32", "ct2-float32"), ("ort-int8", "ct2-int8")):
+            ratio = systems[name]["sentences_per_second"] / systems[peer]["sentences_per_second"]
+            assert systems[name]["ratio_to_ct2"] == pytest.approx(ratio)
+    # (That CTranslate2 holds the same model is test_ctranslate2_peer_scores_as_the_keras_model:
+    # this 3-epoch model's outputs are too uncertain to compare token for token.)
+    assert set(report["size_bytes"]) == set(SYSTEMS)
+    assert report["size_bytes"]["ort-int8"] < report["size_bytes"]["ort-float32"]
