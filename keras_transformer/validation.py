@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+# One definition, shared with the TensorFlow-free runtime (which this package depends on).
+from keras_transformer_runtime.search import check_positive_int
 
-def check_positive_int(name, value):
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ValueError(f"{name} must be a positive integer. Received: {name}={value!r}")
+__all__ = ["check_positive_int", "check_rate"]
 
 
 def check_rate(name, value):

@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 from keras_transformer_runtime.search import banned_ids
 
-MASKED_SCORE = -65504.0  # as keras_transformer.ops.attention
+from keras_transformer.ops.attention import MASKED_SCORE
 
 
 def _value(weight):
