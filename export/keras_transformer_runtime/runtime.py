@@ -250,6 +250,15 @@ class OnnxTranslator:
         feeds.update(zip(self.cache_names("cross"), cross_caches, strict=True))
         return feeds
 
+    @staticmethod
+    def _kept_feeds(feeds, rows):
+        """The per-source feeds (`source_mask`, the cross caches) of `rows` only."""
+        return {
+            name: value[rows]
+            for name, value in feeds.items()
+            if name == "source_mask" or name.startswith("cross_")
+        }
+
     def _run_step(self, token_ids, feeds, self_caches, top_k):
         """`decoder_step` without the input checks, for the search loops.
 
@@ -295,8 +304,10 @@ class OnnxTranslator:
             "feeds": self._search_feeds(mask, cross),
             "caches": self.empty_self_caches(len(source)),
         }
-        best = np.zeros((len(source), 1), np.float32), np.zeros((len(source), 1), np.int64)
-        log_probs = np.zeros((len(source), self.vocabulary_size), np.float32)
+        if self._top_k_in_graph:  # the best token of each row, as the graph chose it
+            chosen = np.zeros((len(source), 1), np.float32), np.zeros((len(source), 1), np.int64)
+        else:
+            chosen = np.zeros((len(source), self.vocabulary_size), np.float32)
 
         def step(inputs, t):
             # A finished sentence is fed EOS; drop it from the batch the graph sees.
@@ -304,21 +315,17 @@ class OnnxTranslator:
             if len(live) < len(state["rows"]):
                 keep = np.searchsorted(state["rows"], live)
                 state["rows"] = live
-                state["feeds"] = {
-                    k: v[keep]
-                    for k, v in state["feeds"].items()
-                    if k == "source_mask" or k.startswith("cross_")
-                }
+                state["feeds"] = self._kept_feeds(state["feeds"], keep)
                 state["caches"] = [cache[keep] for cache in state["caches"]]
             rows = state["rows"]
             out, state["caches"] = self._run_step(
                 np.ascontiguousarray(inputs[rows, -1:]), state["feeds"], state["caches"], 1
             )
-            if isinstance(out, tuple):  # the best token of each row, from the graph
-                best[0][rows], best[1][rows] = out
-                return best
-            log_probs[rows] = out
-            return log_probs
+            if isinstance(out, tuple):
+                chosen[0][rows], chosen[1][rows] = out
+            else:
+                chosen[rows] = out
+            return chosen
 
         return greedy_loop(step, limits)
 
@@ -348,11 +355,7 @@ class OnnxTranslator:
             if len(rows) < len(state["feeds"]["source_mask"]):
                 # Finished sentences left the batch: their encoder rows go too
                 # (every row of a sentence holds the same source).
-                state["feeds"] = {
-                    name: value[rows]
-                    for name, value in state["feeds"].items()
-                    if name == "source_mask" or name.startswith("cross_")
-                }
+                state["feeds"] = self._kept_feeds(state["feeds"], rows)
 
         return beam_loop(step, reorder, limits, beam_size, length_penalty, drop_finished=True)
 
