@@ -124,6 +124,7 @@ def record(run_dir: str, name: str, data: str, note: str = "", stopped: str = ""
         "train_minutes": round(metrics["train_seconds"] / 60, 1),
         "warmup_steps": metrics.get("warmup_steps"),
         "learning_rate_scale": metrics.get("learning_rate_scale"),
+        "tokens_per_batch": metrics.get("tokens_per_batch", settings.get("tokens_per_batch")),
         "final": metrics.get("final", {"chosen": metrics.get("averaged_checkpoints")}),
         "valid": None
         if stopped
@@ -159,14 +160,14 @@ def _model_config(settings: dict) -> dict:
     return config.to_dict()
 
 
-def _summary(settings: dict, model: dict) -> str:
+def _summary(settings: dict, model: dict, tokens_per_batch=None) -> str:
     shape = f"{model['num_layers']}L d{model['hidden_dim']} ff{model['intermediate_dim']}"
     parts = [
         f"{settings.get('preset')} ({shape}{', pre-norm' if model['normalize_first'] else ''})",
         f"vocab {settings.get('vocab_size')}",
         f"drop {model['dropout']}",
         f"ls {settings.get('label_smoothing')}",
-        f"tok {settings.get('tokens_per_batch')}"
+        f"tok {settings.get('tokens_per_batch') or f'auto ({tokens_per_batch})'}"
         + (f"x{settings['accumulate_steps']}" if settings.get("accumulate_steps", 1) > 1 else ""),
     ]
     return ", ".join(parts)
@@ -203,7 +204,7 @@ def table() -> str:
                 f"| {beam['bleu_lowercase']} / {beam['bleu']} / {beam['chrf']}"
             )
         lines.append(
-            f"| {e['name']} | {e['direction']} | {_summary(e['settings'], e['model'])} "
+            f"| {e['name']} | {e['direction']} | {_summary(e['settings'], e['model'], e.get('tokens_per_batch'))} "
             f"| {e.get('warmup_steps')}, {scale if scale is None else round(scale, 3)} "
             f"| {e['epochs']} | {e['train_minutes']} | {final} | {scores} "
             f"| {e['machine']['cpu']} ({', '.join(e['machine']['cpu_flags'])}) |"

@@ -221,8 +221,8 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--tokens-per-batch",
         type=int,
-        default=4096,
-        help="padded tokens per batch on each side (default 4096)",
+        help="padded tokens per batch on each side (default: 4096, or 2048 or 1024 where "
+        "that leaves an epoch fewer than 200 updates)",
     )
     train.add_argument(
         "--precision",

@@ -84,6 +84,13 @@ PAPER_WARMUP_STEPS = 4000
 # Multi30k one epoch (258 updates) left the post-norm `small` model on the
 # plateau where it ignores the source (benchmarks/results/multi30k/).
 WARMUP_EPOCHS = 3
+# The automatic batch size (`tokens_per_batch=None`): the largest of these that
+# still gives an epoch MIN_UPDATES_PER_EPOCH optimizer updates. On Multi30k,
+# 4096-token batches (134 updates an epoch) were far behind 2048-token ones
+# (258) at every epoch of a 10-epoch budget (benchmarks/results/multi30k/); a
+# large corpus keeps 4096.
+AUTO_TOKENS_PER_BATCH = (4096, 2048, 1024)
+MIN_UPDATES_PER_EPOCH = 200
 # Validation measure: history key, and whether larger is better.
 MEASURES = {"loss": ("val_loss", False), "bleu": ("val_bleu", True)}
 FINAL_CHOICES = ("auto", "last", "best")
@@ -105,7 +112,8 @@ class TrainSettings:
     epochs: int | None = None
     max_steps: int | None = None
     max_minutes: float | None = None
-    tokens_per_batch: int = 4096
+    # Padded tokens per batch on each side; None: automatic (AUTO_TOKENS_PER_BATCH).
+    tokens_per_batch: int | None = None
     # "auto": bfloat16 where the hardware computes in it, else float32.
     precision: str = "auto"
     label_smoothing: float = 0.1
@@ -538,6 +546,7 @@ class _Data:
     train_stats: object  # keras_transformer.data.pipeline.DataStats
     valid_stats: object
     valid_text: tuple  # (sources, targets): the validation files' lines
+    tokens_per_batch: int  # as given, or as chosen automatically
 
     @functools.cached_property
     def valid_pairs(self) -> list[tuple[str, str]]:
@@ -636,10 +645,20 @@ def _load_data(run, settings, src_train, tgt_train, src_valid, tgt_valid) -> _Da
         f"SentencePiece vocabulary: {tokenizer.vocabulary_size} pieces (asked for "
         f"{settings.vocab_size})"
     )
-    batching = (tokenizer, config.max_length, settings.tokens_per_batch)
-    train_data, train_stats = make_dataset(
-        src_train, tgt_train, *batching, shuffle=True, seed=settings.seed
-    )
+    given = settings.tokens_per_batch
+    for tokens_per_batch in (given,) if given else AUTO_TOKENS_PER_BATCH:
+        batching = (tokenizer, config.max_length, tokens_per_batch)
+        train_data, train_stats = make_dataset(
+            src_train, tgt_train, *batching, shuffle=True, seed=settings.seed
+        )
+        if train_stats.batches // settings.accumulate_steps >= MIN_UPDATES_PER_EPOCH:
+            break
+    if not given:
+        run.log(
+            f"Batches: {tokens_per_batch} tokens per side (auto: the largest of "
+            f"{', '.join(map(str, AUTO_TOKENS_PER_BATCH))} that gives at least "
+            f"{MIN_UPDATES_PER_EPOCH} updates an epoch, or the smallest)."
+        )
     valid_data, valid_stats = make_dataset(src_valid, tgt_valid, *batching, shuffle=False)
     check_workers_agree(
         run.strategy,
@@ -658,7 +677,14 @@ def _load_data(run, settings, src_train, tgt_train, src_valid, tgt_valid) -> _Da
         valid_data = share_global_batches(valid_data)
         run.log(f"Training on {run.replicas} replicas ({type(run.strategy).__name__}).")
     return _Data(
-        tokenizer, config, train_data, valid_data, train_stats, valid_stats, (src_valid, tgt_valid)
+        tokenizer,
+        config,
+        train_data,
+        valid_data,
+        train_stats,
+        valid_stats,
+        (src_valid, tgt_valid),
+        tokens_per_batch,
     )
 
 
@@ -855,6 +881,7 @@ def _validate_and_record(run, settings, model, data, history, recipe, final, gre
         "warmup_steps": recipe.warmup_steps,
         "learning_rate_scale": recipe.learning_rate_scale,
         "updates_per_epoch": recipe.updates_per_epoch,
+        "tokens_per_batch": data.tokens_per_batch,
         "accumulate_steps": settings.accumulate_steps,
         "config": data.config.to_dict(),
         "backend": keras.backend.backend(),

@@ -249,6 +249,29 @@ def test_auto_precision_and_accumulation_are_chosen_said_and_recorded(
     assert model.get_layer("decoder_layer_0").dtype_policy.name == "mixed_bfloat16"
 
 
+@pytest.mark.parametrize("min_updates, chosen", [(1, 4096), (10**6, 1024)])
+def test_automatic_batch_size_is_chosen_said_and_recorded(
+    min_updates, chosen, corpus_files, tmp_path, capsys, monkeypatch
+):
+    """Without --tokens-per-batch: the largest of 4096, 2048 and 1024 tokens that gives an
+    epoch at least MIN_UPDATES_PER_EPOCH updates, else the smallest."""
+    from keras_transformer import train as train_module
+
+    monkeypatch.setattr(train_module, "MIN_UPDATES_PER_EPOCH", min_updates)
+    _, paths = corpus_files
+    out = tmp_path / "run"
+    args = _train_args(paths, out, "--max-steps", "1")
+    del args[args.index("--tokens-per-batch") : args.index("--tokens-per-batch") + 2]
+    assert cli.main(args) == 0
+    assert f"Batches: {chosen} tokens per side (auto: the largest of 4096, 2048, 1024" in (
+        capsys.readouterr().out
+    )
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["tokens_per_batch"] == chosen
+    settings = json.loads((out / "train_config.json").read_text())
+    assert settings["tokens_per_batch"] is None  # the setting stays automatic on resume
+
+
 def test_patience_stops_and_the_best_epoch_is_kept(corpus_files, tmp_path, capsys):
     """References no output can match give BLEU 0 every epoch: epoch 1 stays best.
 
