@@ -17,6 +17,8 @@ gives an empty output with score 0.
 
 from __future__ import annotations
 
+import logging
+
 import keras
 import numpy as np
 from keras import ops
@@ -33,6 +35,7 @@ from keras_transformer_runtime.search import (
 from keras_transformer_runtime.specials import BOS_ID, EOS_ID, PAD_ID
 
 from keras_transformer.model import TransformerParts, transformer_parts
+from keras_transformer.startup import DropMessages
 
 __all__ = [
     "BOS_ID",
@@ -44,6 +47,9 @@ __all__ = [
     "length_penalty_factor",
     "sequence_log_probs",
 ]
+
+# Hides TensorFlow's retracing warning for the decoder's own compiled functions (see _compile).
+_RETRACING = DropMessages("_Decoder.", "triggered tf.function retracing")
 
 
 def _as_source_array(source_ids, model_max_length):
@@ -141,7 +147,10 @@ class _Decoder:
             import tensorflow as tf
 
             # XLA fuses the small ops of one decoder step; the shapes of the
-            # cached step are fixed per call, so it compiles once per batch shape.
+            # cached step are fixed per call, so it compiles once per batch
+            # shape, by design: TensorFlow's warning about retracing would only
+            # mislead.
+            logging.getLogger("tensorflow").addFilter(_RETRACING)
             return tf.function(fn, reduce_retracing=relax_shapes, jit_compile=xla)
         if self.backend == "jax":
             import jax

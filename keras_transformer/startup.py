@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import sys
 
@@ -54,3 +55,15 @@ def quiet_native_stderr():
         os.dup2(saved, 2)
         os.close(saved)
         os.close(devnull)
+
+
+class DropMessages(logging.Filter):
+    """A logging filter that drops the records whose message contains every one of `texts`."""
+
+    def __init__(self, *texts):
+        super().__init__()
+        self.texts = texts
+
+    def filter(self, record):
+        message = record.getMessage()
+        return not all(text in message for text in self.texts)

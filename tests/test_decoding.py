@@ -1,3 +1,4 @@
+import logging
 import os
 
 import keras
@@ -209,3 +210,24 @@ def test_bad_arguments_raise(random_model):
         greedy_search(random_model, np.zeros((2, 3), np.float32))
     with pytest.raises(ValueError, match="length_penalty"):
         beam_search(random_model, [[5, 6]], length_penalty=-1)
+
+
+@pytest.mark.skipif(keras.backend.backend() != "tensorflow", reason="TensorFlow's own warning")
+def test_one_compiled_search_per_shape_does_not_warn_of_retracing(random_model, caplog):
+    """The decoder compiles its search once per batch shape on purpose; TensorFlow's
+    retracing warning is hidden for the decoder's functions, not for anyone else's."""
+    import tensorflow as tf
+
+    rng = np.random.default_rng(0)
+    with caplog.at_level(logging.WARNING, logger="tensorflow"):
+        for n in range(1, 8):
+            greedy_search(random_model, rng.integers(4, 40, size=(n, 2 + n)).astype("int32"))
+
+        @tf.function
+        def double(x):
+            return x * 2
+
+        for n in range(1, 8):
+            double(tf.ones((n,)))
+    retracing = [r.getMessage() for r in caplog.records if "retracing" in r.getMessage()]
+    assert retracing and all("_Decoder." not in message for message in retracing)

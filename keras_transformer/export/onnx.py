@@ -384,10 +384,12 @@ def _int8(path, out_path):
 
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
+    from keras_transformer.startup import DropMessages
+
     # The quantizer advises, on the root logger and once per graph, an optional
     # pre-processing pass; the int8 graphs are judged by their translations
     # instead (tests/test_export.py, benchmarks.onnx_vs_ctranslate2).
-    hush = _DropMessages("pre-processing before quantization")
+    hush = DropMessages("pre-processing before quantization")
     logging.getLogger().addFilter(hush)
     try:
         quantize_dynamic(
@@ -400,16 +402,6 @@ def _int8(path, out_path):
         )
     finally:
         logging.getLogger().removeFilter(hush)
-
-
-class _DropMessages:
-    """A logging filter that drops the records whose message contains `text`."""
-
-    def __init__(self, text):
-        self.text = text
-
-    def filter(self, record):
-        return self.text not in record.getMessage()
 
 
 def _sort_topologically(graph):
