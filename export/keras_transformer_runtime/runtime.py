@@ -240,8 +240,12 @@ class OnnxTranslator:
                 if cache.dtype != np.float32:
                     raise ValueError(f"{name} must be float32. Received dtype {cache.dtype}")
                 feeds[name] = cache
+        return self._run_log_probs(feeds)
+
+    def _run_log_probs(self, feeds):
+        """The step's whole `log_probs` and new self caches, for complete `feeds`."""
         if self._top_k_in_graph:
-            feeds["top_k"] = np.array([1], np.int64)
+            feeds["top_k"] = np.array([1], np.int64)  # the selection is not read
         log_probs, *new_caches = self.step_session.run(["log_probs", *self._new_self_names], feeds)
         return log_probs, new_caches
 
@@ -269,10 +273,7 @@ class OnnxTranslator:
         feeds["token_ids"] = token_ids
         feeds.update(zip(self._self_names, self_caches, strict=True))
         if not self._top_k_in_graph:
-            log_probs, *new_caches = self.step_session.run(
-                ["log_probs", *self._new_self_names], feeds
-            )
-            return log_probs, new_caches
+            return self._run_log_probs(feeds)
         feeds["top_k"] = np.array([min(top_k, self.vocabulary_size)], np.int64)
         values, ids, *new_caches = self.step_session.run(
             ["top_log_probs", "top_ids", *self._new_self_names], feeds

@@ -109,10 +109,9 @@ def build_decoder_step(parts, opset=17):
     `self_value_i (batch, heads, past_len, head_dim)`. The new token is at
     position `past_len`; and `top_k (1,) int64`. Outputs: `log_probs (batch,
     vocabulary)`; `top_log_probs (batch, top_k)` and `top_ids (batch, top_k)
-    int64`, the best `top_k` tokens of each row
-    other than padding and BOS, best first (ties: lower id), which is all a
-    search step reads; and `new_self_key_i`, `new_self_value_i (batch,
-    heads, past_len + 1, head_dim)`.
+    int64`, the best `top_k` tokens of each row other than padding and BOS,
+    best first (ties: lower id), which is all a search step reads; and
+    `new_self_key_i`, `new_self_value_i (batch, heads, past_len + 1, head_dim)`.
     """
     from onnx import TensorProto, helper
 
