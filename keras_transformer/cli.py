@@ -273,10 +273,9 @@ def build_parser() -> argparse.ArgumentParser:
     choose = train.add_argument_group("choosing on the validation set")
     choose.add_argument(
         "--select-by",
-        default="loss",
         choices=["loss", "bleu"],
-        help="the measure that ranks epochs: validation loss (default) or greedy BLEU, "
-        "decoded after every epoch",
+        help="the measure that ranks epochs: greedy BLEU, decoded after every epoch "
+        "(default), or validation loss (the default with --strategy multi-worker)",
     )
     choose.add_argument(
         "--patience",

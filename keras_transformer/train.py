@@ -129,8 +129,9 @@ class TrainSettings:
     # None: the preset's; True: LayerNorm before each sublayer (pre-norm).
     normalize_first: bool | None = None
     seed: int = 0
-    # The validation measure that ranks epochs: "loss" or "bleu" (greedy).
-    select_by: str = "loss"
+    # The validation measure that ranks epochs: "loss" or "bleu" (greedy); None:
+    # "bleu", the measure a translation is judged by, or "loss" with multi-worker.
+    select_by: str | None = None
     # Stop after this many epochs without a better validation measure.
     patience: int | None = None
     # Largest number of epoch checkpoints averaged into the final weights.
@@ -150,6 +151,8 @@ class TrainSettings:
                 f"strategy must be one of {', '.join(STRATEGIES)}. "
                 f"Received: strategy={self.strategy!r}"
             )
+        if self.select_by is None:
+            self.select_by = "loss" if self.strategy == "multi-worker" else "bleu"
         for name, value, choices in (
             ("precision", self.precision, PRECISION_CHOICES),
             ("select_by", self.select_by, tuple(MEASURES)),

@@ -33,8 +33,8 @@ class ToyDecoder:
     instead of the whole `log_probs`, as the ONNX step graph does.
     """
 
-    def __init__(self, batch, beam_size, top_k=None):
-        self.sentences = np.repeat(np.arange(batch), beam_size)
+    def __init__(self, batch, beam_size, top_k=None, shared_first_step=False):
+        self.sentences = np.repeat(np.arange(batch), 1 if shared_first_step else beam_size)
         self.prefixes = [[] for _ in self.sentences]
         self.batch_sizes = []
         self.top_k = top_k
@@ -53,10 +53,15 @@ class ToyDecoder:
         self.prefixes = [list(self.prefixes[r]) for r in rows]
 
 
-def _beam(limits, beam_size, drop_finished, top_k=None):
-    decoder = ToyDecoder(len(limits), beam_size, top_k)
+def _beam(limits, beam_size, drop_finished, top_k=None, shared_first_step=False):
+    decoder = ToyDecoder(len(limits), beam_size, top_k, shared_first_step)
     result = beam_loop(
-        decoder.step, decoder.reorder, limits, beam_size, drop_finished=drop_finished
+        decoder.step,
+        decoder.reorder,
+        limits,
+        beam_size,
+        drop_finished=drop_finished,
+        shared_first_step=shared_first_step,
     )
     return result, decoder.batch_sizes
 
@@ -74,6 +79,26 @@ def test_dropping_finished_sentences_changes_the_batch_not_the_results(beam_size
     assert tokens[1] == [] and scores[1] == 0.0  # an empty source
     for row, limit in zip(tokens, limits, strict=True):
         assert len(row) <= limit and BOS_ID not in row and EOS_ID not in row
+
+
+@pytest.mark.parametrize("beam_size", [1, 3, 5])
+@pytest.mark.parametrize("drop_finished", [False, True])
+def test_a_shared_first_step_runs_one_row_per_sentence_with_the_same_results(
+    beam_size, drop_finished
+):
+    limits = np.array([9, 0, 4, 12, 1, 7, 12, 3])
+    (tokens, scores), kept = _beam(limits, beam_size, drop_finished=False)
+    for top_k in (None, 2 * beam_size):
+        (shared_tokens, shared_scores), sizes = _beam(
+            limits, beam_size, drop_finished, top_k=top_k, shared_first_step=True
+        )
+        assert shared_tokens == tokens
+        np.testing.assert_array_equal(shared_scores, scores)
+        assert sizes[0] == len(limits)
+        if drop_finished:
+            assert all(a <= b for a, b in zip(sizes[1:], kept[1:], strict=False))
+        else:
+            assert sizes[1:] == kept[1:]
 
 
 @pytest.mark.parametrize("beam_size", [1, 2, 4])

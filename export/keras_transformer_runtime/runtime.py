@@ -336,10 +336,9 @@ class OnnxTranslator:
         source, limits = self._prepare(source_ids, max_length)
         if (limits == 0).all():
             return beam_loop(None, None, limits, beam_size, length_penalty)
-        # Each sentence encoded once; its beams share the encoder's outputs.
+        # Each sentence is encoded once, and its first step runs once: the
+        # first reorder gives its beams copies of its row (encoder outputs included).
         _, mask, cross = self.encode(source)
-        mask = np.repeat(mask, beam_size, axis=0)
-        cross = [np.repeat(cache, beam_size, axis=0) for cache in cross]
         state = {
             "feeds": self._search_feeds(mask, cross),
             "caches": self.empty_self_caches(len(mask)),
@@ -353,12 +352,21 @@ class OnnxTranslator:
 
         def reorder(rows):
             state["caches"] = [cache[rows] for cache in state["caches"]]
-            if len(rows) < len(state["feeds"]["source_mask"]):
-                # Finished sentences left the batch: their encoder rows go too
-                # (every row of a sentence holds the same source).
+            if len(rows) != len(state["feeds"]["source_mask"]):
+                # The first step's rows became beams, or finished sentences left
+                # the batch: the encoder rows follow (every row of a sentence
+                # holds the same source).
                 state["feeds"] = self._kept_feeds(state["feeds"], rows)
 
-        return beam_loop(step, reorder, limits, beam_size, length_penalty, drop_finished=True)
+        return beam_loop(
+            step,
+            reorder,
+            limits,
+            beam_size,
+            length_penalty,
+            drop_finished=True,
+            shared_first_step=True,
+        )
 
     def translate(
         self, sentences, beam_size=4, max_length=None, batch_size=32, progress=False, warn=None

@@ -164,7 +164,14 @@ def greedy_loop(step, limits, ignore_eos=False):
 
 
 def beam_loop(
-    step, reorder, limits, beam_size, length_penalty=0.6, ignore_eos=False, drop_finished=False
+    step,
+    reorder,
+    limits,
+    beam_size,
+    length_penalty=0.6,
+    ignore_eos=False,
+    drop_finished=False,
+    shared_first_step=False,
 ):
     """Beam search over a step function; row `p * beam_size + j` is beam j of sentence p.
 
@@ -195,6 +202,12 @@ def beam_loop(
             only the sentences still searched (in input order), so the
             state, and each step's batch, shrinks. For decoders whose step
             takes any batch size; the results are the same either way.
+        shared_first_step: the beams of a sentence all start from BOS, so
+            the first step runs one row per sentence (`last` is
+            `(sentences,)`) and the first `reorder` gives every beam its
+            sentence's row (`rows[p * beam_size + j] = p`): the first step
+            costs one row per sentence instead of `beam_size`. For decoders
+            whose step takes any batch size; the results are the same.
 
     Returns:
         `(tokens, scores)`: the best hypothesis of each sentence (int list cut
@@ -224,7 +237,9 @@ def beam_loop(
         # A sentence's 2k best candidates are among the 2k best tokens of each
         # of its beams: select per row first (or take the step's selection),
         # then rank only those.
-        out = step(last, t)
+        shared = shared_first_step and t == 0  # the state holds one row per sentence
+        per_sentence = 1 if shared else k
+        out = step(last[::k].copy() if shared else last, t)
         if isinstance(out, tuple):
             if ignore_eos:
                 raise ValueError("ignore_eos needs a step that returns the whole log_probs")
@@ -238,13 +253,15 @@ def beam_loop(
             top = np.argpartition(-log_probs, width - 1, axis=1)[:, :width]  # (rows, width)
             top_scores = np.take_along_axis(log_probs, top, axis=1).astype(np.float64)
         count, width = len(active), top.shape[1]
+        n = per_sentence
         candidates = (
-            alive_scores[active][:, :, None] + top_scores.reshape(count, k, width)
-        ).reshape(count, k * width)
-        flat = (np.arange(k)[:, None] * vocab + top.reshape(count, k, width)).reshape(
-            count, k * width
+            alive_scores[active][:, :n, None] + top_scores.reshape(count, n, width)
+        ).reshape(count, n * width)
+        flat = (np.arange(n)[:, None] * vocab + top.reshape(count, n, width)).reshape(
+            count, n * width
         )  # beam * vocab + token
-        origin = np.tile(np.arange(k), count)  # default: each row keeps its own state
+        # Default: each row keeps its own state (its sentence's only row at a shared step).
+        origin = np.zeros(count * k, np.int64) if shared else np.tile(np.arange(k), count)
         for p, b in enumerate(active):
             if done[b]:
                 continue
@@ -288,7 +305,7 @@ def beam_loop(
                 last[p * k + j] = tokens[-1]
         if done.all():
             break
-        rows = np.arange(count * k) // k * k + origin
+        rows = np.arange(count * k) // k * per_sentence + origin
         if drop_finished and done[active].sum() > DROP_FRACTION * count:
             keep = np.flatnonzero(~done[active])  # positions in the state
             rows = rows.reshape(count, k)[keep].reshape(-1)
