@@ -44,9 +44,10 @@ def _language(path: str) -> str:
 
 def train_command(settings: dict) -> str:
     """The `keras-transformer train` command of a run's `train_config.json`, defaults left out."""
-    from keras_transformer.train import TrainSettings
+    from keras_transformer.train import TrainSettings, default_select_by
 
     defaults = {f.name: f.default for f in dataclasses.fields(TrainSettings)}
+    defaults["select_by"] = default_select_by(settings.get("strategy", "default"))
     words = ["keras-transformer", "train"]
     for side in ("src", "tgt"):
         for split in ("train", "valid"):

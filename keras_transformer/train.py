@@ -100,6 +100,13 @@ class RunDirectoryError(ValueError):
     """The run directory belongs to another configuration or is not a run directory."""
 
 
+def default_select_by(strategy: str) -> str:
+    """The measure that ranks epochs when none is asked for: greedy validation
+    BLEU, the one a translation is judged by; validation loss under
+    multi-worker training, where BLEU is not decoded."""
+    return "loss" if strategy == "multi-worker" else "bleu"
+
+
 @dataclasses.dataclass
 class TrainSettings:
     """Everything that defines a training run (written to `train_config.json`)."""
@@ -152,7 +159,7 @@ class TrainSettings:
                 f"Received: strategy={self.strategy!r}"
             )
         if self.select_by is None:
-            self.select_by = "loss" if self.strategy == "multi-worker" else "bleu"
+            self.select_by = default_select_by(self.strategy)
         for name, value, choices in (
             ("precision", self.precision, PRECISION_CHOICES),
             ("select_by", self.select_by, tuple(MEASURES)),

@@ -174,8 +174,9 @@ def test_multi30k_record_command_names_only_what_differs_from_the_defaults():
     assert train_command(settings) == (
         "keras-transformer train --src-train $DATA/train.de.gz --src-valid $DATA/val.de.gz "
         "--tgt-train $DATA/train.en.gz --tgt-valid $DATA/val.en.gz --out RUN --epochs 10 "
-        "--tokens-per-batch 2048 --dropout 0.1 --select-by bleu"
+        "--tokens-per-batch 2048 --dropout 0.1"
     )
+    assert train_command({**settings, "select_by": "loss"}).endswith(" --select-by loss")
 
 
 @pytest.mark.parametrize("normalize_first", [False, True])
