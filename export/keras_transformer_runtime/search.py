@@ -238,8 +238,8 @@ def beam_loop(
         # of its beams: select per row first (or take the step's selection),
         # then rank only those.
         shared = shared_first_step and t == 0  # the state holds one row per sentence
-        per_sentence = 1 if shared else k
-        out = step(last[::k].copy() if shared else last, t)
+        n = 1 if shared else k  # rows of each sentence in the state
+        out = step(last[::k] if shared else last, t)
         if isinstance(out, tuple):
             if ignore_eos:
                 raise ValueError("ignore_eos needs a step that returns the whole log_probs")
@@ -253,7 +253,6 @@ def beam_loop(
             top = np.argpartition(-log_probs, width - 1, axis=1)[:, :width]  # (rows, width)
             top_scores = np.take_along_axis(log_probs, top, axis=1).astype(np.float64)
         count, width = len(active), top.shape[1]
-        n = per_sentence
         candidates = (
             alive_scores[active][:, :n, None] + top_scores.reshape(count, n, width)
         ).reshape(count, n * width)
@@ -305,7 +304,7 @@ def beam_loop(
                 last[p * k + j] = tokens[-1]
         if done.all():
             break
-        rows = np.arange(count * k) // k * per_sentence + origin
+        rows = np.arange(count * k) // k * n + origin
         if drop_finished and done[active].sum() > DROP_FRACTION * count:
             keep = np.flatnonzero(~done[active])  # positions in the state
             rows = rows.reshape(count, k)[keep].reshape(-1)
