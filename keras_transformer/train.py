@@ -32,6 +32,7 @@ import json
 import math
 import os
 import re
+import sys
 import time
 import zlib
 
@@ -39,7 +40,12 @@ import keras
 import numpy as np
 
 from keras_transformer.config import TransformerConfig
-from keras_transformer.data.pipeline import DataError, make_dataset, read_parallel
+from keras_transformer.data.pipeline import (
+    DataError,
+    batch_pairs,
+    encode_pairs,
+    read_parallel,
+)
 from keras_transformer.data.tokenizer import (
     DEFAULT_VOCABULARY_SIZE,
     SentencePieceTokenizer,
@@ -313,6 +319,15 @@ class _EpochProgress(keras.callbacks.ProgbarLogger):
         self.epochs = epochs
         if self.verbose:
             print(f"Epoch {epoch + 1} ({self.budget})")
+
+
+def fit_verbosity(verbose: int, terminal: bool) -> int:
+    """`model.fit`'s verbosity: the live progress bar (1) only on a terminal.
+
+    Redirected to a file (`nohup`, CI logs), the bar's carriage-return
+    updates would write megabytes an epoch; one line per epoch (2) is kept.
+    """
+    return 2 if verbose == 1 and not terminal else verbose
 
 
 def ranked_epochs(history, select_by) -> list[int]:
@@ -656,12 +671,12 @@ def _load_data(run, settings, src_train, tgt_train, src_valid, tgt_valid) -> _Da
         f"{settings.vocab_size})"
     )
     given = settings.tokens_per_batch
+    # Encoded once; the automatic batch size only counts each candidate's batches.
+    train_pairs = encode_pairs(src_train, tgt_train, tokenizer, config.max_length)
     for tokens_per_batch in (given,) if given else AUTO_TOKENS_PER_BATCH:
-        batching = (tokenizer, config.max_length, tokens_per_batch)
-        train_data, train_stats = make_dataset(
-            src_train, tgt_train, *batching, shuffle=True, seed=settings.seed
-        )
-        if train_stats.batches // settings.accumulate_steps >= MIN_UPDATES_PER_EPOCH:
+        if train_pairs.batches(tokens_per_batch) // settings.accumulate_steps >= (
+            MIN_UPDATES_PER_EPOCH
+        ):
             break
     if not given:
         run.log(
@@ -669,7 +684,14 @@ def _load_data(run, settings, src_train, tgt_train, src_valid, tgt_valid) -> _Da
             f"{', '.join(map(str, AUTO_TOKENS_PER_BATCH))} that gives at least "
             f"{MIN_UPDATES_PER_EPOCH} updates an epoch, or the smallest)."
         )
-    valid_data, valid_stats = make_dataset(src_valid, tgt_valid, *batching, shuffle=False)
+    train_data, train_stats = batch_pairs(
+        train_pairs, tokens_per_batch, shuffle=True, seed=settings.seed
+    )
+    valid_data, valid_stats = batch_pairs(
+        encode_pairs(src_valid, tgt_valid, tokenizer, config.max_length),
+        tokens_per_batch,
+        shuffle=False,
+    )
     check_workers_agree(
         run.strategy,
         **{
@@ -762,7 +784,7 @@ def _fit(run, settings, model, data) -> list:
             validation_data=data.valid,
             epochs=settings.epochs if settings.epochs is not None else 10_000,
             callbacks=callbacks,
-            verbose=run.verbose,
+            verbose=fit_verbosity(run.verbose, sys.stdout.isatty()),
             shuffle=False,  # the dataset shuffles itself, each epoch
         )
     if run.chief and not history:

@@ -258,11 +258,17 @@ def test_automatic_batch_size_is_chosen_said_and_recorded(
     from keras_transformer import train as train_module
 
     monkeypatch.setattr(train_module, "MIN_UPDATES_PER_EPOCH", min_updates)
+    encoded = []  # each side is tokenized once, however many sizes are tried
+    encode = train_module.encode_pairs
+    monkeypatch.setattr(
+        train_module, "encode_pairs", lambda *a, **k: encoded.append(1) or encode(*a, **k)
+    )
     _, paths = corpus_files
     out = tmp_path / "run"
     args = _train_args(paths, out, "--max-steps", "1")
     del args[args.index("--tokens-per-batch") : args.index("--tokens-per-batch") + 2]
     assert cli.main(args) == 0
+    assert len(encoded) == 2  # training pairs and validation pairs
     assert f"Batches: {chosen} tokens per side (auto: the largest of 4096, 2048, 1024" in (
         capsys.readouterr().out
     )

@@ -13,6 +13,7 @@ from keras_transformer.train import (
     TrainSettings,
     _RunRecorder,
     final_candidates,
+    fit_verbosity,
     patience_spent,
     ranked_epochs,
 )
@@ -102,3 +103,9 @@ def test_automatic_warmup_is_three_epochs_and_keeps_the_papers_peak(tmp_path):
     with pytest.raises(ValueError, match="patience must be a positive integer"):
         TrainSettings(*paths, *paths, patience=0)
     keras.backend.clear_session()
+
+
+def test_the_live_progress_bar_only_on_a_terminal():
+    assert fit_verbosity(1, terminal=True) == 1
+    assert fit_verbosity(1, terminal=False) == 2  # one line an epoch in a log file
+    assert fit_verbosity(0, terminal=False) == 0 and fit_verbosity(2, terminal=True) == 2

@@ -116,6 +116,69 @@ def _count_batches(lengths, boundaries, batch_sizes) -> int:
     return int(sum(-(-int(n) // size) for n, size in zip(counts, batch_sizes, strict=True)))
 
 
+@dataclasses.dataclass
+class EncodedPairs:
+    """Sentence pairs as SentencePiece ids, the kept ones only, before batching.
+
+    Encode once, then count batches (`batches`) or build datasets
+    (`batch_pairs`) for as many batch sizes as needed.
+    """
+
+    source_ids: list  # of int arrays, pieces only (no EOS)
+    target_ids: list
+    max_length: int
+    stats: PipelineStats  # `batches` is left 0: it depends on the batch size
+
+    def batches(self, tokens_per_batch: int) -> int:
+        """Batches of one pass at `tokens_per_batch` padded tokens per side."""
+        boundaries = bucket_boundaries(self.max_length)
+        lengths = [
+            max(len(s), len(t)) + 1 for s, t in zip(self.source_ids, self.target_ids, strict=True)
+        ]
+        return _count_batches(lengths, boundaries, _batch_sizes(boundaries, tokens_per_batch))
+
+
+def _batch_sizes(boundaries, tokens_per_batch) -> list[int]:
+    return [max(1, tokens_per_batch // b) for b in boundaries]
+
+
+def encode_pairs(sources, targets, tokenizer, max_length: int) -> EncodedPairs:
+    """Tokenizes parallel text and keeps the pairs that fit `max_length`.
+
+    Pairs with an empty side are skipped and pairs longer than `max_length`
+    positions (EOS or BOS included) are dropped; both are counted in `stats`.
+    Raises `DataError` when nothing is left.
+    """
+    check_positive_int("max_length", max_length)
+    if len(sources) != len(targets):
+        raise DataError(f"{len(sources)} source sentences but {len(targets)} target sentences.")
+    total = len(sources)
+    nonempty = [i for i in range(total) if sources[i].strip() and targets[i].strip()]
+    source_ids, target_ids = _encode_all(
+        tokenizer, [sources[i] for i in nonempty], [targets[i] for i in nonempty]
+    )
+    keep = [
+        k
+        for k in range(len(nonempty))
+        if len(source_ids[k]) + 1 <= max_length and len(target_ids[k]) + 1 <= max_length
+    ]
+    stats = PipelineStats(
+        total_pairs=total,
+        empty_pairs=total - len(nonempty),
+        too_long_pairs=len(nonempty) - len(keep),
+        kept_pairs=len(keep),
+        source_tokens=int(sum(len(source_ids[k]) + 1 for k in keep)),
+        target_tokens=int(sum(len(target_ids[k]) + 1 for k in keep)),
+    )
+    if not keep:
+        raise DataError(
+            stats.describe() + ". Nothing is left to train on: check the files and max_length."
+        )
+    return EncodedPairs(
+        [source_ids[k] for k in keep], [target_ids[k] for k in keep], max_length, stats
+    )
+
+
 def make_dataset(
     sources,
     targets,
@@ -146,53 +209,45 @@ def make_dataset(
         with source = pieces + EOS, decoder input = BOS + target pieces,
         labels = target pieces + EOS; and a `PipelineStats`.
     """
-    import tensorflow as tf
-
-    check_positive_int("max_length", max_length)
     check_positive_int("tokens_per_batch", tokens_per_batch)
-    if len(sources) != len(targets):
-        raise DataError(f"{len(sources)} source sentences but {len(targets)} target sentences.")
+    _check_batch_fits(tokens_per_batch, max_length)
+    encoded = encode_pairs(sources, targets, tokenizer, max_length)
+    return batch_pairs(encoded, tokens_per_batch, shuffle, seed, repeat_shapes)
+
+
+def _check_batch_fits(tokens_per_batch, max_length):
     if tokens_per_batch < max_length:
         raise ValueError(
             f"tokens_per_batch ({tokens_per_batch}) must be at least max_length "
             f"({max_length}) so that the longest sentence fits in a batch."
         )
-    total = len(sources)
-    nonempty = [i for i in range(total) if sources[i].strip() and targets[i].strip()]
-    source_ids, target_ids = _encode_all(
-        tokenizer, [sources[i] for i in nonempty], [targets[i] for i in nonempty]
-    )
-    keep = [
-        k
-        for k in range(len(nonempty))
-        if len(source_ids[k]) + 1 <= max_length and len(target_ids[k]) + 1 <= max_length
-    ]
-    stats = PipelineStats(
-        total_pairs=total,
-        empty_pairs=total - len(nonempty),
-        too_long_pairs=len(nonempty) - len(keep),
-        kept_pairs=len(keep),
-        source_tokens=int(sum(len(source_ids[k]) + 1 for k in keep)),
-        target_tokens=int(sum(len(target_ids[k]) + 1 for k in keep)),
-    )
-    if not keep:
-        raise DataError(
-            stats.describe() + ". Nothing is left to train on: check the files and max_length."
-        )
-    boundaries = bucket_boundaries(max_length)
-    batch_sizes = [max(1, tokens_per_batch // b) for b in boundaries]
-    stats.batches = _count_batches(
-        [max(len(source_ids[k]), len(target_ids[k])) + 1 for k in keep], boundaries, batch_sizes
-    )
+
+
+def batch_pairs(
+    encoded: EncodedPairs,
+    tokens_per_batch: int,
+    shuffle: bool = True,
+    seed: int = 0,
+    repeat_shapes: bool = True,
+):
+    """The dataset of `make_dataset` from pairs encoded once by `encode_pairs`."""
+    import tensorflow as tf
+
+    check_positive_int("tokens_per_batch", tokens_per_batch)
+    _check_batch_fits(tokens_per_batch, encoded.max_length)
+    stats = dataclasses.replace(encoded.stats, batches=encoded.batches(tokens_per_batch))
+    boundaries = bucket_boundaries(encoded.max_length)
+    batch_sizes = _batch_sizes(boundaries, tokens_per_batch)
+    source_ids, target_ids = encoded.source_ids, encoded.target_ids
 
     def ragged(ids):
-        lengths = [len(ids[k]) for k in keep]
-        values = np.concatenate([ids[k] for k in keep]).astype(np.int32)
+        lengths = [len(x) for x in ids]
+        values = np.concatenate(ids).astype(np.int32)
         return tf.RaggedTensor.from_row_lengths(values, np.asarray(lengths, np.int64))
 
     dataset = tf.data.Dataset.from_tensor_slices((ragged(source_ids), ragged(target_ids)))
     if shuffle:
-        dataset = dataset.shuffle(len(keep), seed=seed, reshuffle_each_iteration=True)
+        dataset = dataset.shuffle(len(source_ids), seed=seed, reshuffle_each_iteration=True)
 
     eos = tf.constant([EOS_ID], tf.int32)
     bos = tf.constant([BOS_ID], tf.int32)

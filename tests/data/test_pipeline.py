@@ -5,7 +5,9 @@ import pytest
 
 from keras_transformer.data.pipeline import (
     DataError,
+    batch_pairs,
     bucket_boundaries,
+    encode_pairs,
     make_dataset,
     read_lines,
     read_parallel,
@@ -79,6 +81,25 @@ def test_batches_are_bucketed_and_padded_to_bucket_lengths(corpus, tokenizer):
         lengths = np.maximum((src != PAD_ID).sum(1), (dec != PAD_ID).sum(1))
         assert lengths.max() > lower and lengths.max() <= src.shape[1]
     assert len(widths) > 2
+
+
+def test_one_encoding_counts_and_batches_every_batch_size(corpus, tokenizer):
+    encoded = encode_pairs(corpus[0], corpus[1], tokenizer, max_length=64)
+    counts = {}
+    for tokens in (128, 256, 1024):
+        dataset, stats = batch_pairs(encoded, tokens, shuffle=False)
+        batches = _batches(dataset)
+        counts[tokens] = encoded.batches(tokens)
+        assert stats.batches == counts[tokens] == len(batches)
+        assert sum(s.shape[0] for s, _, _ in batches) == stats.kept_pairs == 300
+        # The same batches as encoding again for this size alone.
+        again, _ = make_dataset(
+            corpus[0], corpus[1], tokenizer, max_length=64, tokens_per_batch=tokens, shuffle=False
+        )
+        for (a, b, c), (x, y, z) in zip(batches, _batches(again), strict=True):
+            assert (a == x).all() and (b == y).all() and (c == z).all()
+    assert counts[128] > counts[256] > counts[1024]
+    assert encoded.stats.batches == 0  # the encoding itself has no batch size
 
 
 def test_shuffling_changes_the_order_between_epochs_but_keeps_every_pair(corpus, tokenizer):
