@@ -149,7 +149,7 @@ def record(run_dir: str, name: str, data: str, note: str = "", stopped: str = ""
 
 
 def _model_config(settings: dict) -> dict:
-    from keras_transformer.train import preset_config
+    from keras_transformer.train import SHAPE_FIELDS, preset_config
 
     config = preset_config(
         settings["preset"],
@@ -157,6 +157,7 @@ def _model_config(settings: dict) -> dict:
         settings.get("dropout"),
         settings.get("attention_dropout"),
         settings.get("normalize_first"),
+        **{name: settings.get(name) for name in SHAPE_FIELDS},
     )
     return config.to_dict()
 

@@ -44,6 +44,10 @@ def _train(args):
             learning_rate_scale=args.learning_rate_scale,
             accumulate_steps=args.accumulate_steps,
             vocab_size=args.vocab_size,
+            num_layers=args.num_layers,
+            hidden_dim=args.hidden_dim,
+            intermediate_dim=args.intermediate_dim,
+            num_heads=args.num_heads,
             dropout=args.dropout,
             attention_dropout=args.attention_dropout,
             normalize_first=args.normalize_first,
@@ -255,6 +259,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=8000,
         help="joint SentencePiece vocabulary size (default 8000)",
     )
+    shape = train.add_argument_group("model shape (default: the preset's)")
+    shape.add_argument("--num-layers", type=int, help="encoder layers, and as many decoder layers")
+    shape.add_argument("--hidden-dim", type=int, help="d_model")
+    shape.add_argument("--intermediate-dim", type=int, help="d_ff, the feed-forward inner width")
+    shape.add_argument("--num-heads", type=int, help="attention heads; must divide --hidden-dim")
     train.add_argument("--dropout", type=float, help="override the preset's dropout")
     train.add_argument(
         "--attention-dropout",

@@ -97,6 +97,8 @@ WARMUP_EPOCHS = 3
 # large corpus keeps 4096.
 AUTO_TOKENS_PER_BATCH = (4096, 2048, 1024)
 MIN_UPDATES_PER_EPOCH = 200
+# The shape settings a run may override on its preset (TransformerConfig fields).
+SHAPE_FIELDS = ("num_layers", "hidden_dim", "intermediate_dim", "num_heads")
 # Validation measure: history key, and whether larger is better.
 MEASURES = {"loss": ("val_loss", False), "bleu": ("val_bleu", True)}
 FINAL_CHOICES = ("auto", "last", "best")
@@ -137,6 +139,11 @@ class TrainSettings:
     # Batches whose gradients are averaged into one update.
     accumulate_steps: int = 1
     vocab_size: int = DEFAULT_VOCABULARY_SIZE
+    # The model's shape; None: the preset's (SHAPE_FIELDS).
+    num_layers: int | None = None
+    hidden_dim: int | None = None
+    intermediate_dim: int | None = None
+    num_heads: int | None = None
     dropout: float | None = None
     attention_dropout: float | None = None
     # None: the preset's; True: LayerNorm before each sublayer (pre-norm).
@@ -190,6 +197,7 @@ class TrainSettings:
             "accumulate_steps",
             "patience",
             "average",
+            *SHAPE_FIELDS,
         ):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
@@ -199,6 +207,7 @@ class TrainSettings:
                 "learning_rate_scale must be positive. "
                 f"Received: learning_rate_scale={self.learning_rate_scale}"
             )
+        self.model_config(self.vocab_size)  # the preset and shape build, or say why not
         if self.max_minutes is not None and self.max_minutes <= 0:
             raise ValueError(f"max_minutes must be positive. Received: {self.max_minutes}")
         if self.valid_beam < 1:
@@ -248,18 +257,26 @@ class TrainSettings:
             self.dropout,
             self.attention_dropout,
             self.normalize_first,
+            **{name: getattr(self, name) for name in SHAPE_FIELDS},
         )
 
 
 def preset_config(
-    preset, vocabulary_size, dropout=None, attention_dropout=None, normalize_first=None
+    preset, vocabulary_size, dropout=None, attention_dropout=None, normalize_first=None, **shape
 ):
-    """The `TransformerConfig` of a run: the preset with the run's vocabulary and overrides."""
+    """The `TransformerConfig` of a run: the preset with the run's vocabulary and overrides.
+
+    `shape` takes `SHAPE_FIELDS`; a None value keeps the preset's.
+    """
+    unknown = set(shape) - set(SHAPE_FIELDS)
+    if unknown:
+        raise ValueError(f"Unknown shape fields: {', '.join(sorted(unknown))}")
     overrides = {"vocabulary_size": vocabulary_size}
     for name, value in (
         ("dropout", dropout),
         ("attention_dropout", attention_dropout),
         ("normalize_first", normalize_first),
+        *shape.items(),
     ):
         if value is not None:
             overrides[name] = value

@@ -177,6 +177,9 @@ def test_multi30k_record_command_names_only_what_differs_from_the_defaults():
         "--tokens-per-batch 2048 --dropout 0.1"
     )
     assert train_command({**settings, "select_by": "loss"}).endswith(" --select-by loss")
+    assert train_command({**settings, "hidden_dim": 128, "num_heads": None}).endswith(
+        " --dropout 0.1 --hidden-dim 128"
+    )
 
 
 @pytest.mark.parametrize("normalize_first", [False, True])

@@ -125,6 +125,36 @@ def test_a_different_configuration_is_refused(trained_run, corpus_files):
     assert (trained_run / "model.keras").read_bytes() == before
 
 
+def test_shape_flags_override_the_preset_and_bind_the_run(corpus_files, tmp_path):
+    _, paths = corpus_files
+    out = tmp_path / "run"
+    shape = ["--num-layers", "1", "--hidden-dim", "32", "--intermediate-dim", "48"]
+    assert cli.main(_train_args(paths, out, "--max-steps", "2", *shape, "--num-heads", "2")) == 0
+    config = TransformerConfig.from_dict(json.loads((out / "config.json").read_text()))
+    assert (config.num_layers, config.hidden_dim, config.intermediate_dim, config.num_heads) == (
+        1,
+        32,
+        48,
+        2,
+    )
+    assert config.max_length == TransformerConfig.from_preset("tiny").max_length  # the rest: tiny's
+    model = keras.saving.load_model(str(out / "model.keras"))
+    assert model.get_layer("decoder_layer_0").output.shape[-1] == 32
+    # Another shape on the same run directory is another run.
+    with pytest.raises(SystemExit, match="different configuration.*num_heads: 2 there, 4 now"):
+        cli.main(_train_args(paths, out, "--max-steps", "3", *shape, "--num-heads", "4"))
+
+
+def test_a_shape_that_cannot_be_built_is_refused_before_training(corpus_files, tmp_path):
+    _, paths = corpus_files
+    args = _train_args(paths, tmp_path / "run", "--hidden-dim", "30", "--num-heads", "4")
+    with pytest.raises(SystemExit, match="hidden_dim must be divisible by num_heads"):
+        cli.main(args)
+    with pytest.raises(SystemExit, match="num_layers must be a positive integer"):
+        cli.main(_train_args(paths, tmp_path / "run2", "--num-layers", "0"))
+    assert not (tmp_path / "run").exists() and not (tmp_path / "run2").exists()
+
+
 def test_a_foreign_directory_is_refused(corpus_files, tmp_path):
     _, paths = corpus_files
     (tmp_path / "notes.txt").write_text("mine")
