@@ -207,7 +207,12 @@ class TrainSettings:
                 "learning_rate_scale must be positive. "
                 f"Received: learning_rate_scale={self.learning_rate_scale}"
             )
-        self.model_config(self.vocab_size)  # the preset and shape build, or say why not
+        config = self.model_config(self.vocab_size)  # the preset and shape build, or say why not
+        if self.tokens_per_batch is not None and self.tokens_per_batch < config.max_length:
+            raise ValueError(
+                f"tokens_per_batch ({self.tokens_per_batch}) must be at least the model's "
+                f"max_length ({config.max_length}) so that the longest sentence fits in a batch."
+            )
         if self.max_minutes is not None and self.max_minutes <= 0:
             raise ValueError(f"max_minutes must be positive. Received: {self.max_minutes}")
         if self.valid_beam < 1:

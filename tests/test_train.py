@@ -152,7 +152,12 @@ def test_a_shape_that_cannot_be_built_is_refused_before_training(corpus_files, t
         cli.main(args)
     with pytest.raises(SystemExit, match="num_layers must be a positive integer"):
         cli.main(_train_args(paths, tmp_path / "run2", "--num-layers", "0"))
-    assert not (tmp_path / "run").exists() and not (tmp_path / "run2").exists()
+    args = _train_args(paths, tmp_path / "run3")
+    args[args.index("--tokens-per-batch") + 1] = "40"  # below tiny's max_length, 48
+    with pytest.raises(SystemExit, match=r"tokens_per_batch \(40\) must be at least"):
+        cli.main(args)
+    for run in ("run", "run2", "run3"):
+        assert not (tmp_path / run).exists()
 
 
 def test_a_foreign_directory_is_refused(corpus_files, tmp_path):
