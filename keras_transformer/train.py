@@ -43,6 +43,7 @@ from keras_transformer.config import TransformerConfig
 from keras_transformer.data.pipeline import (
     DataError,
     batch_pairs,
+    check_batch_fits,
     encode_pairs,
     read_parallel,
 )
@@ -208,11 +209,8 @@ class TrainSettings:
                 f"Received: learning_rate_scale={self.learning_rate_scale}"
             )
         config = self.model_config(self.vocab_size)  # the preset and shape build, or say why not
-        if self.tokens_per_batch is not None and self.tokens_per_batch < config.max_length:
-            raise ValueError(
-                f"tokens_per_batch ({self.tokens_per_batch}) must be at least the model's "
-                f"max_length ({config.max_length}) so that the longest sentence fits in a batch."
-            )
+        if self.tokens_per_batch is not None:
+            check_batch_fits(self.tokens_per_batch, config.max_length)
         if self.max_minutes is not None and self.max_minutes <= 0:
             raise ValueError(f"max_minutes must be positive. Received: {self.max_minutes}")
         if self.valid_beam < 1:

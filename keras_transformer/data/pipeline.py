@@ -210,12 +210,13 @@ def make_dataset(
         labels = target pieces + EOS; and a `PipelineStats`.
     """
     check_positive_int("tokens_per_batch", tokens_per_batch)
-    _check_batch_fits(tokens_per_batch, max_length)
+    check_batch_fits(tokens_per_batch, max_length)
     encoded = encode_pairs(sources, targets, tokenizer, max_length)
     return batch_pairs(encoded, tokens_per_batch, shuffle, seed, repeat_shapes)
 
 
-def _check_batch_fits(tokens_per_batch, max_length):
+def check_batch_fits(tokens_per_batch, max_length):
+    """Refuses a batch budget that cannot hold one sentence of `max_length` positions."""
     if tokens_per_batch < max_length:
         raise ValueError(
             f"tokens_per_batch ({tokens_per_batch}) must be at least max_length "
@@ -234,7 +235,7 @@ def batch_pairs(
     import tensorflow as tf
 
     check_positive_int("tokens_per_batch", tokens_per_batch)
-    _check_batch_fits(tokens_per_batch, encoded.max_length)
+    check_batch_fits(tokens_per_batch, encoded.max_length)
     stats = dataclasses.replace(encoded.stats, batches=encoded.batches(tokens_per_batch))
     boundaries = bucket_boundaries(encoded.max_length)
     batch_sizes = _batch_sizes(boundaries, tokens_per_batch)
