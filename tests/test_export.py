@@ -244,9 +244,9 @@ def test_float16_graphs_translate_within_half_a_point_of_float32(exported, toy_r
     assert abs(scores["float16"] - scores["float32"]) <= 0.5, scores
 
 
-def test_int8_graphs_are_smaller_and_translate_within_a_point_of_float32(toy_run, tmp_path, caplog):
+def test_int8_graphs_are_smaller_and_translate_no_worse_than_float32(toy_run, tmp_path, caplog):
     """`--precision int8`: quantized weight matrices, a smaller folder, and the toy
-    language translated about as well as in float32."""
+    language translated at least as well as in float32, less at most one point."""
     out = str(tmp_path / "int8")
     with caplog.at_level(logging.WARNING):
         assert cli.main(["export", toy_run[3]["run_dir"], "--out", out, "--precision", "int8"]) == 0
@@ -269,7 +269,9 @@ def test_int8_graphs_are_smaller_and_translate_within_a_point_of_float32(toy_run
         outputs = runner.translate(lines, beam_size=1)
         scores[name] = 100 * np.mean([o == r for o, r in zip(outputs, references, strict=True)])
     assert scores["float32"] >= 10
-    assert abs(scores["int8"] - scores["float32"]) <= 1.0, scores
+    # What int8 may not do is lose accuracy; rounding differences that help
+    # a few sentences (on 200, one point is two sentences) are no defect.
+    assert scores["int8"] >= scores["float32"] - 1.0, scores
     with pytest.raises(ValueError, match="no 'float16' graphs"):
         OnnxTranslator(out, precision="float16")
 
@@ -393,6 +395,38 @@ def test_bad_runtime_inputs_raise_clear_errors(exported):
         translator.translate(["ka"], beam_size=0)
     with pytest.raises(TypeError, match="list of strings"):
         translator.translate("ka ko")
+
+
+def test_step_rows_of_a_sentence_share_its_cross_caches(exported):
+    """The step takes the cross keys and values once per sentence: G consecutive
+    rows per sentence (its beams) give what each row gives alone, and a row count
+    that is not a multiple of the sentences is refused with its reason."""
+    _, _, translator, _ = exported("float32")
+    source = np.array([[5, 6, 7, 2], [8, 9, 2, 0]], np.int32)
+    _, mask, cross = translator.encode(source)
+    tokens = np.array([[1, 5, 6], [1, 8, 4]], np.int32)  # three rows per sentence
+    rows = len(source) * tokens.shape[1]
+    caches = translator.empty_self_caches(rows)
+    for t in range(2):  # two steps, so that the self caches are not empty
+        fed = tokens.reshape(-1, 1) if t else np.full((rows, 1), 1, np.int32)
+        grouped, caches = translator.decoder_step(fed, mask, cross, caches)
+    for row in range(rows):
+        sentence = row // tokens.shape[1]
+        alone = translator.empty_self_caches(1)
+        for t in range(2):
+            fed = np.array([[tokens.reshape(-1)[row] if t else 1]], np.int32)
+            single, alone = translator.decoder_step(
+                fed,
+                mask[sentence : sentence + 1],
+                [c[sentence : sentence + 1] for c in cross],
+                alone,
+            )
+        np.testing.assert_allclose(grouped[row], single[0], atol=1e-5)
+        np.testing.assert_allclose(caches[0][row], alone[0][0], atol=1e-5)
+    with pytest.raises(ValueError, match="not a multiple of the 2 sentences"):
+        translator.decoder_step(
+            np.ones((5, 1), np.int32), mask, cross, translator.empty_self_caches(5)
+        )
 
 
 def test_over_long_lines_translate_as_in_keras_with_a_warning(exported):

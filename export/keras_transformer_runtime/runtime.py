@@ -163,6 +163,10 @@ class OnnxTranslator:
         self.provider = self.step_session.get_providers()[0]
         # Exports older than the step graph's `top_k` input select in numpy.
         self._top_k_in_graph = "top_ids" in {o.name for o in self.step_session.get_outputs()}
+        # Current exports hold the cross keys and values once per sentence
+        # (`sentences` rows, each shared by that sentence's beams); older ones per row.
+        cross_rows = {i.name: i.shape[0] for i in self.step_session.get_inputs()}["cross_key_0"]
+        self._cross_per_sentence = cross_rows == "sentences"
 
     def session(self, name):
         """The ONNX Runtime session of graph `name` ("encoder", "decoder_step" or "model")."""
@@ -201,8 +205,12 @@ class OnnxTranslator:
 
         Args:
             token_ids: int `(batch, 1)`, the newest token of each sequence.
-            source_mask: bool `(batch, source_len)` from `encode`.
+            source_mask: bool `(sentences, source_len)` from `encode`.
             cross_caches: the cross keys and values from `encode`.
+                `batch` may be a multiple of `sentences`: rows `s * G` to
+                `s * G + G - 1` (G = batch / sentences, e.g. the beams of
+                sentence s) all read sentence s. Exports written before this
+                layout need `batch == sentences`.
             self_caches: `[self_key_0, self_value_0, ...]`, float32 `(batch,
                 heads, t, head_dim)`; `empty_self_caches(batch)` at the first step.
 
@@ -218,6 +226,17 @@ class OnnxTranslator:
                 "source_mask must be a bool (batch, source_len) array. Received "
                 f"{source_mask.dtype} {source_mask.shape}"
             )
+        rows, sentences = len(token_ids), len(source_mask)
+        if self._cross_per_sentence and (sentences == 0 or rows % sentences):
+            raise ValueError(
+                f"token_ids has {rows} rows, not a multiple of the {sentences} sentences "
+                "of source_mask (the rows of a sentence, e.g. its beams, are consecutive)."
+            )
+        if not self._cross_per_sentence and rows != sentences:
+            raise ValueError(
+                f"token_ids has {rows} rows and source_mask {sentences}: this export "
+                "needs one source row per token row."
+            )
         feeds = {"token_ids": token_ids, "source_mask": source_mask}
         for kind, caches in (("cross", cross_caches), ("self", self_caches)):
             names = self.cache_names(kind)
@@ -228,13 +247,16 @@ class OnnxTranslator:
                 )
             for name, cache in zip(names, caches, strict=True):
                 cache = np.asarray(cache)
-                batch, length = len(token_ids), kind == "cross" and source_mask.shape[1]
-                expected = (batch, self.num_heads, length or None, self.head_dim)
+                batch, length = (
+                    (sentences, source_mask.shape[1]) if kind == "cross" else (rows, None)
+                )
+                expected = (batch, self.num_heads, length, self.head_dim)
                 if cache.ndim != 4 or any(
                     e is not None and e != got for e, got in zip(expected, cache.shape, strict=True)
                 ):
                     raise ValueError(
-                        f"{name} must have shape (batch={batch}, heads={self.num_heads}, "
+                        f"{name} must have shape ({'sentences' if kind == 'cross' else 'batch'}"
+                        f"={batch}, heads={self.num_heads}, "
                         f"length, head_dim={self.head_dim}). Received {cache.shape}"
                     )
                 if cache.dtype != np.float32:
@@ -337,7 +359,8 @@ class OnnxTranslator:
         if (limits == 0).all():
             return beam_loop(None, None, limits, beam_size, length_penalty)
         # Each sentence is encoded once, and its first step runs once: the
-        # first reorder gives its beams copies of its row (encoder outputs included).
+        # first reorder gives its beams copies of its row. The cross keys and
+        # values stay one row per sentence (older exports: one per beam).
         _, mask, cross = self.encode(source)
         state = {
             "feeds": self._search_feeds(mask, cross),
@@ -351,8 +374,17 @@ class OnnxTranslator:
             return scores
 
         def reorder(rows):
+            previous = len(state["caches"][0])
             state["caches"] = [cache[rows] for cache in state["caches"]]
-            if len(rows) != len(state["feeds"]["source_mask"]):
+            sentences = len(state["feeds"]["source_mask"])
+            if self._cross_per_sentence:
+                # A sentence's beams come from its own rows of the previous
+                # state (`previous // sentences` of them): its first beam
+                # names it. Only finished sentences leaving changes the rows.
+                kept = rows[::beam_size] // (previous // sentences)
+                if len(kept) != sentences:
+                    state["feeds"] = self._kept_feeds(state["feeds"], kept)
+            elif len(rows) != sentences:
                 # The first step's rows became beams, or finished sentences left
                 # the batch: the encoder rows follow (every row of a sentence
                 # holds the same source).

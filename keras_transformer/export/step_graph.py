@@ -103,11 +103,14 @@ def _position_encoding(g, position, table, frequencies):
 def build_decoder_step(parts, opset=17):
     """Returns the decoder-step `onnx.ModelProto` for a float32 model's `TransformerParts`.
 
-    Inputs: `token_ids (batch, 1) int32`, `source_mask (batch, source_len)
-    bool`, per layer i `cross_key_i`, `cross_value_i (batch, heads,
-    source_len, head_dim)` (from encoder.onnx) and `self_key_i`,
-    `self_value_i (batch, heads, past_len, head_dim)`. The new token is at
-    position `past_len`; and `top_k (1,) int64`. Outputs: `log_probs (batch,
+    Inputs: `token_ids (batch, 1) int32`, `source_mask (sentences,
+    source_len) bool`, per layer i `cross_key_i`, `cross_value_i
+    (sentences, heads, source_len, head_dim)` (from encoder.onnx) and
+    `self_key_i`, `self_value_i (batch, heads, past_len, head_dim)`. The new
+    token is at position `past_len`; and `top_k (1,) int64`. `batch` is a
+    multiple of `sentences`: rows `s * G .. s * G + G - 1` (G = batch /
+    sentences, e.g. the beams) all read sentence s, so a beam search keeps
+    one copy of each sentence's cross keys and values, not one per beam. Outputs: `log_probs (batch,
     vocabulary)`; `top_log_probs (batch, top_k)` and `top_ids (batch, top_k)
     int64`, the best `top_k` tokens of each row other than padding and BOS,
     best first (ties: lower id), which is all a search step reads; and
@@ -150,6 +153,16 @@ def build_decoder_step(parts, opset=17):
     heads_row = g.const("shape_heads_row", np.array([0, n, 1, h], np.int64))
     weights_row = g.const("shape_weights_row", np.array([0, n, 1, -1], np.int64))
     merged = g.const("shape_merged", np.array([0, d], np.int64))
+    merged_rows = g.const("shape_merged_rows", np.array([-1, d], np.int64))
+    # (sentences, rows per sentence, heads, head_dim) for the cross-attention queries.
+    grouped_heads = g.node(
+        "Concat",
+        [
+            g.node("Shape", ["source_mask"], start=0, end=1),
+            g.const("shape_group_heads", np.array([-1, n, h], np.int64)),
+        ],
+        axis=0,
+    )
 
     def norm(x, layer, prefix):
         return g.node(
@@ -238,10 +251,19 @@ def build_decoder_step(parts, opset=17):
             )
 
         def cross_attention(y, ca=ca, p=p, i=i):
+            # The rows of a sentence (its beams) are consecutive and share its
+            # keys and values, which are held once per sentence: the queries
+            # of a sentence go in as the columns of one product with its keys.
             wq, bq = query_weights(ca)
             q = dense(y, wq, bq, f"{p}.cross_q")
-            scores = g.node("Add", [scores_of(q, f"cross_key_{i}"), bias])
-            attended = attend(scores, f"cross_value_{i}")
+            q = g.node("Reshape", [q, grouped_heads])  # (S, G, N, H)
+            columns = g.node("Transpose", [q], perm=[0, 2, 3, 1])  # (S, N, H, G)
+            scores = g.node("MatMul", [f"cross_key_{i}", columns])  # (S, N, L, G)
+            weights = g.node("Softmax", [g.node("Add", [scores, bias])], axis=2)
+            weights = g.node("Transpose", [weights], perm=[0, 1, 3, 2])  # (S, N, G, L)
+            attended = g.node("MatMul", [weights, f"cross_value_{i}"])  # (S, N, G, H)
+            attended = g.node("Transpose", [attended], perm=[0, 2, 1, 3])  # (S, G, N, H)
+            attended = g.node("Reshape", [attended, merged_rows])
             return dense(
                 attended,
                 _value(ca.output_dense.kernel).reshape(d, d),
@@ -284,15 +306,18 @@ def build_decoder_step(parts, opset=17):
     allowed = g.node("Add", ["log_probs", g.const("banned_ids_bias", never)])
     g.node("TopK", [allowed, "top_k"], ["top_log_probs", "top_ids"], axis=-1, largest=1, sorted=1)
 
-    def cache(name, length):
-        return helper.make_tensor_value_info(name, f32, ["batch", n, length, h])
+    def cache(name, length, rows="batch"):
+        return helper.make_tensor_value_info(name, f32, [rows, n, length, h])
 
     inputs = [
         helper.make_tensor_value_info("token_ids", TensorProto.INT32, ["batch", 1]),
-        helper.make_tensor_value_info("source_mask", TensorProto.BOOL, ["batch", "source_len"]),
+        helper.make_tensor_value_info("source_mask", TensorProto.BOOL, ["sentences", "source_len"]),
     ]
     for i in range(c.num_layers):
-        inputs += [cache(f"cross_key_{i}", "source_len"), cache(f"cross_value_{i}", "source_len")]
+        inputs += [
+            cache(f"cross_key_{i}", "source_len", rows="sentences"),
+            cache(f"cross_value_{i}", "source_len", rows="sentences"),
+        ]
     for i in range(c.num_layers):
         inputs += [cache(f"self_key_{i}", "past_len"), cache(f"self_value_{i}", "past_len")]
     inputs.append(helper.make_tensor_value_info("top_k", TensorProto.INT64, [1]))
