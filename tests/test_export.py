@@ -397,6 +397,47 @@ def test_bad_runtime_inputs_raise_clear_errors(exported):
         translator.translate("ka ko")
 
 
+def test_pre_norm_untied_model_graphs_match_keras(tmp_path):
+    """The node-by-node encoder and step also cover the other model shapes:
+    pre-norm layers with final norms, separate output projection, and a source
+    with no token at all (Keras gives its queries zeros, not an average)."""
+    from keras_transformer.config import TransformerConfig
+    from keras_transformer.model import build_transformer
+
+    keras.utils.set_random_seed(3)
+    config = TransformerConfig(
+        vocabulary_size=50,
+        num_layers=2,
+        hidden_dim=32,
+        intermediate_dim=48,
+        num_heads=4,
+        max_length=16,
+        normalize_first=True,
+        tie_embeddings=False,
+    )
+    model = build_transformer(config)
+    out = str(tmp_path / "onnx")
+    export_onnx(model, out)
+    translator = OnnxTranslator(out)
+    parts = transformer_parts(model)
+    source = np.array([[5, 6, 7, 8, 2], [9, 2, 0, 0, 0], [0, 0, 0, 0, 0]], np.int32)
+    target = np.array([[1, 5, 9], [1, 7, 0], [1, 4, 4]], np.int32)
+    encoded, mask, cross = translator.encode(source)
+    keras_encoded, keras_mask = parts.encode(source)
+    np.testing.assert_allclose(encoded, keras.ops.convert_to_numpy(keras_encoded), atol=1e-5)
+    np.testing.assert_array_equal(mask, keras.ops.convert_to_numpy(keras_mask))
+    logits = keras.ops.convert_to_numpy(model({"source_ids": source, "target_ids": target}))
+    log_probs = keras.ops.convert_to_numpy(keras.ops.log_softmax(logits, axis=-1))
+    caches = translator.empty_self_caches(len(source))
+    for t in range(target.shape[1]):
+        step, caches = translator.decoder_step(target[:, t : t + 1], mask, cross, caches)
+        # Real target tokens of rows with a source only: the searches never
+        # decode a sentence without one (its output is empty), so the step
+        # spends no node on that case.
+        rows = (target[:, t] != 0) & mask.any(axis=1)
+        np.testing.assert_allclose(step[rows], log_probs[rows, t], atol=1e-4)
+
+
 def test_step_rows_of_a_sentence_share_its_cross_caches(exported):
     """The step takes the cross keys and values once per sentence: G consecutive
     rows per sentence (its beams) give what each row gives alone, and a row count

@@ -2,9 +2,9 @@
 
 Three graphs:
 
-- `encoder.onnx` (tf2onnx, from the model's layers): `source_ids (batch,
-  source_len) int32` -> `encoder_output`, `source_mask (batch, source_len)
-  bool` and, per decoder layer i, `cross_key_i` and `cross_value_i (batch,
+- `encoder.onnx` (built node by node, `keras_transformer.export.encoder_graph`):
+  `source_ids (batch, source_len) int32` -> `encoder_output`, `source_mask
+  (batch, source_len) bool` and, per decoder layer i, `cross_key_i` and `cross_value_i (batch,
   heads, source_len, head_dim)`: the cross-attention keys and values,
   computed once per sentence.
 - `decoder_step.onnx` (built node by node, `keras_transformer.export.step_graph`):
@@ -47,6 +47,7 @@ import os
 import shutil
 import tempfile
 
+from keras_transformer.export.encoder_graph import build_encoder
 from keras_transformer.export.step_graph import build_decoder_step
 
 GRAPHS = ("encoder", "decoder_step", "model")
@@ -200,38 +201,17 @@ def float32_copy(model):
 def graph_functions(model):
     """The converted graphs as `(name, function, input_signature, output_names)`.
 
-    They call the model's own layers. The decoder step is built separately
-    (`keras_transformer.export.step_graph`).
+    They call the model's own layers. The encoder and the decoder step are
+    built node by node (`keras_transformer.export.encoder_graph`, `.step_graph`).
     """
     import tensorflow as tf
-    from keras import ops
 
-    from keras_transformer.model import transformer_parts
-
-    parts = transformer_parts(model)
-    layers = parts.config.num_layers
     ids_spec = tf.TensorSpec([None, None], tf.int32)
-
-    def encoder(source_ids):
-        encoded, mask = parts.encode(source_ids)
-        caches = []
-        for layer in parts.decoder_layers:
-            attention = layer.cross_attention
-            for dense in (attention.key_dense, attention.value_dense):
-                caches.append(ops.transpose(dense(encoded), (0, 2, 1, 3)))  # (B, N, S, H)
-        return [encoded, mask, *caches]
 
     def full_model(source_ids, target_ids):
         return [model({"source_ids": source_ids, "target_ids": target_ids}, training=False)]
 
-    cross = [f"cross_{kind}_{i}" for i in range(layers) for kind in ("key", "value")]
     return [
-        (
-            "encoder",
-            encoder,
-            [tf.TensorSpec([None, None], tf.int32, name="source_ids")],
-            ["encoder_output", "source_mask", *cross],
-        ),
         (
             "model",
             full_model,
@@ -259,6 +239,7 @@ def _write_graphs(model, folder, opset, precision):
         _rename_outputs(proto, output_names)
         _name_dynamic_axes(proto)
         converted[name] = proto
+    converted["encoder"] = build_encoder(parts, opset)
     converted["decoder_step"] = build_decoder_step(parts, opset)
     graphs = {}
     for name in GRAPHS:

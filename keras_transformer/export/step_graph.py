@@ -47,8 +47,59 @@ class _Builder:
         return outputs[0] if len(outputs) == 1 else outputs
 
 
+def layer_norm(g, x, layer, prefix):
+    """ONNX `LayerNormalization` over the last axis with a Keras layer norm's weights."""
+    return g.node(
+        "LayerNormalization",
+        [
+            x,
+            g.const(f"{prefix}.gamma", _value(layer.gamma)),
+            g.const(f"{prefix}.beta", _value(layer.beta)),
+        ],
+        axis=-1,
+        epsilon=float(layer.epsilon),
+    )
+
+
+def gemm(g, x, kernel, bias, prefix):
+    """`x (rows, in) @ kernel + bias` as one `Gemm`."""
+    return g.node("Gemm", [x, g.const(f"{prefix}.kernel", kernel), g.const(f"{prefix}.bias", bias)])
+
+
+def scaled_query_weights(mha, d, h):
+    """The query projection of `mha` as `(d, d)` kernel and `(d,)` bias, with the
+    attention's 1/sqrt(head_dim) folded in (Keras scales the projected queries)."""
+    scale = np.float32(1.0 / np.sqrt(h))
+    return (
+        _value(mha.query_dense.kernel).reshape(d, d) * scale,
+        _value(mha.query_dense.bias).reshape(d) * scale,
+    )
+
+
+def projection_weights(dense, d):
+    """An `EinsumDense` projection `(d, heads, head_dim)` as `(d, d)` kernel and `(d,)` bias."""
+    return _value(dense.kernel).reshape(d, -1), _value(dense.bias).reshape(-1)
+
+
+def residual_block(g, x, sublayer, norm_layer, prefix, normalize_first):
+    """`x + sublayer(norm(x))` (pre-norm) or `norm(x + sublayer(x))` (the paper's post-norm)."""
+    if normalize_first:
+        return g.node("Add", [x, sublayer(layer_norm(g, x, norm_layer, prefix))])
+    return layer_norm(g, g.node("Add", [x, sublayer(x)]), norm_layer, prefix)
+
+
+def check_relu(layers, graph):
+    """The graphs build the ReLU feed-forward only; anything else is refused by name."""
+    for layer in layers:
+        activation = getattr(layer.feed_forward.activation, "__name__", "")
+        if activation != "relu":
+            raise ValueError(
+                f"The {graph} supports the ReLU feed-forward only; got {activation!r}."
+            )
+
+
 def _position_encoding(g, position, table, frequencies):
-    """The sinusoid of `position` ((1,) int64) as `(1, d)`: from the table inside it,
+    """The sinusoids of `position` ((T,) int64) as `(T, d)`: from the table inside it,
     computed in float32 past it, as `positional_encoding` does in Keras."""
     from onnx import TensorProto
 
@@ -69,7 +120,7 @@ def _position_encoding(g, position, table, frequencies):
             ),
             g.const("frequencies", frequencies[None, :]),
         ],
-    )  # (1, ceil(d/2))
+    )  # (T, ceil(d/2))
     axis_2 = g.const("axes_2", np.array([2], np.int64))
     pairs = g.node(
         "Concat",
@@ -78,8 +129,10 @@ def _position_encoding(g, position, table, frequencies):
             g.node("Unsqueeze", [g.node("Cos", [angles]), axis_2]),
         ],
         axis=2,
-    )  # (1, ceil(d/2), 2)
-    flat = g.node("Reshape", [pairs, g.const("shape_pairs", np.array([1, -1], np.int64))])
+    )  # (T, ceil(d/2), 2)
+    flat = g.node(
+        "Reshape", [pairs, g.const("shape_pairs", np.array([-1, 2 * len(frequencies)], np.int64))]
+    )
     computed = g.node(
         "Slice",
         [
@@ -110,8 +163,8 @@ def build_decoder_step(parts, opset=17):
     token is at position `past_len`; and `top_k (1,) int64`. `batch` is a
     multiple of `sentences`: rows `s * G .. s * G + G - 1` (G = batch /
     sentences, e.g. the beams) all read sentence s, so a beam search keeps
-    one copy of each sentence's cross keys and values, not one per beam. Outputs: `log_probs (batch,
-    vocabulary)`; `top_log_probs (batch, top_k)` and `top_ids (batch, top_k)
+    one copy of each sentence's cross keys and values, not one per beam.
+    Outputs: `log_probs (batch, vocabulary)`; `top_log_probs (batch, top_k)` and `top_ids (batch, top_k)
     int64`, the best `top_k` tokens of each row other than padding and BOS,
     best first (ties: lower id), which is all a search step reads; and
     `new_self_key_i`, `new_self_value_i (batch, heads, past_len + 1, head_dim)`.
@@ -121,12 +174,7 @@ def build_decoder_step(parts, opset=17):
     if opset < 17:
         raise ValueError(f"The decoder step needs opset >= 17 (LayerNormalization). Got {opset}")
     c = parts.config
-    for layer in parts.decoder_layers:
-        activation = getattr(layer.feed_forward.activation, "__name__", "")
-        if activation != "relu":
-            raise ValueError(
-                f"The decoder step supports the ReLU feed-forward only; got {activation!r}."
-            )
+    check_relu(parts.decoder_layers, "decoder step")
     d, n = c.hidden_dim, c.num_heads
     h = d // n
     g = _Builder()
@@ -165,21 +213,10 @@ def build_decoder_step(parts, opset=17):
     )
 
     def norm(x, layer, prefix):
-        return g.node(
-            "LayerNormalization",
-            [
-                x,
-                g.const(f"{prefix}.gamma", _value(layer.gamma)),
-                g.const(f"{prefix}.beta", _value(layer.beta)),
-            ],
-            axis=-1,
-            epsilon=float(layer.epsilon),
-        )
+        return layer_norm(g, x, layer, prefix)
 
     def dense(x, kernel, bias_, prefix):
-        return g.node(
-            "Gemm", [x, g.const(f"{prefix}.kernel", kernel), g.const(f"{prefix}.bias", bias_)]
-        )
+        return gemm(g, x, kernel, bias_, prefix)
 
     def scores_of(q, keys):
         """Scores (B, N, L, 1) of queries q (B, D) against keys (B, N, L, H)."""
@@ -193,16 +230,10 @@ def build_decoder_step(parts, opset=17):
         return g.node("Reshape", [attended, merged])
 
     def query_weights(mha):
-        scale = np.float32(1.0 / np.sqrt(h))
-        return (
-            _value(mha.query_dense.kernel).reshape(d, d) * scale,
-            _value(mha.query_dense.bias).reshape(d) * scale,
-        )
+        return scaled_query_weights(mha, d, h)
 
     def residual(x, sublayer, norm_layer, prefix):
-        if c.normalize_first:
-            return g.node("Add", [x, sublayer(norm(x, norm_layer, prefix))])
-        return norm(g.node("Add", [x, sublayer(x)]), norm_layer, prefix)
+        return residual_block(g, x, sublayer, norm_layer, prefix, c.normalize_first)
 
     outputs = []
     for i, layer in enumerate(parts.decoder_layers):
