@@ -375,7 +375,17 @@ class OnnxTranslator:
 
         def reorder(rows):
             previous = len(state["caches"][0])
-            state["caches"] = [cache[rows] for cache in state["caches"]]
+            if len(rows) == previous:
+                # Same rows: move only the beams whose origin changed, in place
+                # (the caches are this loop's own arrays). Many beams keep their
+                # row, and writing into existing memory spares the fresh
+                # allocation (and its page faults) of a full copy.
+                moved = np.flatnonzero(rows != np.arange(previous))
+                origins = rows[moved]
+                for cache in state["caches"]:
+                    cache[moved] = cache[origins]
+            else:
+                state["caches"] = [cache[rows] for cache in state["caches"]]
             sentences = len(state["feeds"]["source_mask"])
             if self._cross_per_sentence:
                 # A sentence's beams come from its own rows of the previous

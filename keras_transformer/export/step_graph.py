@@ -197,9 +197,8 @@ def build_decoder_step(parts, opset=17):
         [mask, g.const("zero", np.float32(0.0)), g.const("masked", np.float32(MASKED_SCORE))],
     )
 
-    heads_column = g.const("shape_heads_column", np.array([0, n, h, 1], np.int64))
-    heads_row = g.const("shape_heads_row", np.array([0, n, 1, h], np.int64))
-    weights_row = g.const("shape_weights_row", np.array([0, n, 1, -1], np.int64))
+    qkv_heads = g.const("shape_qkv_heads", np.array([0, 3 * n, 1, h], np.int64))
+    three_parts = g.const("split_qkv", np.array([n, n, n], np.int64))
     merged = g.const("shape_merged", np.array([0, d], np.int64))
     merged_rows = g.const("shape_merged_rows", np.array([-1, d], np.int64))
     # (sentences, rows per sentence, heads, head_dim) for the cross-attention queries.
@@ -217,17 +216,6 @@ def build_decoder_step(parts, opset=17):
 
     def dense(x, kernel, bias_, prefix):
         return gemm(g, x, kernel, bias_, prefix)
-
-    def scores_of(q, keys):
-        """Scores (B, N, L, 1) of queries q (B, D) against keys (B, N, L, H)."""
-        return g.node("MatMul", [keys, g.node("Reshape", [q, heads_column])])
-
-    def attend(scores, values):
-        """Softmax over L, then the weighted values merged back to (B, D)."""
-        weights = g.node("Softmax", [scores], axis=2)
-        weights = g.node("Reshape", [weights, weights_row])  # (B, N, 1, L)
-        attended = g.node("MatMul", [weights, values])  # (B, N, 1, H)
-        return g.node("Reshape", [attended, merged])
 
     def query_weights(mha):
         return scaled_query_weights(mha, d, h)
@@ -254,26 +242,20 @@ def build_decoder_step(parts, opset=17):
                 [bq, _value(sa.key_dense.bias).reshape(d), _value(sa.value_dense.bias).reshape(d)]
             )
             qkv = dense(y, kernel, bias_, f"{p}.self_qkv")
+            # (B, 3D) -> (B, 3N, 1, H): split on the heads axis, each part is
+            # already laid out as one new cache position (B, N, 1, H).
             q, k, v = g.node(
                 "Split",
-                [qkv, g.const(f"{p}.split", np.array([d, d, d], np.int64))],
+                [g.node("Reshape", [qkv, qkv_heads]), three_parts],
                 outputs=[f"{p}.q", f"{p}.k", f"{p}.v"],
                 axis=1,
             )
-            keys = g.node(
-                "Concat",
-                [f"self_key_{i}", g.node("Reshape", [k, heads_row])],
-                [f"new_self_key_{i}"],
-                axis=2,
-            )
-            values = g.node(
-                "Concat",
-                [f"self_value_{i}", g.node("Reshape", [v, heads_row])],
-                [f"new_self_value_{i}"],
-                axis=2,
-            )
+            keys = g.node("Concat", [f"self_key_{i}", k], [f"new_self_key_{i}"], axis=2)
+            values = g.node("Concat", [f"self_value_{i}", v], [f"new_self_value_{i}"], axis=2)
             outputs.extend([keys, values])
-            attended = attend(scores_of(q, keys), values)
+            keys_t = g.node("Transpose", [keys], perm=[0, 1, 3, 2])  # fused into the product
+            weights = g.node("Softmax", [g.node("MatMul", [q, keys_t])], axis=-1)  # (B, N, 1, L)
+            attended = g.node("Reshape", [g.node("MatMul", [weights, values]), merged])
             return dense(
                 attended,
                 _value(sa.output_dense.kernel).reshape(d, d),
