@@ -66,6 +66,14 @@ def _train(args):
     return 0
 
 
+def _length_penalty(args):
+    if not args.length_penalty >= 0:  # also refuses nan
+        raise SystemExit(
+            f"error: --length-penalty must be a non-negative number. Received: {args.length_penalty}"
+        )
+    return args.length_penalty
+
+
 def _beam_size(args):
     if args.greedy:
         return 1
@@ -87,6 +95,7 @@ def _translate(args):
     from keras_transformer.translation import translate_lines
 
     beam = _beam_size(args)
+    length_penalty = _length_penalty(args)
     model, tokenizer = _load(args.run_dir)
     lines = [line.rstrip("\n") for line in sys.stdin]
     outputs = translate_lines(
@@ -94,6 +103,7 @@ def _translate(args):
         tokenizer,
         lines,
         beam_size=beam,
+        length_penalty=length_penalty,
         batch_size=args.batch_size,
         progress=not sys.stdin.isatty() and len(lines) > args.batch_size,
         warn=warn,
@@ -131,6 +141,7 @@ def _evaluate(args):
     from keras_transformer.translation import translate_lines
 
     beam = _beam_size(args)
+    length_penalty = _length_penalty(args)
     from keras_transformer.data.pipeline import DataError, read_parallel
 
     try:
@@ -143,6 +154,7 @@ def _evaluate(args):
         tokenizer,
         sources,
         beam_size=beam,
+        length_penalty=length_penalty,
         batch_size=args.batch_size,
         progress=True,
         warn=warn,
@@ -151,7 +163,15 @@ def _evaluate(args):
     output = args.output or os.path.join(args.run_dir, f"{name}.hyp")
     atomic_write_text(output, "".join(h + "\n" for h in hypotheses))
     scores = score_translations(hypotheses, references)
-    scores.update({"beam_size": beam, "src": args.src, "ref": args.ref, "hypotheses": output})
+    scores.update(
+        {
+            "beam_size": beam,
+            "length_penalty": length_penalty if beam > 1 else None,
+            "src": args.src,
+            "ref": args.ref,
+            "hypotheses": output,
+        }
+    )
     atomic_write_json(output + ".json", scores)
     print(json.dumps(scores, indent=2))
     return 0
@@ -180,6 +200,13 @@ def _export(args):
 def _add_search_flags(parser):
     parser.add_argument("--beam", type=int, default=4, help="beam size (default 4)")
     parser.add_argument("--greedy", action="store_true", help="greedy search instead of beam")
+    parser.add_argument(
+        "--length-penalty",
+        type=float,
+        default=0.6,
+        help="beam search's alpha: scores are divided by ((5 + length) / 6) ** alpha "
+        "(Wu et al. 2016); default 0.6; higher favours longer translations; choose it on val",
+    )
     parser.add_argument("--batch-size", type=int, default=32, help="sentences per batch")
 
 

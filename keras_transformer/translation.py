@@ -78,9 +78,19 @@ def load_tokenizer(run_dir: str):
 
 
 def translate_lines(
-    model, tokenizer, lines, beam_size=4, batch_size=32, max_length=None, progress=False, warn=None
+    model,
+    tokenizer,
+    lines,
+    beam_size=4,
+    batch_size=32,
+    max_length=None,
+    progress=False,
+    warn=None,
+    length_penalty=0.6,
 ):
     """Translates `lines` in order; `beam_size=1` (or `None`) is greedy search.
+
+    `length_penalty` is the beam search's alpha (see `decoding.beam_search`).
 
     Sentences are sorted by length into batches, so padding stays small, and
     the outputs are put back in input order. Empty lines give empty lines;
@@ -92,7 +102,9 @@ def translate_lines(
     def search(batch):
         if beam_size is None or beam_size == 1:
             return greedy_search(model, batch, max_length=max_length)[0]
-        return beam_search(model, batch, beam_size=beam_size, max_length=max_length)[0]
+        return beam_search(
+            model, batch, beam_size=beam_size, length_penalty=length_penalty, max_length=max_length
+        )[0]
 
     return translate_texts(
         lines, tokenizer.encode, tokenizer.decode, search, limit, batch_size, progress, warn

@@ -52,6 +52,7 @@ def test_evaluate_writes_hypotheses_and_scores(toy_run, tmp_path, capsys):
         scores = json.load(f)
     assert scores == json.loads(capsys.readouterr().out)
     assert scores["beam_size"] == 2 and scores["sentences"] == len(corpus.test)
+    assert scores["length_penalty"] == 0.6  # the default, recorded with the scores
     assert scores["bleu_signature"].startswith("nrefs:1|case:mixed|eff:no|tok:13a")
     assert 0 < scores["bleu"] <= 100 and 0 < scores["chrf"] <= 100
     with open(output) as f:
@@ -115,6 +116,18 @@ def test_corrupt_model_file_is_reported(damage, message, tmp_path, toy_run):
     assert "File not found" not in str(caught.value)
     with pytest.raises(SystemExit, match=message):
         main(["translate", str(run)])
+
+
+def test_length_penalty_flag_reaches_the_beam_search(toy_run, monkeypatch, capsys):
+    model, corpus, vocabulary, metrics = toy_run
+    lines = [s for s, _ in corpus.test[:12]]
+    monkeypatch.setattr("sys.stdin", io.StringIO("".join(line + "\n" for line in lines)))
+    assert main(["translate", metrics["run_dir"], "--beam", "3", "--length-penalty", "3"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out == translate_lines(model, vocabulary, lines, beam_size=3, length_penalty=3.0)
+    for bad in ("-0.5", "nan"):
+        with pytest.raises(SystemExit, match="--length-penalty must be a non-negative number"):
+            main(["translate", metrics["run_dir"], "--length-penalty", bad])
 
 
 def test_over_long_lines_are_translated_with_a_warning(toy_run, tmp_path, capsys, monkeypatch):

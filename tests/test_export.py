@@ -356,6 +356,32 @@ def test_module_command_translates_stdin_in_order(exported):
     assert result.stdout.splitlines() == translate_lines(model, tokenizer, lines, beam_size=1)
 
 
+def test_length_penalty_reaches_the_runtime_search_as_in_keras(exported):
+    """`--length-penalty` of the runtime command: the beam outputs of Keras at that
+    alpha, a large alpha lengthens them, and a negative one is refused by name."""
+    model, tokenizer, _, out = exported("float32")
+    lines = held_out_lines(40, seed=47)
+
+    def command(*flags):
+        return subprocess.run(
+            [sys.executable, "-m", "keras_transformer_runtime.translate", out, *flags],
+            input="".join(line + "\n" for line in lines),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+
+    long_ones = command("--beam", "3", "--length-penalty", "4")
+    assert long_ones.returncode == 0, long_ones.stderr
+    keras_long = translate_lines(model, tokenizer, lines, beam_size=3, length_penalty=4.0)
+    assert long_ones.stdout.splitlines() == keras_long
+    keras_short = translate_lines(model, tokenizer, lines, beam_size=3, length_penalty=0.0)
+    assert sum(map(len, keras_long)) > sum(map(len, keras_short))
+    refused = command("--length-penalty", "-1")
+    assert refused.returncode != 0
+    assert "--length-penalty must be a non-negative number" in refused.stderr
+
+
 def test_empty_inputs_and_unseen_characters(exported):
     _, _, translator, _ = exported("mixed_bfloat16")  # SentencePiece with byte fallback
     assert translator.translate([]) == []

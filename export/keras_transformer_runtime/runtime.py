@@ -411,9 +411,18 @@ class OnnxTranslator:
         )
 
     def translate(
-        self, sentences, beam_size=4, max_length=None, batch_size=32, progress=False, warn=None
+        self,
+        sentences,
+        beam_size=4,
+        max_length=None,
+        batch_size=32,
+        progress=False,
+        warn=None,
+        length_penalty=0.6,
     ):
         """Translates a list of strings; `beam_size=1` is greedy search.
+
+        `length_penalty` is the beam search's alpha (see `beam_search`).
 
         Sentences are sorted by length into batches and put back in order.
         An empty (or whitespace-only) string gives an empty string; a sentence
@@ -424,7 +433,7 @@ class OnnxTranslator:
             raise TypeError("translate takes a list of strings, not one string.")
         if self.tokenizer is None:
             raise ExportFileError(f"The export in {self.onnx_dir} has no tokenizer file.")
-        check_beam_arguments(beam_size, 0.6)
+        check_beam_arguments(beam_size, length_penalty)
         sentences = list(sentences)
         for i, text in enumerate(sentences):
             if not isinstance(text, str):
@@ -433,7 +442,9 @@ class OnnxTranslator:
         def search(batch):
             if beam_size == 1:
                 return self.greedy_search(batch, max_length=max_length)[0]
-            return self.beam_search(batch, beam_size=beam_size, max_length=max_length)[0]
+            return self.beam_search(
+                batch, beam_size=beam_size, length_penalty=length_penalty, max_length=max_length
+            )[0]
 
         return translate_texts(
             sentences,

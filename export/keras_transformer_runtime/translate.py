@@ -21,6 +21,13 @@ def build_parser():
     )
     parser.add_argument("onnx_dir", help="folder written by `keras-transformer export`")
     parser.add_argument("--beam", type=int, default=4, help="beam size; 1 = greedy (default 4)")
+    parser.add_argument(
+        "--length-penalty",
+        type=float,
+        default=0.6,
+        help="beam search's alpha: scores are divided by ((5 + length) / 6) ** alpha; "
+        "default 0.6; higher favours longer translations",
+    )
     parser.add_argument("--batch-size", type=int, default=32, help="sentences per batch")
     parser.add_argument("--max-length", type=int, help="maximum output tokens per sentence")
     parser.add_argument("--threads", type=int, help="ONNX Runtime intra-op threads")
@@ -46,6 +53,10 @@ def main(argv=None):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise SystemExit(f"error: --{name.replace('_', '-')} must be a positive integer.")
+    if not args.length_penalty >= 0:  # also refuses nan
+        raise SystemExit(
+            f"error: --length-penalty must be a non-negative number. Received: {args.length_penalty}"
+        )
     try:
         translator = OnnxTranslator(
             args.onnx_dir,
@@ -57,6 +68,7 @@ def main(argv=None):
         outputs = translator.translate(
             lines,
             beam_size=args.beam,
+            length_penalty=args.length_penalty,
             max_length=args.max_length,
             batch_size=args.batch_size,
             progress=not sys.stdin.isatty() and len(lines) > args.batch_size,
