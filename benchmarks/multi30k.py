@@ -34,6 +34,7 @@ DEFAULT_DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".
 DEFAULT_DATA = os.path.normpath(os.path.join(DEFAULT_DATA, "data", "multi30k"))
 TEST = "test_2016_flickr"
 BEAMS = (1, 5)
+DEFAULT_ALPHA = 0.6  # the beam search's length penalty unless a record says otherwise
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
 
 
@@ -69,13 +70,22 @@ def _cpu_flags() -> list[str]:
     return [flag for flag in CPU_FLAGS if flag in present]
 
 
-def _evaluate(run_dir: str, data: str, src: str, tgt: str, beam: int) -> dict:
+def hypotheses_path(run_dir: str, beam: int, length_penalty: float = DEFAULT_ALPHA) -> str:
+    """Where `evaluate` keeps the run's test hypotheses of one search (its JSON beside)."""
+    alpha = "" if beam == 1 or length_penalty == DEFAULT_ALPHA else f".lp{length_penalty:g}"
+    return os.path.join(run_dir, f"{TEST}.beam{beam}{alpha}.hyp")
+
+
+def _evaluate(
+    run_dir: str, data: str, src: str, tgt: str, beam: int, length_penalty: float = DEFAULT_ALPHA
+) -> dict:
     """Test scores of the run with `beam` (1 = greedy), computed once and kept in the run."""
-    output = os.path.join(run_dir, f"{TEST}.beam{beam}.hyp")
+    output = hypotheses_path(run_dir, beam, length_penalty)
     if not os.path.isfile(output + ".json"):
         command = [
             sys.executable, "-m", "keras_transformer.cli", "evaluate", run_dir,
             "--beam", str(beam), "--output", output,
+            "--length-penalty", str(length_penalty),
             "--src", os.path.join(data, f"{TEST}.{src}.gz"),
             "--ref", os.path.join(data, f"{TEST}.{tgt}.gz"),
         ]  # fmt: skip
@@ -90,11 +100,21 @@ def _read(run_dir, name):
         return json.load(f)
 
 
-def record(run_dir: str, name: str, data: str, note: str = "", stopped: str = "", **known) -> dict:
+def record(
+    run_dir: str,
+    name: str,
+    data: str,
+    note: str = "",
+    stopped: str = "",
+    length_penalty: float = DEFAULT_ALPHA,
+    **known,
+) -> dict:
     """Writes the record of `run_dir`; `stopped` (why) records an unfinished run.
 
-    `known` fills what an unfinished run did not write yet (`warmup_steps`,
-    `learning_rate_scale`, `precision`), as its log printed them.
+    `length_penalty` is the beam search's alpha of the beam-5 test scores
+    (chosen on val; say how in `note`). `known` fills what an unfinished run
+    did not write yet (`warmup_steps`, `learning_rate_scale`, `precision`),
+    as its log printed them.
     """
     settings = _read(run_dir, "train_config.json")
     src, tgt = _language(settings["src_train"]), _language(settings["tgt_train"])
@@ -106,7 +126,8 @@ def record(run_dir: str, name: str, data: str, note: str = "", stopped: str = ""
         test = None
     else:
         metrics = _read(run_dir, "metrics.json")
-        test = {f"beam{b}": _evaluate(run_dir, data, src, tgt, b) for b in BEAMS}
+        test = {f"beam{b}": _evaluate(run_dir, data, src, tgt, b, length_penalty) for b in BEAMS}
+        test["beam_length_penalty"] = length_penalty
     curve = [
         {k: e[k] for k in ("epoch", "loss", "val_loss", "val_bleu", "seconds") if k in e}
         for e in metrics["history"]
@@ -201,9 +222,11 @@ def table() -> str:
         else:
             greedy, beam = e["test_2016_flickr"]["beam1"], e["test_2016_flickr"]["beam5"]
             final = e["final"].get("chosen") if isinstance(e["final"], dict) else e["final"]
+            alpha = e["test_2016_flickr"].get("beam_length_penalty", DEFAULT_ALPHA)
             scores = (
                 f"{e['valid']['bleu']} | {greedy['bleu_lowercase']} "
                 f"| {beam['bleu_lowercase']} / {beam['bleu']} / {beam['chrf']}"
+                + ("" if alpha == DEFAULT_ALPHA else f" (length penalty {alpha:g})")
             )
         lines.append(
             f"| {e['name']} | {e['direction']} | {_summary(e['settings'], e['model'], e.get('tokens_per_batch'))} "
@@ -232,6 +255,12 @@ def main(argv=None) -> int:
     rec.add_argument("--warmup-steps", type=int, help="an unfinished run's printed warm-up")
     rec.add_argument("--learning-rate-scale", type=float, help="its printed scale")
     rec.add_argument("--precision", help="its printed precision")
+    rec.add_argument(
+        "--length-penalty",
+        type=float,
+        default=DEFAULT_ALPHA,
+        help=f"alpha of the beam-5 test scores, chosen on val (default {DEFAULT_ALPHA})",
+    )
     sub.add_parser("table", help="rewrite the README table from the records")
     args = parser.parse_args(argv)
     if args.command == "record":
@@ -246,7 +275,17 @@ def main(argv=None) -> int:
             for k in ("warmup_steps", "learning_rate_scale", "precision")
             if getattr(args, k) is not None
         }
-        record(args.run_dir, args.name, args.data, args.note, args.stopped, **known)
+        if not args.length_penalty >= 0:
+            raise SystemExit("error: --length-penalty must be a non-negative number.")
+        record(
+            args.run_dir,
+            args.name,
+            args.data,
+            args.note,
+            args.stopped,
+            length_penalty=args.length_penalty,
+            **known,
+        )
     print(table(), end="")
     return 0
 

@@ -182,6 +182,17 @@ def test_multi30k_record_command_names_only_what_differs_from_the_defaults():
     )
 
 
+def test_multi30k_record_keeps_one_hypotheses_file_per_search():
+    """A beam-5 score at another length penalty never reuses (or overwrites) the
+    default's hypotheses; greedy search has no penalty, so one file serves all."""
+    from benchmarks.multi30k import hypotheses_path
+
+    assert hypotheses_path("RUN", 5).endswith("test_2016_flickr.beam5.hyp")
+    assert hypotheses_path("RUN", 5, 4.0).endswith("test_2016_flickr.beam5.lp4.hyp")
+    assert hypotheses_path("RUN", 5, 1.25).endswith("test_2016_flickr.beam5.lp1.25.hyp")
+    assert hypotheses_path("RUN", 1, 4.0) == hypotheses_path("RUN", 1)
+
+
 @pytest.mark.parametrize("normalize_first", [False, True])
 def test_ctranslate2_peer_scores_as_the_keras_model(normalize_first, tmp_path):
     """The CTranslate2 conversion holds the same model: the log-probabilities CTranslate2
