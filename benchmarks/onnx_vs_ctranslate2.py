@@ -1,6 +1,7 @@
 """ONNX Runtime against CTranslate2 on the same weights: float32 and int8, greedy and beam 4.
 
     python -m benchmarks.onnx_vs_ctranslate2 RUN_DIR --src test.de.gz --ref test.en.gz
+    python -m benchmarks.onnx_vs_ctranslate2 combine A.json B.json C.json
 
 The run is exported to ONNX with its int8 graphs (RUN_DIR/onnx-int8) and
 converted to CTranslate2 float32 and int8 folders (RUN_DIR/ct2-*) from the
@@ -166,8 +167,40 @@ def table(report):
     return "\n".join(lines)
 
 
+def combine(paths):
+    """Per cell, the median over several runs' ORT / CT2 ratios, and each run's.
+
+    Each ratio is measured side by side within its run; on a machine whose
+    speed drifts between runs the median of several runs is the steadier figure.
+    """
+    reports = []
+    for path in paths:
+        with open(path, encoding="utf-8") as f:
+            reports.append(json.load(f))
+    lines = [
+        f"| search, batch | float32 ORT / CT2, median of {len(reports)} | each run "
+        f"| int8 ORT / CT2, median of {len(reports)} | each run |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for i, cell in enumerate(reports[0]["cells"]):
+        row = [f"{cell['search']}, {cell['batch_size']}"]
+        for system in ("ort-float32", "ort-int8"):
+            ratios = [r["cells"][i]["systems"][system]["ratio_to_ct2"] for r in reports]
+            row += [
+                f"{statistics.median(ratios):.2f}x",
+                ", ".join(f"{x:.2f}" for x in ratios),
+            ]
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["combine"]:
+        if len(argv) < 2:
+            raise SystemExit("usage: python -m benchmarks.onnx_vs_ctranslate2 combine RUN.json ...")
+        print(combine(argv[1:]))
+        return
     args = build_parser().parse_args(argv)
     args.argv = argv
     run(args)
