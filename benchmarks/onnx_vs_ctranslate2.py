@@ -3,7 +3,7 @@
     python -m benchmarks.onnx_vs_ctranslate2 RUN_DIR --src test.de.gz --ref test.en.gz
     python -m benchmarks.onnx_vs_ctranslate2 combine A.json B.json C.json
 
-The run is exported to ONNX with its int8 graphs (RUN_DIR/onnx-int8) and
+The run is exported afresh to ONNX with its int8 graphs (RUN_DIR/onnx-int8) and
 converted to CTranslate2 float32 and int8 folders (RUN_DIR/ct2-*) from the
 same Keras weights (`benchmarks.ctranslate2_peer`). Each cell (search x batch
 size) translates the same sentences with every system; repetitions are
@@ -47,9 +47,10 @@ def _systems(run_dir, tokenizer, model, threads):
     from benchmarks.ctranslate2_peer import CTranslate2Translator, ctranslate2_model
     from keras_transformer.export.onnx import export_onnx
 
+    # Exported afresh every time: a folder left by older code would otherwise
+    # be measured in place of the graphs this code writes.
     onnx_dir = os.path.join(run_dir, "onnx-int8")
-    if not os.path.isfile(os.path.join(onnx_dir, "manifest.json")):
-        export_onnx(run_dir, onnx_dir, precision="int8")
+    export_onnx(run_dir, onnx_dir, precision="int8", overwrite=True)
     systems, sizes = {}, {}
     for precision in ("float32", "int8"):
         name = f"ort-{precision}"
