@@ -164,8 +164,8 @@ def build_decoder_step(parts, opset=17):
     multiple of `sentences`: rows `s * G .. s * G + G - 1` (G = batch /
     sentences, e.g. the beams) all read sentence s, so a beam search keeps
     one copy of each sentence's cross keys and values, not one per beam.
-    Outputs: `log_probs (batch, vocabulary)`; `top_log_probs (batch, top_k)` and `top_ids (batch, top_k)
-    int64`, the best `top_k` tokens of each row other than padding and BOS,
+    Outputs: `log_probs (batch, vocabulary)`; `top_log_probs (batch, top_k)`
+    and `top_ids (batch, top_k) int64`, the best `top_k` tokens of each row other than padding and BOS,
     best first (ties: lower id), which is all a search step reads; and
     `new_self_key_i`, `new_self_value_i (batch, heads, past_len + 1, head_dim)`.
     """
