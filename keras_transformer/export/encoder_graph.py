@@ -28,11 +28,11 @@ from keras_transformer.export.step_graph import (
     _position_encoding,
     _value,
     check_relu,
+    fused_qkv_weights,
     gemm,
     layer_norm,
     projection_weights,
     residual_block,
-    scaled_query_weights,
 )
 from keras_transformer.ops.attention import MASKED_SCORE
 
@@ -100,12 +100,7 @@ def build_encoder(parts, opset=17):
         return g.node("Transpose", [g.node("Reshape", [projected, heads])], perm=perm)
 
     def self_attention(y, mha, prefix):
-        wq, bq = scaled_query_weights(mha, d, h)
-        wk, bk = projection_weights(mha.key_dense, d)
-        wv, bv = projection_weights(mha.value_dense, d)
-        qkv = gemm(
-            g, y, np.concatenate([wq, wk, wv], 1), np.concatenate([bq, bk, bv]), f"{prefix}.qkv"
-        )
+        qkv = gemm(g, y, *fused_qkv_weights(mha, d, h), f"{prefix}.qkv")
         q, k, v = g.node(
             "Split",
             [qkv, const(f"{prefix}.split", [d, d, d])],
@@ -120,7 +115,7 @@ def build_encoder(parts, opset=17):
         attended = g.node("Mul", [attended, has_key])
         attended = g.node("Transpose", [attended], perm=[0, 2, 1, 3])  # (B, S, N, H)
         wo, bo = projection_weights(mha.output_dense, d)
-        return gemm(g, g.node("Reshape", [attended, rows]), wo.reshape(d, d), bo, f"{prefix}.out")
+        return gemm(g, g.node("Reshape", [attended, rows]), wo, bo, f"{prefix}.out")
 
     def feed_forward(y, ff, prefix):
         inner = g.node(

@@ -81,6 +81,15 @@ def projection_weights(dense, d):
     return _value(dense.kernel).reshape(d, -1), _value(dense.bias).reshape(-1)
 
 
+def fused_qkv_weights(mha, d, h):
+    """The query (scaled), key and value projections of `mha` as one `(d, 3d)` kernel
+    and `(3d,)` bias, for a single `Gemm`."""
+    parts = [scaled_query_weights(mha, d, h)] + [
+        projection_weights(dense, d) for dense in (mha.key_dense, mha.value_dense)
+    ]
+    return np.concatenate([k for k, _ in parts], 1), np.concatenate([b for _, b in parts])
+
+
 def residual_block(g, x, sublayer, norm_layer, prefix, normalize_first):
     """`x + sublayer(norm(x))` (pre-norm) or `norm(x + sublayer(x))` (the paper's post-norm)."""
     if normalize_first:
@@ -229,18 +238,7 @@ def build_decoder_step(parts, opset=17):
         sa, ca, ff = layer.self_attention, layer.cross_attention, layer.feed_forward
 
         def self_attention(y, sa=sa, p=p, i=i):
-            wq, bq = query_weights(sa)
-            kernel = np.concatenate(
-                [
-                    wq,
-                    _value(sa.key_dense.kernel).reshape(d, d),
-                    _value(sa.value_dense.kernel).reshape(d, d),
-                ],
-                axis=1,
-            )
-            bias_ = np.concatenate(
-                [bq, _value(sa.key_dense.bias).reshape(d), _value(sa.value_dense.bias).reshape(d)]
-            )
+            kernel, bias_ = fused_qkv_weights(sa, d, h)
             qkv = dense(y, kernel, bias_, f"{p}.self_qkv")
             # (B, 3D) -> (B, 3N, 1, H): split on the heads axis, each part is
             # already laid out as one new cache position (B, N, 1, H).
@@ -258,8 +256,7 @@ def build_decoder_step(parts, opset=17):
             attended = g.node("Reshape", [g.node("MatMul", [weights, values]), merged])
             return dense(
                 attended,
-                _value(sa.output_dense.kernel).reshape(d, d),
-                _value(sa.output_dense.bias),
+                *projection_weights(sa.output_dense, d),
                 f"{p}.self_out",
             )
 
@@ -279,8 +276,7 @@ def build_decoder_step(parts, opset=17):
             attended = g.node("Reshape", [attended, merged_rows])
             return dense(
                 attended,
-                _value(ca.output_dense.kernel).reshape(d, d),
-                _value(ca.output_dense.bias),
+                *projection_weights(ca.output_dense, d),
                 f"{p}.cross_out",
             )
 
