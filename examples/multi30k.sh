@@ -8,7 +8,8 @@
 # on val among the last, the best and the means of up to 5 epoch checkpoints.
 # Rerunning the same command resumes an interrupted run.
 # Overridable: MULTI30K (data folder), EPOCHS, TOKENS (--tokens-per-batch; unset:
-# train's automatic choice), DROPOUT (--dropout; unset: the preset's), KT (the
+# train's automatic choice), DROPOUT (--dropout; unset: the preset's),
+# ATTENTION_DROPOUT (--attention-dropout; unset: DROPOUT's value), KT (the
 # keras-transformer command).
 set -euo pipefail
 SRC=${1:?source language (de, en or fr)}
@@ -21,7 +22,8 @@ KT=${KT:-.venv/bin/keras-transformer}
   --src-train "$DATA/train.$SRC.gz" --tgt-train "$DATA/train.$TGT.gz" \
   --src-valid "$DATA/val.$SRC.gz" --tgt-valid "$DATA/val.$TGT.gz" \
   --out "$RUN" --preset small --epochs "${EPOCHS:-10}" \
-  ${TOKENS:+--tokens-per-batch "$TOKENS"} ${DROPOUT:+--dropout "$DROPOUT"}
+  ${TOKENS:+--tokens-per-batch "$TOKENS"} ${DROPOUT:+--dropout "$DROPOUT"} \
+  ${ATTENTION_DROPOUT:+--attention-dropout "$ATTENTION_DROPOUT"}
 
 for BEAM in 1 5; do
   "$KT" evaluate "$RUN" --beam "$BEAM" \
