@@ -136,32 +136,55 @@ def ctranslate2_model(model, tokenizer, out_dir, quantization=None):
 
 
 class CTranslate2Translator:
-    """`translate(lines, beam_size)` with CTranslate2, on our tokenizer's pieces."""
+    """`translate(lines, beam_size)` with CTranslate2, on our tokenizer's pieces.
 
-    def __init__(self, folder, tokenizer, compute_type="float32", threads=2):
+    `threads` are the intra-op threads of one batch, `parallel_batches` the
+    batches translated at once (CTranslate2's `inter_threads`).
+    """
+
+    def __init__(self, folder, tokenizer, compute_type="float32", threads=2, parallel_batches=1):
         import ctranslate2
 
         self.tokenizer = tokenizer
         self.translator = ctranslate2.Translator(
-            folder, device="cpu", compute_type=compute_type, intra_threads=threads
+            folder,
+            device="cpu",
+            compute_type=compute_type,
+            intra_threads=threads,
+            inter_threads=parallel_batches,
         )
 
-    def translate(self, lines, beam_size=4, batch_size=32):
-        """Batches sorted by length, as `OnnxTranslator.translate` makes them."""
+    def translate(self, lines, beam_size=4, batch_size=32, parallel_batches=1):
+        """Batches of `batch_size` sorted by length, as `OnnxTranslator.translate` makes them.
+
+        With `parallel_batches` > 1 one call hands CTranslate2 every sentence
+        with `max_batch_size`: it sorts them by length into batches itself
+        and spreads the batches over its `inter_threads` workers.
+        """
         eos = self.tokenizer.id_to_piece(2)
         sources = [self.tokenizer.pieces(self.tokenizer.encode(line)) + [eos] for line in lines]
+        options = {"beam_size": beam_size, "length_penalty": 0.6 if beam_size > 1 else 0.0}
+        if parallel_batches > 1:
+            results = self.translator.translate_batch(
+                sources,
+                max_batch_size=batch_size,
+                max_decoding_length=max(map(len, sources), default=0) + 50,
+                **options,
+            )
+            return [self._text(result) for result in results]
         order = np.argsort([len(s) for s in sources], kind="stable")
         outputs = [""] * len(lines)
         for start in range(0, len(order), batch_size):
             chunk = order[start : start + batch_size]
             batch = [sources[i] for i in chunk]
             results = self.translator.translate_batch(
-                batch,
-                beam_size=beam_size,
-                max_decoding_length=max(len(s) for s in batch) + 50,
-                length_penalty=0.6 if beam_size > 1 else 0.0,
+                batch, max_decoding_length=max(len(s) for s in batch) + 50, **options
             )
             for i, result in zip(chunk, results, strict=True):
-                ids = [self.tokenizer.piece_to_id(piece) for piece in result.hypotheses[0]]
-                outputs[i] = self.tokenizer.decode(ids)
+                outputs[i] = self._text(result)
         return outputs
+
+    def _text(self, result):
+        return self.tokenizer.decode(
+            [self.tokenizer.piece_to_id(piece) for piece in result.hypotheses[0]]
+        )

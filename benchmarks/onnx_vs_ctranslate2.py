@@ -33,7 +33,16 @@ def build_parser():
     parser.add_argument("--src", required=True, help="source sentences (plain or .gz)")
     parser.add_argument("--ref", help="references, for BLEU")
     parser.add_argument("--lines", type=int, default=200, help="first N sentences (default 200)")
-    parser.add_argument("--threads", type=int, default=2, help="intra-op threads of both")
+    parser.add_argument(
+        "--threads", type=int, default=2, help="intra-op threads of each search, both systems"
+    )
+    parser.add_argument(
+        "--parallel-batches",
+        type=int,
+        default=1,
+        help="batches searched at once, both systems (ORT: parallel_batches; CT2: "
+        "inter_threads); the cores used are --threads x --parallel-batches (default 1)",
+    )
     parser.add_argument("--repeats", type=int, default=3, help="interleaved repetitions")
     parser.add_argument(
         "--out", default=os.path.join("benchmarks", "results", "onnx_vs_ctranslate2.json")
@@ -41,7 +50,7 @@ def build_parser():
     return parser
 
 
-def _systems(run_dir, tokenizer, model, threads):
+def _systems(run_dir, tokenizer, model, threads, parallel_batches):
     from keras_transformer_runtime import OnnxTranslator
 
     from benchmarks.ctranslate2_peer import CTranslate2Translator, ctranslate2_model
@@ -66,7 +75,9 @@ def _systems(run_dir, tokenizer, model, threads):
         if not os.path.isfile(os.path.join(folder, "model.bin")):
             ctranslate2_model(model, tokenizer, folder, None if precision == "float32" else "int8")
         name = f"ct2-{precision}"
-        systems[name] = CTranslate2Translator(folder, tokenizer, precision, threads)
+        systems[name] = CTranslate2Translator(
+            folder, tokenizer, precision, threads, parallel_batches
+        )
         sizes[name] = os.path.getsize(os.path.join(folder, "model.bin"))
     return systems, sizes
 
@@ -81,7 +92,9 @@ def run(args):
     lines = read_lines(args.src)[: args.lines]
     references = read_lines(args.ref)[: args.lines] if args.ref else None
     model, tokenizer = load_run(args.run_dir)
-    systems, sizes = _systems(args.run_dir, tokenizer, float32_copy(model), args.threads)
+    systems, sizes = _systems(
+        args.run_dir, tokenizer, float32_copy(model), args.threads, args.parallel_batches
+    )
     results = []
     for label, beam, batch in CELLS:
         times = {name: [] for name in SYSTEMS}
@@ -89,7 +102,9 @@ def run(args):
         for _ in range(args.repeats):
             for name in SYSTEMS:
                 start = time.perf_counter()
-                outputs[name] = systems[name].translate(lines, beam_size=beam, batch_size=batch)
+                outputs[name] = systems[name].translate(
+                    lines, beam_size=beam, batch_size=batch, parallel_batches=args.parallel_batches
+                )
                 times[name].append(time.perf_counter() - start)
         cell = {"search": label, "beam_size": beam, "batch_size": batch, "systems": {}}
         for name in SYSTEMS:
@@ -114,6 +129,7 @@ def run(args):
         "settings": {k: v for k, v in vars(args).items() if k != "argv"},
         "sentences": len(lines),
         "threads": args.threads,
+        "parallel_batches": args.parallel_batches,
         "repeats": args.repeats,
         "size_bytes": sizes,
         "cells": results,

@@ -7,6 +7,7 @@ from benchmarks.matmul_ceiling import main as ceiling_main
 from benchmarks.matmul_ceiling import step_products
 from benchmarks.throughput.batches import training_flops
 from keras_transformer import TransformerConfig
+from keras_transformer.data.pipeline import read_lines
 
 # Trained fixtures, exports and commands end to end: `make integration`.
 pytestmark = pytest.mark.integration
@@ -263,3 +264,23 @@ def test_onnx_vs_ctranslate2_runs_every_system_and_writes_json(trained_run, corp
     # this 3-epoch model's outputs are too uncertain to compare token for token.)
     assert set(report["size_bytes"]) == set(SYSTEMS)
     assert report["size_bytes"]["ort-int8"] < report["size_bytes"]["ort-float32"]
+
+    # --parallel-batches: both systems translate several batches at once, and
+    # give each sentence the translation it gets one batch at a time.
+    from keras_transformer_runtime import OnnxTranslator
+
+    from benchmarks.ctranslate2_peer import CTranslate2Translator
+    from keras_transformer.translation import load_run
+
+    lines = read_lines(paths["test.src"])[:12]
+    _, tokenizer = load_run(str(trained_run))
+    for system in (
+        OnnxTranslator(f"{trained_run}/onnx-int8", num_threads=1, precision="int8"),
+        CTranslate2Translator(f"{trained_run}/ct2-float32", tokenizer, "float32", 1, 2),
+    ):
+        for beam in (1, 3):
+            one_at_a_time = system.translate(lines, beam_size=beam, batch_size=4)
+            assert (
+                system.translate(lines, beam_size=beam, batch_size=4, parallel_batches=2)
+                == one_at_a_time
+            )

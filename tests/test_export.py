@@ -356,6 +356,39 @@ def test_module_command_translates_stdin_in_order(exported):
     assert result.stdout.splitlines() == translate_lines(model, tokenizer, lines, beam_size=1)
 
 
+def test_parallel_batches_translate_as_one_batch_at_a_time(exported):
+    """Several batches searched at once, on threads sharing one session: every line
+    gets the translation it gets alone, in input order, through the Python API
+    and the command; a count below 1 is refused by name."""
+    _, _, translator, out = exported("mixed_bfloat16")
+    lines = held_out_lines(90, seed=53)
+    one_thread = OnnxTranslator(out, providers=["CPUExecutionProvider"], num_threads=1)
+    for beam in (1, 3):
+        alone = translator.translate(lines, beam_size=beam, batch_size=8)
+        assert (
+            one_thread.translate(lines, beam_size=beam, batch_size=8, parallel_batches=3) == alone
+        )
+    with pytest.raises(ValueError, match="parallel_batches must be a positive integer"):
+        translator.translate(lines, parallel_batches=0)
+
+    def command(*flags):
+        return subprocess.run(
+            [sys.executable, "-m", "keras_transformer_runtime.translate", out, *flags],
+            input="".join(line + "\n" for line in lines),
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+
+    done = command("--beam", "2", "--batch-size", "8", "--parallel-batches", "2")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == translator.translate(lines, beam_size=2, batch_size=8)
+    refused = command("--parallel-batches", "0")
+    assert refused.returncode != 0 and "--parallel-batches must be a positive integer" in (
+        refused.stderr
+    )
+
+
 def test_length_penalty_reaches_the_runtime_search_as_in_keras(exported):
     """`--length-penalty` of the runtime command: the beam outputs of Keras at that
     alpha, a large alpha lengthens them, and a negative one is refused by name."""

@@ -419,10 +419,17 @@ class OnnxTranslator:
         progress=False,
         warn=None,
         length_penalty=0.6,
+        parallel_batches=1,
     ):
         """Translates a list of strings; `beam_size=1` is greedy search.
 
         `length_penalty` is the beam search's alpha (see `beam_search`).
+        `parallel_batches` > 1 searches that many batches at once, each on
+        its own thread (ONNX Runtime runs a session from several threads).
+        Give each search its share of the cores through `num_threads`. On
+        a CPU, one thread per batch (`num_threads=1`, `parallel_batches` =
+        the cores) keeps every core busy while a search runs its Python
+        steps between the runtime's calls.
 
         Sentences are sorted by length into batches and put back in order.
         An empty (or whitespace-only) string gives an empty string; a sentence
@@ -455,4 +462,5 @@ class OnnxTranslator:
             batch_size=batch_size,
             progress=progress,
             warn=warn,
+            parallel_batches=parallel_batches,
         )

@@ -15,6 +15,7 @@ stop before EOS. An empty source gives an empty output with score 0.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor, as_completed
 
 import numpy as np
 
@@ -323,6 +324,7 @@ def translate_texts(
     batch_size=32,
     progress=False,
     warn=None,
+    parallel_batches=1,
 ):
     """Translates strings in order with a batched `search(sources) -> token lists`.
 
@@ -333,7 +335,15 @@ def translate_texts(
     tokens (the positions the model trained on) is translated whole, and
     `warn(message)`, when given, gets one line for each such text before
     the search and their count after it.
+
+    `parallel_batches` > 1 searches that many batches at once, each on its
+    own thread, so `search` must be safe to call from several threads. It
+    pays where one search leaves cores idle: its Python steps run between
+    the runtime's calls, and a small batch is split badly across threads.
+    The outputs are the same either way.
     """
+    check_positive_int("batch_size", batch_size)
+    check_positive_int("parallel_batches", parallel_batches)
     sources = []
     for text in texts:
         ids = encode(text) if text.strip() else []
@@ -348,12 +358,21 @@ def translate_texts(
     order = np.argsort([len(s) for s in sources], kind="stable")
     outputs = [""] * len(sources)
     bar = Progress(len(sources), progress)
-    for start in range(0, len(order), batch_size):
-        chunk = order[start : start + batch_size]
-        tokens = search([sources[i] for i in chunk])
+    chunks = [order[start : start + batch_size] for start in range(0, len(order), batch_size)]
+
+    def finish(chunk, tokens):
         for i, ids in zip(chunk, tokens, strict=True):
             outputs[i] = decode(ids)
         bar.update(len(chunk))
+
+    if parallel_batches == 1 or len(chunks) < 2:
+        for chunk in chunks:
+            finish(chunk, search([sources[i] for i in chunk]))
+    else:
+        with ThreadPoolExecutor(max_workers=min(parallel_batches, len(chunks))) as pool:
+            running = {pool.submit(search, [sources[i] for i in chunk]): chunk for chunk in chunks}
+            for future in as_completed(running):
+                finish(running[future], future.result())
     if warn is not None and too_long:
         warn(
             f"{len(too_long)} of {len(sources)} lines were longer than the model's "
