@@ -284,3 +284,30 @@ def test_onnx_vs_ctranslate2_runs_every_system_and_writes_json(trained_run, corp
                 system.translate(lines, beam_size=beam, batch_size=4, parallel_batches=2)
                 == one_at_a_time
             )
+
+
+def test_parallel_batches_benchmark_compares_layouts_on_the_same_outputs(
+    trained_run, corpus_files, tmp_path
+):
+    """Both precisions of an int8 export, four cells, each layout against the first."""
+    from benchmarks.parallel_batches import CELLS
+    from benchmarks.parallel_batches import main as layouts_main
+    from keras_transformer.export.onnx import export_onnx
+
+    _, paths = corpus_files
+    onnx_dir = tmp_path / "onnx"
+    export_onnx(str(trained_run), str(onnx_dir), precision="int8")
+    out = tmp_path / "layouts.json"
+    argv = [str(onnx_dir), "--src", paths["test.src"], "--lines", "12", "--repeats", "1"]
+    argv += ["--layouts", "2x1", "1x3", "--out", str(out)]
+    layouts_main(argv)
+    report = json.loads(out.read_text())
+    assert [(c["precision"], c["search"], c["batch_size"]) for c in report["cells"]] == [
+        (p, s, b) for p in ("float32", "int8") for s, _, b in CELLS
+    ]
+    for cell in report["cells"]:
+        assert list(cell["layouts"]) == ["2x1", "1x3"]
+        assert cell["layouts"]["2x1"]["speedup"] == 1.0
+        assert all(entry["same_outputs"] for entry in cell["layouts"].values())
+    with pytest.raises(SystemExit):
+        layouts_main([str(onnx_dir), "--src", paths["test.src"], "--layouts", "0x2"])

@@ -1,0 +1,142 @@
+"""ONNX Runtime translation with the cores in one search or in several, side by side.
+
+    python -m benchmarks.parallel_batches ONNX_DIR --src test.de.gz [--layouts 2x1 1x2]
+
+A layout `TxP` runs P batches at once (`translate(..., parallel_batches=P)`),
+each search on T intra-op threads; `2x1` and `1x2` both use 2 cores. For
+each precision of the export and each cell (greedy and beam 4, batch 1 and
+32), every layout translates the same sentences, repetitions interleaved,
+and the median is kept. Reported: sentences/s, the speed relative to the
+first layout, and whether the outputs are the same as the first layout's.
+Writes JSON to benchmarks/results/parallel_batches.json (or --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+CELLS = (("greedy", 1, 1), ("greedy", 1, 32), ("beam 4", 4, 1), ("beam 4", 4, 32))
+
+
+def layout(text):
+    """ "TxP" -> (threads, parallel_batches), both positive."""
+    try:
+        threads, parallel = (int(part) for part in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"a layout is THREADSxBATCHES, e.g. 2x1 or 1x2; got {text!r}"
+        ) from None
+    if threads < 1 or parallel < 1:
+        raise argparse.ArgumentTypeError(f"threads and batches must be positive; got {text!r}")
+    return threads, parallel
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.parallel_batches")
+    parser.add_argument("onnx_dir", help="a folder written by `keras-transformer export`")
+    parser.add_argument("--src", required=True, help="source sentences (plain or .gz)")
+    parser.add_argument("--lines", type=int, default=200, help="first N sentences (default 200)")
+    parser.add_argument(
+        "--layouts",
+        type=layout,
+        nargs="+",
+        default=[(2, 1), (1, 2)],
+        help="THREADSxBATCHES each: intra-op threads per search x batches at once "
+        "(default: 2x1 1x2)",
+    )
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved repetitions")
+    parser.add_argument(
+        "--out", default=os.path.join("benchmarks", "results", "parallel_batches.json")
+    )
+    return parser
+
+
+def run(args):
+    from keras_transformer_runtime import OnnxTranslator
+
+    from benchmarks.machine import describe_machine
+    from keras_transformer.data.pipeline import read_lines
+
+    lines = read_lines(args.src)[: args.lines]
+    with open(os.path.join(args.onnx_dir, "manifest.json"), encoding="utf-8") as f:
+        precisions = [p for p in json.load(f)["precisions"] if p in ("float32", "int8")]
+    names = [f"{t}x{p}" for t, p in args.layouts]
+    results = []
+    for precision in precisions:
+        translators = {
+            name: (
+                OnnxTranslator(
+                    args.onnx_dir,
+                    providers=["CPUExecutionProvider"],
+                    num_threads=threads,
+                    precision=precision,
+                ),
+                parallel,
+            )
+            for name, (threads, parallel) in zip(names, args.layouts, strict=True)
+        }
+        for label, beam, batch in CELLS:
+            times = {name: [] for name in names}
+            outputs = {}
+            for _ in range(args.repeats):
+                for name, (translator, parallel) in translators.items():
+                    start = time.perf_counter()
+                    outputs[name] = translator.translate(
+                        lines, beam_size=beam, batch_size=batch, parallel_batches=parallel
+                    )
+                    times[name].append(time.perf_counter() - start)
+            speed = {name: len(lines) / statistics.median(times[name]) for name in names}
+            cell = {
+                "precision": precision,
+                "search": label,
+                "batch_size": batch,
+                "layouts": {
+                    name: {
+                        "sentences_per_second": speed[name],
+                        "seconds": times[name],
+                        "speedup": speed[name] / speed[names[0]],
+                        "same_outputs": outputs[name] == outputs[names[0]],
+                    }
+                    for name in names
+                },
+            }
+            results.append(cell)
+            print(_row(cell), flush=True)
+    report = {
+        "command": "python -m benchmarks.parallel_batches " + " ".join(args.argv),
+        "settings": {k: v for k, v in vars(args).items() if k != "argv"},
+        "sentences": len(lines),
+        "cells": results,
+        "machine": describe_machine(),
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w", encoding="utf-8") as f:
+        json.dump(report, f, indent=2)
+        f.write("\n")
+    return report
+
+
+def _row(cell):
+    parts = [f"{cell['precision']}, {cell['search']}, batch {cell['batch_size']}:"]
+    for name, entry in cell["layouts"].items():
+        parts.append(
+            f"{name} {entry['sentences_per_second']:.1f}/s ({entry['speedup']:.2f}x"
+            f"{'' if entry['same_outputs'] else ', outputs differ'})"
+        )
+    return " ".join(parts)
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser().parse_args(argv)
+    args.argv = argv
+    return run(args)
+
+
+if __name__ == "__main__":
+    main()
