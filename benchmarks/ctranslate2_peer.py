@@ -157,31 +157,30 @@ class CTranslate2Translator:
     def translate(self, lines, beam_size=4, batch_size=32, parallel_batches=1):
         """Batches of `batch_size` sorted by length, as `OnnxTranslator.translate` makes them.
 
-        With `parallel_batches` > 1 one call hands CTranslate2 every sentence
-        with `max_batch_size`: it sorts them by length into batches itself
-        and spreads the batches over its `inter_threads` workers.
+        With `parallel_batches` > 1 every batch is submitted at once
+        (`asynchronous=True`) and CTranslate2's `inter_threads` workers
+        translate them in parallel; the batches and their length limits
+        are the same either way.
         """
         eos = self.tokenizer.id_to_piece(2)
         sources = [self.tokenizer.pieces(self.tokenizer.encode(line)) + [eos] for line in lines]
         options = {"beam_size": beam_size, "length_penalty": 0.6 if beam_size > 1 else 0.0}
-        if parallel_batches > 1:
-            results = self.translator.translate_batch(
-                sources,
-                max_batch_size=batch_size,
-                max_decoding_length=max(map(len, sources), default=0) + 50,
-                **options,
-            )
-            return [self._text(result) for result in results]
         order = np.argsort([len(s) for s in sources], kind="stable")
+        chunks = [order[start : start + batch_size] for start in range(0, len(order), batch_size)]
         outputs = [""] * len(lines)
-        for start in range(0, len(order), batch_size):
-            chunk = order[start : start + batch_size]
+        pending = []
+        for chunk in chunks:
             batch = [sources[i] for i in chunk]
             results = self.translator.translate_batch(
-                batch, max_decoding_length=max(len(s) for s in batch) + 50, **options
+                batch,
+                max_decoding_length=max(len(s) for s in batch) + 50,
+                asynchronous=parallel_batches > 1,
+                **options,
             )
+            pending.append((chunk, results))
+        for chunk, results in pending:
             for i, result in zip(chunk, results, strict=True):
-                outputs[i] = self._text(result)
+                outputs[i] = self._text(result.result() if parallel_batches > 1 else result)
         return outputs
 
     def _text(self, result):
