@@ -11,6 +11,10 @@ interleaved across systems and the median is kept. Reported per cell and
 system: sentences/s, the ratio to CTranslate2 at the same precision, the
 outputs identical to ONNX Runtime float32, and BLEU. Writes JSON to
 benchmarks/results/onnx_vs_ctranslate2.json (or --out).
+
+`--threads T --parallel-batches P` gives both systems the same cores: P
+batches at once (ONNX Runtime's `parallel_batches`, CTranslate2's
+`inter_threads`), each on T threads. The default is one search on 2 threads.
 """
 
 from __future__ import annotations
