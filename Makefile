@@ -38,8 +38,19 @@ test: $(STAMP)
 	cat .jax-tests.log; \
 	test $$tf -eq 0 && test $$jax_status -eq 0
 
+# The integration tier in two processes as well: the `train` command's tests
+# (each trains on the generated corpus) beside the tests on the shared
+# trained fixtures; the first's output is printed after the second's.
+TRAIN_TESTS = tests/test_train.py tests/test_demo.py
 integration: $(STAMP)
-	KERAS_BACKEND=tensorflow $(PYTEST) -m "integration and not slow"
+	@KERAS_BACKEND=tensorflow $(PYTEST) --basetemp=.pytest-train-tmp -m "integration and not slow" \
+		$(TRAIN_TESTS) > .train-tests.log 2>&1 & train=$$!; \
+	KERAS_BACKEND=tensorflow $(PYTEST) -m "integration and not slow" \
+		$(addprefix --ignore=,$(TRAIN_TESTS)); rest=$$?; \
+	wait $$train; train_status=$$?; \
+	echo "== $(TRAIN_TESTS)"; \
+	cat .train-tests.log; \
+	test $$rest -eq 0 && test $$train_status -eq 0
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
@@ -49,4 +60,4 @@ slow: $(STAMP)
 	$(PYTEST) -m slow
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache .pytest-jax-tmp .jax-tests.log
+	rm -rf $(VENV) runs .pytest_cache .pytest-jax-tmp .jax-tests.log .pytest-train-tmp .train-tests.log
