@@ -356,6 +356,17 @@ def test_module_command_translates_stdin_in_order(exported):
     assert result.stdout.splitlines() == translate_lines(model, tokenizer, lines, beam_size=1)
 
 
+def _runtime_command(out, lines, *flags):
+    """`python -m keras_transformer_runtime.translate OUT FLAGS` with `lines` on stdin."""
+    return subprocess.run(
+        [sys.executable, "-m", "keras_transformer_runtime.translate", out, *flags],
+        input="".join(line + "\n" for line in lines),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
 def test_parallel_batches_translate_as_one_batch_at_a_time(exported):
     """Several batches searched at once, on threads sharing one session: every line
     gets the translation it gets alone, in input order, through the Python API
@@ -372,13 +383,7 @@ def test_parallel_batches_translate_as_one_batch_at_a_time(exported):
         translator.translate(lines, parallel_batches=0)
 
     def command(*flags):
-        return subprocess.run(
-            [sys.executable, "-m", "keras_transformer_runtime.translate", out, *flags],
-            input="".join(line + "\n" for line in lines),
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        return _runtime_command(out, lines, *flags)
 
     done = command("--beam", "2", "--batch-size", "8", "--parallel-batches", "2")
     assert done.returncode == 0, done.stderr
@@ -396,13 +401,7 @@ def test_length_penalty_reaches_the_runtime_search_as_in_keras(exported):
     lines = held_out_lines(40, seed=47)
 
     def command(*flags):
-        return subprocess.run(
-            [sys.executable, "-m", "keras_transformer_runtime.translate", out, *flags],
-            input="".join(line + "\n" for line in lines),
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
+        return _runtime_command(out, lines, *flags)
 
     long_ones = command("--beam", "3", "--length-penalty", "4")
     assert long_ones.returncode == 0, long_ones.stderr
