@@ -4,16 +4,26 @@ import zlib
 
 import numpy as np
 import pytest
-from keras_transformer_runtime.search import banned_ids, beam_loop, greedy_loop
+from keras_transformer_runtime.search import (
+    banned_ids,
+    beam_loop,
+    greedy_loop,
+    length_penalty_factor,
+)
 from keras_transformer_runtime.specials import BOS_ID, EOS_ID
 
 VOCAB = 12
 
 
-def _log_probs(sentence, prefix):
-    """Deterministic next-token log-probabilities of a prefix; EOS likelier as it grows."""
+def _log_probs(sentence, prefix, ties=False):
+    """Deterministic next-token log-probabilities of a prefix; EOS likelier as it grows.
+
+    With `ties`, the logits are whole numbers, so candidates often score the same.
+    """
     seed = zlib.crc32(np.asarray([sentence, *prefix], np.int64).tobytes())
     logits = np.random.default_rng(seed).normal(size=VOCAB).astype(np.float32) * 2
+    if ties:
+        logits = np.round(logits)
     logits[EOS_ID] += 0.4 * len(prefix) - 1.5
     return logits - np.log(np.exp(logits).sum())
 
@@ -33,7 +43,8 @@ class ToyDecoder:
     instead of the whole `log_probs`, as the ONNX step graph does.
     """
 
-    def __init__(self, batch, beam_size, top_k=None, shared_first_step=False):
+    def __init__(self, batch, beam_size, top_k=None, shared_first_step=False, ties=False):
+        self.ties = ties
         self.sentences = np.repeat(np.arange(batch), 1 if shared_first_step else beam_size)
         self.prefixes = [[] for _ in self.sentences]
         self.batch_sizes = []
@@ -44,7 +55,10 @@ class ToyDecoder:
         self.batch_sizes.append(len(last))
         self.prefixes = [p + [int(token)] for p, token in zip(self.prefixes, last, strict=True)]
         log_probs = np.stack(
-            [_log_probs(s, p[1:]) for s, p in zip(self.sentences, self.prefixes, strict=True)]
+            [
+                _log_probs(s, p[1:], self.ties)
+                for s, p in zip(self.sentences, self.prefixes, strict=True)
+            ]
         )
         return log_probs if self.top_k is None else _top(log_probs, self.top_k)
 
@@ -145,3 +159,69 @@ def test_wider_beams_never_score_worse_on_the_toy_decoder():
     (_, narrow), _ = _beam(limits, 1, drop_finished=True)
     (_, wide), _ = _beam(limits, 6, drop_finished=True)
     assert (wide >= narrow - 1e-9).mean() >= 0.9 and (wide > narrow + 1e-6).any()
+
+
+def _one_sentence_beam(log_probs, limit, beam_size, alpha):
+    """The beam rules of `beam_loop` for one sentence, written plainly: the reference.
+
+    `log_probs(prefix)` gives the next-token log-probabilities. Candidates
+    rank by score, then by `beam * VOCAB + token`; of the 2k best, an EOS
+    among the first k finishes a hypothesis and the first k others live on.
+    """
+    if limit == 0:
+        return [], 0.0
+    alive, finished = [([], 0.0)], []  # (tokens, summed log-probability)
+    for t in range(limit):
+        candidates = []
+        for j, (tokens, score) in enumerate(alive):
+            row = log_probs(tokens)
+            for token in range(VOCAB):
+                if token not in banned_ids():
+                    candidates.append((score + float(row[token]), j * VOCAB + token))
+        candidates.sort(key=lambda c: (-c[0], c[1]))
+        grown = []
+        for rank, (score, key) in enumerate(candidates[: 2 * beam_size]):
+            j, token = divmod(key, VOCAB)
+            if token == EOS_ID:
+                if rank < beam_size:
+                    finished.append((score / length_penalty_factor(t + 1, alpha), alive[j][0]))
+            elif len(grown) < beam_size:
+                grown.append((alive[j][0] + [token], score))
+        if t + 1 == limit:
+            finished += [(s / length_penalty_factor(t + 1, alpha), tk) for tk, s in grown]
+            break
+        if not grown:
+            break
+        best = max(s for s, _ in finished) if finished else -np.inf
+        top = max(s for _, s in grown)
+        if top / length_penalty_factor(limit, alpha) <= best or (
+            len(finished) >= beam_size and top / length_penalty_factor(t + 1, alpha) <= best
+        ):
+            break
+        alive = grown
+    score, tokens = max(finished, key=lambda f: f[0])  # the first of equal scores
+    return tokens, score
+
+
+@pytest.mark.parametrize("ties", [False, True])
+@pytest.mark.parametrize("alpha", [0.0, 0.6, 2.0])
+@pytest.mark.parametrize("beam_size", [1, 3, 5])
+def test_the_batched_beam_search_is_the_plain_one_sentence_search(beam_size, alpha, ties):
+    limits = np.array([9, 0, 4, 12, 1, 7, 12, 3, 6, 10])
+    expected = [
+        _one_sentence_beam(lambda prefix, s=s: _log_probs(s, prefix, ties), limit, beam_size, alpha)
+        for s, limit in enumerate(limits)
+    ]
+    for top_k, shared, drop in ((None, False, False), (2 * beam_size, True, True)):
+        decoder = ToyDecoder(len(limits), beam_size, top_k, shared, ties)
+        tokens, scores = beam_loop(
+            decoder.step,
+            decoder.reorder,
+            limits,
+            beam_size,
+            alpha,
+            drop_finished=drop,
+            shared_first_step=shared,
+        )
+        assert tokens == [e[0] for e in expected]
+        np.testing.assert_allclose(scores, [e[1] for e in expected], rtol=1e-12)
