@@ -130,10 +130,19 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=2, help="timings per product and round")
     parser.add_argument("--rounds", type=int, default=3, help="passes over the products")
     parser.add_argument("--step", type=int, default=0, help="also time N training steps")
+    parser.add_argument(
+        "--peak-size",
+        type=int,
+        default=None,
+        help="side of the square product that measures the peak (default 4096 on a CPU, "
+        "8192 on a GPU)",
+    )
     parser.add_argument("--out", default=None, help="JSON path")
     args = parser.parse_args(argv)
     if args.budget < 1 or args.repeats < 1 or args.rounds < 1 or args.step < 0:
         parser.error("--budget, --repeats and --rounds must be positive, --step not negative")
+    if args.peak_size is not None and args.peak_size < 1:
+        parser.error(f"--peak-size must be positive; got {args.peak_size}")
 
     import keras
 
@@ -143,7 +152,7 @@ def main(argv=None):
     batch_size, width = batch["source"].shape
     target_width = batch["target_in"].shape[1]
     model_flops = training_flops(config, batch["source_lengths"], batch["target_lengths"])
-    peaks = [matmul_peak(backend)]
+    peaks = [matmul_peak(backend, args.peak_size)]
     print(
         f"{args.shape}, ~{args.budget} tokens: batch {batch_size} x {width} (source), "
         f"x {target_width} (target), "
@@ -164,7 +173,7 @@ def main(argv=None):
             if key in best and len(best[key]) > round_index:
                 continue
             best.setdefault(key, []).append(_timer(product, args.repeats))
-        peaks.append(matmul_peak(backend))
+        peaks.append(matmul_peak(backend, args.peak_size))
         print(f"  round {round_index + 1}: peak {peaks[-1]:.0f} GFLOP/s", flush=True)
     rows, total_seconds, padded_flops = [], 0.0, 0.0
     for product in products:

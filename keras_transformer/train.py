@@ -681,6 +681,15 @@ def _open_run(settings, out_dir, verbose, strategy) -> _Run:
     return _Run(out_dir, resume, strategy, chief, verbose if chief else 0)
 
 
+def automatic_tokens_per_batch(pairs, accumulate_steps=1):
+    """The largest of `AUTO_TOKENS_PER_BATCH` whose epoch over `pairs` (`EncodedPairs`)
+    has at least `MIN_UPDATES_PER_EPOCH` optimizer updates, else the smallest."""
+    for tokens_per_batch in AUTO_TOKENS_PER_BATCH:
+        if pairs.batches(tokens_per_batch) // accumulate_steps >= MIN_UPDATES_PER_EPOCH:
+            return tokens_per_batch
+    return AUTO_TOKENS_PER_BATCH[-1]
+
+
 def _load_data(run, settings, src_train, tgt_train, src_valid, tgt_valid) -> _Data:
     """The tokenizer (trained on the first start), the model config and the datasets."""
     keras.utils.set_random_seed(settings.seed)
@@ -693,11 +702,7 @@ def _load_data(run, settings, src_train, tgt_train, src_valid, tgt_valid) -> _Da
     given = settings.tokens_per_batch
     # Encoded once; the automatic batch size only counts each candidate's batches.
     train_pairs = encode_pairs(src_train, tgt_train, tokenizer, config.max_length)
-    for tokens_per_batch in (given,) if given else AUTO_TOKENS_PER_BATCH:
-        if train_pairs.batches(tokens_per_batch) // settings.accumulate_steps >= (
-            MIN_UPDATES_PER_EPOCH
-        ):
-            break
+    tokens_per_batch = given or automatic_tokens_per_batch(train_pairs, settings.accumulate_steps)
     if not given:
         run.log(
             f"Batches: {tokens_per_batch} tokens per side (auto: the largest of "

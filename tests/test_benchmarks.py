@@ -45,6 +45,8 @@ def test_ceiling_benchmark_runs_and_writes_json(tmp_path):
             "1",
             "--rounds",
             "2",
+            "--peak-size",
+            "1024",
             "--out",
             str(out),
         ]

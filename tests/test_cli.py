@@ -181,24 +181,3 @@ def test_the_command_prints_only_its_own_error(tmp_path):
     )
     assert done.returncode == 1
     assert done.stderr == f"error: Run directory not found: {tmp_path / 'missing'}\n"
-
-
-def test_the_train_command_prints_no_native_log_lines(corpus_files, tmp_path):
-    """The real console script, training with SentencePiece inside tf.data: no lines on
-    stderr from TensorFlow's or SentencePiece's C++ logging, only our progress bar."""
-    import subprocess
-    import sys
-
-    from tests.conftest import train_args
-
-    _, paths = corpus_files
-    command = os.path.join(os.path.dirname(sys.executable), "keras-transformer")
-    env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
-    arguments = train_args(paths, tmp_path / "run", "--max-steps", "2")
-    done = subprocess.run(
-        [command, *arguments], capture_output=True, text=True, env=env, timeout=600
-    )
-    assert done.returncode == 0, done.stderr
-    assert "Epoch 1 (budget 2 steps)" in done.stdout
-    lines = [line for line in done.stderr.replace("\r", "\n").splitlines() if line.strip()]
-    assert lines and all(line.startswith("translating [") for line in lines), lines

@@ -284,15 +284,16 @@ def test_auto_precision_and_accumulation_are_chosen_said_and_recorded(
     assert model.get_layer("decoder_layer_0").dtype_policy.name == "mixed_bfloat16"
 
 
-@pytest.mark.parametrize("min_updates, chosen", [(1, 4096), (10**6, 1024)])
 def test_automatic_batch_size_is_chosen_said_and_recorded(
-    min_updates, chosen, corpus_files, tmp_path, capsys, monkeypatch
+    corpus_files, tmp_path, capsys, monkeypatch
 ):
-    """Without --tokens-per-batch: the largest of 4096, 2048 and 1024 tokens that gives an
-    epoch at least MIN_UPDATES_PER_EPOCH updates, else the smallest."""
+    """Without --tokens-per-batch, the command takes `automatic_tokens_per_batch`'s choice
+    (its rule is tested in test_train_selection): here 4096, with one update an epoch
+    enough, so that the choice differs from the tests' usual 1024."""
     from keras_transformer import train as train_module
 
-    monkeypatch.setattr(train_module, "MIN_UPDATES_PER_EPOCH", min_updates)
+    chosen = 4096
+    monkeypatch.setattr(train_module, "MIN_UPDATES_PER_EPOCH", 1)
     encoded = []  # each side is tokenized once, however many sizes are tried
     encode = train_module.encode_pairs
     monkeypatch.setattr(
@@ -349,3 +350,19 @@ def test_patience_stops_and_the_best_epoch_is_kept(corpus_files, tmp_path, capsy
     assert cli.main([*args[:-10], "--epochs", "8", *args[-8:]]) == 0
     assert "already spent" in capsys.readouterr().out
     assert len(json.loads((out / "history.json").read_text())) == 3
+
+
+def test_the_train_command_prints_no_native_log_lines(corpus_files, tmp_path):
+    """The real console script, training with SentencePiece inside tf.data: no lines on
+    stderr from TensorFlow's or SentencePiece's C++ logging, only our progress bar."""
+    _, paths = corpus_files
+    command = os.path.join(os.path.dirname(sys.executable), "keras-transformer")
+    env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
+    arguments = _train_args(paths, tmp_path / "run", "--max-steps", "2")
+    done = subprocess.run(
+        [command, *arguments], capture_output=True, text=True, env=env, timeout=600
+    )
+    assert done.returncode == 0, done.stderr
+    assert "Epoch 1 (budget 2 steps)" in done.stdout
+    lines = [line for line in done.stderr.replace("\r", "\n").splitlines() if line.strip()]
+    assert lines and all(line.startswith("translating [") for line in lines), lines

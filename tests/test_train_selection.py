@@ -8,10 +8,14 @@ import numpy as np
 import pytest
 
 from keras_transformer.config import TransformerConfig
+from keras_transformer.data.pipeline import EncodedPairs, PipelineStats
 from keras_transformer.model import build_transformer
 from keras_transformer.train import (
+    AUTO_TOKENS_PER_BATCH,
+    MIN_UPDATES_PER_EPOCH,
     TrainSettings,
     _RunRecorder,
+    automatic_tokens_per_batch,
     final_candidates,
     fit_verbosity,
     patience_spent,
@@ -109,3 +113,24 @@ def test_the_live_progress_bar_only_on_a_terminal():
     assert fit_verbosity(1, terminal=True) == 1
     assert fit_verbosity(1, terminal=False) == 2  # one line an epoch in a log file
     assert fit_verbosity(0, terminal=False) == 0 and fit_verbosity(2, terminal=True) == 2
+
+
+def _pairs(count, length=15):
+    """`count` pairs of `length` pieces per side (16 positions with EOS)."""
+    ids = [np.full(length, 5, np.int32)] * count
+    return EncodedPairs(ids, ids, 128, PipelineStats(count, 0, 0, count, 0, 0))
+
+
+def test_the_automatic_batch_is_the_largest_with_enough_updates_else_the_smallest():
+    assert AUTO_TOKENS_PER_BATCH == (4096, 2048, 1024) and MIN_UPDATES_PER_EPOCH == 200
+    # 16-position pairs: 256 a batch at 4096 tokens, 128 at 2048, 64 at 1024.
+    for count, accumulate, chosen in [
+        (256 * 200, 1, 4096),  # exactly 200 updates at 4096
+        (256 * 199, 1, 2048),  # 199 at 4096, 398 at 2048
+        (128 * 200, 2, 1024),  # accumulation halves the updates: 100 at 2048, 200 at 1024
+        (64 * 100, 1, 1024),  # too few at every size: the smallest
+        (1, 1, 1024),
+    ]:
+        pairs = _pairs(count)
+        assert pairs.batches(4096) == -(-count // 256)
+        assert automatic_tokens_per_batch(pairs, accumulate) == chosen, (count, accumulate)
