@@ -9,6 +9,7 @@ from keras_transformer_runtime.search import (
     beam_loop,
     greedy_loop,
     length_penalty_factor,
+    source_array,
 )
 from keras_transformer_runtime.specials import BOS_ID, EOS_ID
 
@@ -225,3 +226,15 @@ def test_the_batched_beam_search_is_the_plain_one_sentence_search(beam_size, alp
         )
         assert tokens == [e[0] for e in expected]
         np.testing.assert_allclose(scores, [e[1] for e in expected], rtol=1e-12)
+
+
+def test_source_array_pads_to_the_longest_row_rounded_to_the_multiple():
+    rows = [[5, 6, 7], [], [8] * 10]
+    for multiple, width in ((8, 16), (1, 10), (4, 12)):
+        array, lengths = source_array(rows, model_max_length=128, multiple=multiple)
+        assert array.shape == (3, width) and array.dtype == np.int32
+        assert lengths.tolist() == [3, 0, 10]
+        assert array[0, :3].tolist() == [5, 6, 7] and not array[0, 3:].any()
+        assert not array[1].any() and array[2, :10].tolist() == [8] * 10
+    # Never wider than the model's positions for a source that fits them.
+    assert source_array([[5] * 12], model_max_length=12)[0].shape == (1, 12)

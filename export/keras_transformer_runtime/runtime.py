@@ -313,7 +313,8 @@ class OnnxTranslator:
     # ----------------------------------------------------------------------- search
 
     def _prepare(self, source_ids, max_length):
-        source, lengths = source_array(source_ids, self.max_length)
+        # ONNX Runtime takes any source length: no padding beyond the longest.
+        source, lengths = source_array(source_ids, self.max_length, multiple=1)
         return source, output_limits(lengths, max_length, self.max_length)
 
     def greedy_search(self, source_ids, max_length=None):

@@ -52,11 +52,13 @@ def check_beam_arguments(beam_size, length_penalty):
         )
 
 
-def source_array(source_ids, model_max_length):
+def source_array(source_ids, model_max_length, multiple=8):
     """Pads token-id lists (or checks an array) into an int32 `(batch, width)` array.
 
-    The width is a multiple of 8 so that a new source length rarely means a
-    new compiled shape. Returns `(array, lengths)`. Nothing is truncated: a
+    The width is a multiple of `multiple`: 8 (the default) so that a new
+    source length rarely means a new compiled shape for a compiled decoder;
+    1 for a runtime that takes any shape at no cost, so that no padding
+    column is computed. Returns `(array, lengths)`. Nothing is truncated: a
     source longer than `model_max_length` (the positions the model trained
     on) is taken whole, its later positions computed rather than read from
     the table.
@@ -81,7 +83,7 @@ def source_array(source_ids, model_max_length):
                 raise ValueError("source_ids must hold integer token ids.")
     lengths = np.array([len(row) for row in rows], np.int64)
     longest = int(lengths.max(initial=0))
-    width = max(8, -(-longest // 8) * 8)
+    width = max(multiple, -(-longest // multiple) * multiple)
     if 0 < longest <= model_max_length:
         width = min(width, model_max_length)
     array = np.zeros((len(rows), max(width, 1)), np.int32)
