@@ -146,6 +146,7 @@ def record(
         "train_minutes": round(metrics["train_seconds"] / 60, 1),
         "warmup_steps": metrics.get("warmup_steps"),
         "learning_rate_scale": metrics.get("learning_rate_scale"),
+        "cooldown_steps": metrics.get("cooldown_steps"),
         "tokens_per_batch": metrics.get("tokens_per_batch", settings.get("tokens_per_batch")),
         "final": metrics.get("final", {"chosen": metrics.get("averaged_checkpoints")}),
         "valid": None
@@ -193,6 +194,10 @@ def _summary(settings: dict, model: dict, tokens_per_batch=None) -> str:
         f"tok {settings.get('tokens_per_batch') or f'auto ({tokens_per_batch})'}"
         + (f"x{settings['accumulate_steps']}" if settings.get("accumulate_steps", 1) > 1 else ""),
     ]
+    if model.get("attention_dropout") not in (None, model["dropout"]):
+        parts[2] += f" (attention {model['attention_dropout']})"
+    if settings.get("cooldown"):
+        parts.append(f"cool-down {settings['cooldown']:g}")
     return ", ".join(parts)
 
 

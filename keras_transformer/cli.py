@@ -42,6 +42,7 @@ def _train(args):
             label_smoothing=args.label_smoothing,
             warmup_steps=args.warmup_steps,
             learning_rate_scale=args.learning_rate_scale,
+            cooldown=args.cooldown,
             accumulate_steps=args.accumulate_steps,
             vocab_size=args.vocab_size,
             num_layers=args.num_layers,
@@ -273,6 +274,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         help="multiplier on the paper's learning-rate curve (default: sqrt(warmup / 4000), "
         "which keeps the paper's peak learning rate for the model width)",
+    )
+    train.add_argument(
+        "--cooldown",
+        type=float,
+        metavar="FRACTION",
+        help="let the learning rate fall linearly to zero over this last fraction of the "
+        "run's updates (needs --epochs or --max-steps; default: none, the paper's inverse "
+        "square root to the end)",
     )
     train.add_argument(
         "--accumulate-steps",

@@ -137,6 +137,9 @@ class TrainSettings:
     warmup_steps: int | None = None
     # None: sqrt(warmup_steps / 4000), the paper's peak learning rate for the width.
     learning_rate_scale: float | None = None
+    # The last fraction of the run's updates (epochs or max_steps) over which the
+    # learning rate falls linearly to zero; None: none, the paper's curve.
+    cooldown: float | None = None
     # Batches whose gradients are averaged into one update.
     accumulate_steps: int = 1
     vocab_size: int = DEFAULT_VOCABULARY_SIZE
@@ -208,6 +211,16 @@ class TrainSettings:
                 "learning_rate_scale must be positive. "
                 f"Received: learning_rate_scale={self.learning_rate_scale}"
             )
+        if self.cooldown is not None:
+            if not 0 < self.cooldown <= 1:
+                raise ValueError(
+                    f"cooldown must be a fraction in (0, 1]. Received: cooldown={self.cooldown}"
+                )
+            if self.epochs is None and self.max_steps is None:
+                raise ValueError(
+                    "cooldown needs the run's length in updates: give epochs or max_steps "
+                    "(a budget in minutes alone does not say when the run ends)."
+                )
         config = self.model_config(self.vocab_size)  # the preset and shape build, or say why not
         if self.tokens_per_batch is not None:
             check_batch_fits(self.tokens_per_batch, config.max_length)
@@ -241,6 +254,19 @@ class TrainSettings:
         warmup = self.warmup_steps or min(PAPER_WARMUP_STEPS, automatic)
         scale = self.learning_rate_scale or math.sqrt(warmup / PAPER_WARMUP_STEPS)
         return warmup, scale
+
+    def run_length(self, updates_per_epoch: int) -> tuple[int | None, int | None]:
+        """`(total_steps, cooldown_steps)` of the schedule's cool-down; `(None, None)` without one.
+
+        The run's length is the smaller of `epochs` of updates and `max_steps`.
+        """
+        if self.cooldown is None:
+            return None, None
+        lengths = [self.max_steps] if self.max_steps is not None else []
+        if self.epochs is not None:
+            lengths.append(self.epochs * max(1, updates_per_epoch))
+        total = min(lengths)
+        return total, max(1, round(self.cooldown * total))
 
     def budget(self) -> str:
         """The stopping budget in words, e.g. "budget 30 min or 5000 steps"."""
@@ -528,6 +554,8 @@ def build_and_compile(
     label_smoothing: float = 0.1,
     jit_compile=False,
     accumulate_steps: int = 1,
+    total_steps: int | None = None,
+    cooldown_steps: int | None = None,
 ) -> keras.Model:
     """Builds `config` under `strategy`'s scope in `precision` and compiles it for training.
 
@@ -535,6 +563,8 @@ def build_and_compile(
     `MaskedAccuracy`; `mixed_float16` gets Keras' loss scaling; "auto"
     precision is resolved by `keras_transformer.precision.resolve_precision`.
     `accumulate_steps` > 1 averages that many batches' gradients per update.
+    `cooldown_steps` of `total_steps` end the schedule with a linear fall to
+    zero (`TransformerSchedule`).
     `strategy` None is the default (one-device) strategy.
 
     Example:
@@ -554,7 +584,12 @@ def build_and_compile(
             keras.config.set_dtype_policy(previous_policy)
         model.compile(
             optimizer=transformer_optimizer(
-                config.hidden_dim, warmup_steps, learning_rate_scale, accumulate_steps
+                config.hidden_dim,
+                warmup_steps,
+                learning_rate_scale,
+                accumulate_steps,
+                total_steps,
+                cooldown_steps,
             ),
             loss=LabelSmoothedCrossEntropy(label_smoothing),
             metrics=[MaskedAccuracy()],
@@ -613,12 +648,16 @@ class _Recipe:
     warmup_steps: int
     learning_rate_scale: float
     updates_per_epoch: int
+    total_steps: int | None = None
+    cooldown_steps: int | None = None
 
     def compile_args(self, settings) -> dict:
         return dict(
             precision=self.precision,
             warmup_steps=self.warmup_steps,
             learning_rate_scale=self.learning_rate_scale,
+            total_steps=self.total_steps,
+            cooldown_steps=self.cooldown_steps,
             label_smoothing=settings.label_smoothing,
             jit_compile=settings.jit_compile,
             accumulate_steps=settings.accumulate_steps,
@@ -751,13 +790,19 @@ def _recipe(run, settings, data) -> _Recipe:
     # Every replica takes its share of each global batch: one update per batch.
     updates_per_epoch = max(1, data.train_stats.batches // settings.accumulate_steps)
     warmup, scale = settings.schedule(updates_per_epoch)
-    recipe = _Recipe(precision, reason, warmup, scale, updates_per_epoch)
+    total, cooldown = settings.run_length(updates_per_epoch)
+    recipe = _Recipe(precision, reason, warmup, scale, updates_per_epoch, total, cooldown)
     peak = TransformerSchedule(data.config.hidden_dim, warmup, scale).peak()
     run.log(f"Precision: {precision} ({reason}).")
     run.log(
         f"Learning rate: warm-up {warmup} updates ({updates_per_epoch} per epoch"
         + (f", {settings.accumulate_steps} batches each" if settings.accumulate_steps > 1 else "")
-        + f"), peak {peak:.3g} (scale {scale:.3g})."
+        + f"), peak {peak:.3g} (scale {scale:.3g})"
+        + (
+            f", falling linearly to 0 over updates {total - cooldown + 1}-{total}."
+            if cooldown
+            else "."
+        )
     )
     return recipe
 
@@ -937,6 +982,8 @@ def _validate_and_record(run, settings, model, data, history, recipe, final, gre
         "precision_reason": recipe.precision_reason,
         "warmup_steps": recipe.warmup_steps,
         "learning_rate_scale": recipe.learning_rate_scale,
+        "total_steps": recipe.total_steps,
+        "cooldown_steps": recipe.cooldown_steps,
         "updates_per_epoch": recipe.updates_per_epoch,
         "tokens_per_batch": data.tokens_per_batch,
         "accumulate_steps": settings.accumulate_steps,

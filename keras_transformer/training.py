@@ -24,12 +24,23 @@ class TransformerSchedule(keras.optimizers.schedules.LearningRateSchedule):
     updates; `accumulation_steps` divides it back so that warm-up and decay
     count optimizer updates.
 
+    An optional linear cool-down ends the run at a learning rate of zero: over
+    the last `cooldown_steps` of `total_steps` updates the curve is multiplied
+    by `(total_steps - step) / cooldown_steps`. A run whose length is known in
+    advance then finishes annealed instead of at the inverse-square-root
+    rate, which is what checkpoint averaging otherwise approximates.
+
     Args:
         hidden_dim: int. Model width d_model.
         warmup_steps: int. Length of the linear warm-up, in updates.
         scale: float. Multiplier on the whole curve.
         accumulation_steps: int. Micro-batches per update (the optimizer's
             `gradient_accumulation_steps`; 1 = none).
+        total_steps: int or None. The run's length in updates; needed with
+            `cooldown_steps`.
+        cooldown_steps: int or None. Length of the final linear cool-down to
+            zero, in updates, at most `total_steps`; None: no cool-down (the
+            paper's curve).
 
     Example:
 
@@ -38,23 +49,51 @@ class TransformerSchedule(keras.optimizers.schedules.LearningRateSchedule):
     0.000698771...
     """
 
-    def __init__(self, hidden_dim, warmup_steps=4000, scale=1.0, accumulation_steps=1):
+    def __init__(
+        self,
+        hidden_dim,
+        warmup_steps=4000,
+        scale=1.0,
+        accumulation_steps=1,
+        total_steps=None,
+        cooldown_steps=None,
+    ):
         check_positive_int("hidden_dim", hidden_dim)
         check_positive_int("warmup_steps", warmup_steps)
         check_positive_int("accumulation_steps", accumulation_steps)
         if not isinstance(scale, (int, float)) or scale <= 0:
             raise ValueError(f"scale must be a positive number. Received: scale={scale!r}")
+        if cooldown_steps is not None:
+            check_positive_int("cooldown_steps", cooldown_steps)
+            if total_steps is None:
+                raise ValueError("cooldown_steps needs total_steps, the run's length in updates.")
+            check_positive_int("total_steps", total_steps)
+            if cooldown_steps > total_steps:
+                raise ValueError(
+                    f"cooldown_steps ({cooldown_steps}) must be at most total_steps "
+                    f"({total_steps})."
+                )
+        elif total_steps is not None:
+            check_positive_int("total_steps", total_steps)
         self.hidden_dim = hidden_dim
         self.warmup_steps = warmup_steps
         self.scale = float(scale)
         self.accumulation_steps = accumulation_steps
+        self.total_steps = total_steps
+        self.cooldown_steps = cooldown_steps
 
     def __call__(self, step):
         if self.accumulation_steps > 1:
             step = ops.floor_divide(step, self.accumulation_steps)
-        step = ops.maximum(ops.cast(step, "float32"), 1.0)
+        iteration = ops.cast(step, "float32")
+        step = ops.maximum(iteration, 1.0)
         warmup = ops.cast(self.warmup_steps, "float32")
         rate = ops.minimum(ops.rsqrt(step), step * warmup**-1.5)
+        if self.cooldown_steps is not None:
+            # Keras' counter runs 0 .. total_steps - 1: the first update of the
+            # cool-down keeps the full rate, the last gets 1 / cooldown_steps.
+            remaining = float(self.total_steps) - iteration
+            rate = rate * ops.clip(remaining / float(self.cooldown_steps), 0.0, 1.0)
         return self.scale * self.hidden_dim**-0.5 * rate
 
     def get_config(self):
@@ -63,6 +102,8 @@ class TransformerSchedule(keras.optimizers.schedules.LearningRateSchedule):
             "warmup_steps": self.warmup_steps,
             "scale": self.scale,
             "accumulation_steps": self.accumulation_steps,
+            "total_steps": self.total_steps,
+            "cooldown_steps": self.cooldown_steps,
         }
 
     def peak(self) -> float:
@@ -70,7 +111,15 @@ class TransformerSchedule(keras.optimizers.schedules.LearningRateSchedule):
         return self.scale * (self.hidden_dim * self.warmup_steps) ** -0.5
 
 
-def transformer_optimizer(hidden_dim, warmup_steps=4000, scale=1.0, accumulation_steps=1, **kwargs):
+def transformer_optimizer(
+    hidden_dim,
+    warmup_steps=4000,
+    scale=1.0,
+    accumulation_steps=1,
+    total_steps=None,
+    cooldown_steps=None,
+    **kwargs,
+):
     """Adam as in section 5.3 (beta_1=0.9, beta_2=0.98, epsilon=1e-9) on `TransformerSchedule`.
 
     `accumulation_steps` > 1 averages the gradients of that many batches
@@ -81,7 +130,9 @@ def transformer_optimizer(hidden_dim, warmup_steps=4000, scale=1.0, accumulation
     """
     settings = dict(beta_1=0.9, beta_2=0.98, epsilon=1e-9) | kwargs
     return keras.optimizers.Adam(
-        learning_rate=TransformerSchedule(hidden_dim, warmup_steps, scale, accumulation_steps),
+        learning_rate=TransformerSchedule(
+            hidden_dim, warmup_steps, scale, accumulation_steps, total_steps, cooldown_steps
+        ),
         gradient_accumulation_steps=accumulation_steps if accumulation_steps > 1 else None,
         **settings,
     )

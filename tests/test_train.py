@@ -257,15 +257,16 @@ def test_progress_names_the_budget_and_keras_does_not_warn(corpus_files, tmp_pat
     assert not [w for w in recwarn if "ran out of data" in str(w.message)]  # a known length
 
 
-def test_auto_precision_and_accumulation_are_chosen_said_and_recorded(
+def test_auto_precision_accumulation_and_cooldown_are_chosen_said_and_recorded(
     corpus_files, tmp_path, capsys, monkeypatch
 ):
-    """A CPU with bfloat16 units (flags mocked) gets mixed_bfloat16; 2 batches per update."""
+    """A CPU with bfloat16 units (flags mocked) gets mixed_bfloat16; 2 batches per update;
+    the cool-down is counted in updates."""
     monkeypatch.setattr("keras_transformer.precision.cpu_flags", lambda: {"avx512_bf16"})
     monkeypatch.setattr("keras_transformer.precision.gpu_compute_capabilities", lambda: [])
     _, paths = corpus_files
     out = tmp_path / "run"
-    args = _train_args(paths, out, "--epochs", "1", "--accumulate-steps", "2")
+    args = _train_args(paths, out, "--epochs", "1", "--accumulate-steps", "2", "--cooldown", "0.5")
     for flag in ("--warmup-steps", "--learning-rate-scale"):  # the automatic schedule
         del args[args.index(flag) : args.index(flag) + 2]
     assert cli.main(args) == 0
@@ -280,6 +281,10 @@ def test_auto_precision_and_accumulation_are_chosen_said_and_recorded(
     # 3 epochs of updates to warm up, at the paper's peak learning rate.
     assert metrics["warmup_steps"] == 3 * (batches // 2)
     assert metrics["learning_rate_scale"] == pytest.approx((3 * (batches // 2) / 4000) ** 0.5)
+    # The cool-down: the last half of the run's updates, in updates, not batches.
+    assert metrics["total_steps"] == batches // 2
+    assert metrics["cooldown_steps"] == max(1, round(0.5 * (batches // 2)))
+    assert "falling linearly to 0 over updates" in printed
     model = keras.saving.load_model(str(out / "model.keras"))
     assert model.get_layer("decoder_layer_0").dtype_policy.name == "mixed_bfloat16"
 

@@ -109,6 +109,22 @@ def test_automatic_warmup_is_three_epochs_and_keeps_the_papers_peak(tmp_path):
     keras.backend.clear_session()
 
 
+def test_cooldown_covers_the_last_fraction_of_the_shorter_budget(tmp_path):
+    paths = []
+    for name in ("a", "b"):
+        (tmp_path / name).write_text("x\n")
+        paths.append(str(tmp_path / name))
+    assert TrainSettings(*paths, *paths, epochs=20).run_length(500) == (None, None)
+    assert TrainSettings(*paths, *paths, epochs=20, cooldown=0.3).run_length(500) == (10_000, 3000)
+    steps = TrainSettings(*paths, *paths, epochs=20, max_steps=4000, cooldown=0.25)
+    assert steps.run_length(500) == (4000, 1000)
+    assert TrainSettings(*paths, *paths, max_steps=7, cooldown=1.0).run_length(500) == (7, 7)
+    with pytest.raises(ValueError, match="cooldown must be a fraction in"):
+        TrainSettings(*paths, *paths, epochs=5, cooldown=1.5)
+    with pytest.raises(ValueError, match="cooldown needs the run's length in updates"):
+        TrainSettings(*paths, *paths, max_minutes=10, cooldown=0.2)
+
+
 def test_the_live_progress_bar_only_on_a_terminal():
     assert fit_verbosity(1, terminal=True) == 1
     assert fit_verbosity(1, terminal=False) == 2  # one line an epoch in a log file

@@ -52,6 +52,38 @@ def test_schedule_bad_arguments(kwargs, message):
         TransformerSchedule(**kwargs)
 
 
+def test_cooldown_falls_linearly_to_zero_over_the_last_updates():
+    plain = TransformerSchedule(hidden_dim=64, warmup_steps=10)
+    cooled = TransformerSchedule(hidden_dim=64, warmup_steps=10, total_steps=100, cooldown_steps=20)
+
+    def rate(schedule, iteration):
+        return float(to_numpy(schedule(iteration)))
+
+    # Keras' counter runs 0..99 for a 100-update run: 80..99 are the cool-down.
+    for iteration in (0, 10, 50, 80):
+        assert rate(cooled, iteration) == pytest.approx(rate(plain, iteration), rel=1e-6)
+    for iteration in (81, 90, 99):
+        expected = rate(plain, iteration) * (100 - iteration) / 20
+        assert rate(cooled, iteration) == pytest.approx(expected, rel=1e-5)
+    assert rate(cooled, 100) == 0.0 and rate(cooled, 150) == 0.0  # past the run: no updates
+    restored = keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(cooled))
+    assert restored.get_config() == cooled.get_config()
+    assert rate(restored, 90) == pytest.approx(rate(cooled, 90))
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(cooldown_steps=10), "cooldown_steps needs total_steps"),
+        (dict(cooldown_steps=11, total_steps=10), r"cooldown_steps \(11\) must be at most"),
+        (dict(cooldown_steps=0, total_steps=10), "cooldown_steps"),
+    ],
+)
+def test_cooldown_bad_arguments(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        TransformerSchedule(hidden_dim=8, warmup_steps=4, **kwargs)
+
+
 def test_optimizer_is_the_papers_adam():
     optimizer = transformer_optimizer(512, warmup_steps=4000)
     assert isinstance(optimizer, keras.optimizers.Adam)
