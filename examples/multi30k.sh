@@ -9,8 +9,9 @@
 # Rerunning the same command resumes an interrupted run.
 # Overridable: MULTI30K (data folder), EPOCHS, TOKENS (--tokens-per-batch; unset:
 # train's automatic choice), DROPOUT (--dropout; unset: the preset's),
-# ATTENTION_DROPOUT (--attention-dropout; unset: DROPOUT's value), KT (the
-# keras-transformer command).
+# ATTENTION_DROPOUT (--attention-dropout; unset: DROPOUT's value), VOCAB
+# (--vocab-size; unset: 8000), COOLDOWN (--cooldown; unset: none), PRECISION
+# (--precision; unset: auto), KT (the keras-transformer command).
 set -euo pipefail
 SRC=${1:?source language (de, en or fr)}
 TGT=${2:?target language}
@@ -23,7 +24,9 @@ KT=${KT:-.venv/bin/keras-transformer}
   --src-valid "$DATA/val.$SRC.gz" --tgt-valid "$DATA/val.$TGT.gz" \
   --out "$RUN" --preset small --epochs "${EPOCHS:-10}" \
   ${TOKENS:+--tokens-per-batch "$TOKENS"} ${DROPOUT:+--dropout "$DROPOUT"} \
-  ${ATTENTION_DROPOUT:+--attention-dropout "$ATTENTION_DROPOUT"}
+  ${ATTENTION_DROPOUT:+--attention-dropout "$ATTENTION_DROPOUT"} \
+  ${VOCAB:+--vocab-size "$VOCAB"} ${COOLDOWN:+--cooldown "$COOLDOWN"} \
+  ${PRECISION:+--precision "$PRECISION"}
 
 for BEAM in 1 5; do
   "$KT" evaluate "$RUN" --beam "$BEAM" \
