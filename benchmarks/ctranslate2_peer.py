@@ -135,55 +135,112 @@ def ctranslate2_model(model, tokenizer, out_dir, quantization=None):
     return out_dir
 
 
+def _translate_batches(translator, batches, options, parallel):
+    """The first hypothesis' pieces of every sentence of `batches`, batch by batch.
+
+    With `parallel` every batch is submitted at once (`asynchronous=True`)
+    and CTranslate2's `inter_threads` workers translate them in parallel.
+    """
+    pending = [
+        translator.translate_batch(
+            batch,
+            max_decoding_length=max(len(s) for s in batch) + 50,
+            asynchronous=parallel,
+            **options,
+        )
+        for batch in batches
+    ]
+    return [
+        [(result.result() if parallel else result).hypotheses[0] for result in results]
+        for results in pending
+    ]
+
+
+def _serve(connection, settings):
+    """A process of its own that holds one CTranslate2 translator and answers requests."""
+    import ctranslate2
+
+    translator = ctranslate2.Translator(**settings)
+    connection.send("ready")
+    while (request := connection.recv()) is not None:
+        connection.send(_translate_batches(translator, *request))
+
+
 class CTranslate2Translator:
     """`translate(lines, beam_size)` with CTranslate2, on our tokenizer's pieces.
 
     `threads` are the intra-op threads of one batch, `parallel_batches` the
     batches translated at once (CTranslate2's `inter_threads`).
+
+    `isolated=True` runs the translator in a process of its own, which a
+    benchmark needs for every CTranslate2 system it holds: CTranslate2's
+    OpenMP runtime (libgomp) cuts its spin-waiting short once a process holds
+    more OpenMP threads than cores, so a second translator in the same process
+    made the timed one several times slower, even after the other was deleted
+    (on a 2-core AMD EPYC Zen 5: 225 against 32 greedy sentences/s at batch 1).
+    Tokenizing and detokenizing stay in the caller's process either way.
     """
 
-    def __init__(self, folder, tokenizer, compute_type="float32", threads=2, parallel_batches=1):
-        import ctranslate2
-
+    def __init__(
+        self,
+        folder,
+        tokenizer,
+        compute_type="float32",
+        threads=2,
+        parallel_batches=1,
+        isolated=False,
+    ):
         self.tokenizer = tokenizer
-        self.translator = ctranslate2.Translator(
-            folder,
+        settings = dict(
+            model_path=folder,
             device="cpu",
             compute_type=compute_type,
             intra_threads=threads,
             inter_threads=parallel_batches,
         )
+        self._process = self._connection = self.translator = None
+        if isolated:
+            import multiprocessing
+
+            context = multiprocessing.get_context("spawn")
+            self._connection, child = context.Pipe()
+            self._process = context.Process(target=_serve, args=(child, settings), daemon=True)
+            self._process.start()
+            child.close()
+            if not self._connection.poll(300) or self._connection.recv() != "ready":
+                raise RuntimeError(f"CTranslate2 did not load {folder} in its process")
+        else:
+            import ctranslate2
+
+            self.translator = ctranslate2.Translator(**settings)
+
+    def close(self):
+        """Stops the translator's process, if it has one."""
+        if self._process is not None:
+            self._connection.send(None)
+            self._process.join(30)
+            self._process = None
 
     def translate(self, lines, beam_size=4, batch_size=32, parallel_batches=1):
-        """Batches of `batch_size` sorted by length, as `OnnxTranslator.translate` makes them.
-
-        With `parallel_batches` > 1 every batch is submitted at once
-        (`asynchronous=True`) and CTranslate2's `inter_threads` workers
-        translate them in parallel; the batches and their length limits
-        are the same either way.
-        """
+        """Batches of `batch_size` sorted by length, as `OnnxTranslator.translate` makes them;
+        the batches and their length limits are the same at any `parallel_batches`."""
         eos = self.tokenizer.id_to_piece(2)
         sources = [self.tokenizer.pieces(self.tokenizer.encode(line)) + [eos] for line in lines]
         options = {"beam_size": beam_size, "length_penalty": 0.6 if beam_size > 1 else 0.0}
         order = np.argsort([len(s) for s in sources], kind="stable")
         chunks = [order[start : start + batch_size] for start in range(0, len(order), batch_size)]
+        batches = [[sources[i] for i in chunk] for chunk in chunks]
+        request = (batches, options, parallel_batches > 1)
+        if self._process is not None:
+            self._connection.send(request)
+            hypotheses = self._connection.recv()
+        else:
+            hypotheses = _translate_batches(self.translator, *request)
         outputs = [""] * len(lines)
-        pending = []
-        for chunk in chunks:
-            batch = [sources[i] for i in chunk]
-            results = self.translator.translate_batch(
-                batch,
-                max_decoding_length=max(len(s) for s in batch) + 50,
-                asynchronous=parallel_batches > 1,
-                **options,
-            )
-            pending.append((chunk, results))
-        for chunk, results in pending:
-            for i, result in zip(chunk, results, strict=True):
-                outputs[i] = self._text(result.result() if parallel_batches > 1 else result)
+        for chunk, pieces in zip(chunks, hypotheses, strict=True):
+            for i, sentence in zip(chunk, pieces, strict=True):
+                outputs[i] = self._text(sentence)
         return outputs
 
-    def _text(self, result):
-        return self.tokenizer.decode(
-            [self.tokenizer.piece_to_id(piece) for piece in result.hypotheses[0]]
-        )
+    def _text(self, pieces):
+        return self.tokenizer.decode([self.tokenizer.piece_to_id(piece) for piece in pieces])

@@ -79,8 +79,9 @@ def _systems(run_dir, tokenizer, model, threads, parallel_batches):
         if not os.path.isfile(os.path.join(folder, "model.bin")):
             ctranslate2_model(model, tokenizer, folder, None if precision == "float32" else "int8")
         name = f"ct2-{precision}"
+        # Each in a process of its own: see CTranslate2Translator.
         systems[name] = CTranslate2Translator(
-            folder, tokenizer, precision, threads, parallel_batches
+            folder, tokenizer, precision, threads, parallel_batches, isolated=True
         )
         sizes[name] = os.path.getsize(os.path.join(folder, "model.bin"))
     return systems, sizes
@@ -128,6 +129,9 @@ def run(args):
             ours["ratio_to_ct2"] = ours["sentences_per_second"] / theirs["sentences_per_second"]
         results.append(cell)
         print(_row(cell), flush=True)
+    for name in SYSTEMS:
+        if name.startswith("ct2"):
+            systems[name].close()
     report = {
         "command": "python -m benchmarks.onnx_vs_ctranslate2 " + " ".join(args.argv),
         "settings": {k: v for k, v in vars(args).items() if k != "argv"},
