@@ -26,7 +26,8 @@ class TransformerSchedule(keras.optimizers.schedules.LearningRateSchedule):
 
     An optional linear cool-down ends the run at a learning rate of zero: over
     the last `cooldown_steps` of `total_steps` updates the curve is multiplied
-    by `(total_steps - step) / cooldown_steps`. A run whose length is known in
+    by `(total_steps - iteration) / cooldown_steps`, `iteration` being Keras'
+    0-based update counter. A run whose length is known in
     advance then finishes annealed instead of at the inverse-square-root
     rate, which is what checkpoint averaging otherwise approximates.
 
@@ -63,18 +64,17 @@ class TransformerSchedule(keras.optimizers.schedules.LearningRateSchedule):
         check_positive_int("accumulation_steps", accumulation_steps)
         if not isinstance(scale, (int, float)) or scale <= 0:
             raise ValueError(f"scale must be a positive number. Received: scale={scale!r}")
+        if total_steps is not None:
+            check_positive_int("total_steps", total_steps)
         if cooldown_steps is not None:
             check_positive_int("cooldown_steps", cooldown_steps)
             if total_steps is None:
                 raise ValueError("cooldown_steps needs total_steps, the run's length in updates.")
-            check_positive_int("total_steps", total_steps)
             if cooldown_steps > total_steps:
                 raise ValueError(
                     f"cooldown_steps ({cooldown_steps}) must be at most total_steps "
                     f"({total_steps})."
                 )
-        elif total_steps is not None:
-            check_positive_int("total_steps", total_steps)
         self.hidden_dim = hidden_dim
         self.warmup_steps = warmup_steps
         self.scale = float(scale)
