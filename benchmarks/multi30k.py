@@ -198,6 +198,12 @@ def _summary(settings: dict, model: dict, tokens_per_batch=None) -> str:
         parts[2] += f" (attention {model['attention_dropout']})"
     if settings.get("cooldown"):
         parts.append(f"cool-down {settings['cooldown']:g}")
+    if settings.get("subword_alpha"):
+        nbest = settings.get("subword_nbest", 64)
+        parts.append(
+            f"subword sampling alpha {settings['subword_alpha']:g} "
+            + ("all" if nbest == -1 else f"{nbest}-best")
+        )
     return ", ".join(parts)
 
 

@@ -10,7 +10,8 @@
 # Overridable: MULTI30K (data folder), EPOCHS, TOKENS (--tokens-per-batch; unset:
 # train's automatic choice), DROPOUT (--dropout; unset: the preset's),
 # ATTENTION_DROPOUT (--attention-dropout; unset: DROPOUT's value), VOCAB
-# (--vocab-size; unset: 8000), COOLDOWN (--cooldown; unset: none), LR_SCALE
+# (--vocab-size; unset: 8000), COOLDOWN (--cooldown; unset: none), SUBWORD_ALPHA
+# (--subword-alpha; unset: no subword sampling), LR_SCALE
 # (--learning-rate-scale; unset: the paper's peak for the width), PRECISION
 # (--precision; unset: auto), KT (the keras-transformer command).
 set -euo pipefail
@@ -27,6 +28,7 @@ KT=${KT:-.venv/bin/keras-transformer}
   ${TOKENS:+--tokens-per-batch "$TOKENS"} ${DROPOUT:+--dropout "$DROPOUT"} \
   ${ATTENTION_DROPOUT:+--attention-dropout "$ATTENTION_DROPOUT"} \
   ${VOCAB:+--vocab-size "$VOCAB"} ${COOLDOWN:+--cooldown "$COOLDOWN"} \
+  ${SUBWORD_ALPHA:+--subword-alpha "$SUBWORD_ALPHA"} \
   ${LR_SCALE:+--learning-rate-scale "$LR_SCALE"} \
   ${PRECISION:+--precision "$PRECISION"}
 

@@ -45,6 +45,8 @@ def _train(args):
             cooldown=args.cooldown,
             accumulate_steps=args.accumulate_steps,
             vocab_size=args.vocab_size,
+            subword_alpha=args.subword_alpha,
+            subword_nbest=args.subword_nbest,
             num_layers=args.num_layers,
             hidden_dim=args.hidden_dim,
             intermediate_dim=args.intermediate_dim,
@@ -294,6 +296,22 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=8000,
         help="joint SentencePiece vocabulary size (default 8000)",
+    )
+    train.add_argument(
+        "--subword-alpha",
+        type=float,
+        metavar="ALPHA",
+        help="subword regularization: segment every training sentence anew each epoch, "
+        "sampling from the SentencePiece model with this smoothing (e.g. 0.1; smaller "
+        "samples more freely). Default: the one best segmentation",
+    )
+    train.add_argument(
+        "--subword-nbest",
+        type=int,
+        default=64,
+        metavar="L",
+        help="with --subword-alpha, sample among the L best segmentations, or all with -1 "
+        "(default 64)",
     )
     shape = train.add_argument_group("model shape (default: the preset's)")
     shape.add_argument("--num-layers", type=int, help="encoder layers, and as many decoder layers")

@@ -42,6 +42,7 @@ import numpy as np
 from keras_transformer.config import TransformerConfig
 from keras_transformer.data.pipeline import (
     DataError,
+    SubwordSampling,
     batch_pairs,
     check_batch_fits,
     encode_pairs,
@@ -143,6 +144,11 @@ class TrainSettings:
     # Batches whose gradients are averaged into one update.
     accumulate_steps: int = 1
     vocab_size: int = DEFAULT_VOCABULARY_SIZE
+    # Subword regularization: sample each training sentence's segmentation anew
+    # every epoch with this alpha (SubwordSampling); None: the one best segmentation.
+    subword_alpha: float | None = None
+    # Sample among this many best segmentations (-1: all); used with subword_alpha.
+    subword_nbest: int = 64
     # The model's shape; None: the preset's (SHAPE_FIELDS).
     num_layers: int | None = None
     hidden_dim: int | None = None
@@ -221,6 +227,7 @@ class TrainSettings:
                     "cooldown needs the run's length in updates: give epochs or max_steps "
                     "(a budget in minutes alone does not say when the run ends)."
                 )
+        self.subword_sampling()  # a valid alpha and nbest, or say why not
         config = self.model_config(self.vocab_size)  # the preset and shape build, or say why not
         if self.tokens_per_batch is not None:
             check_batch_fits(self.tokens_per_batch, config.max_length)
@@ -267,6 +274,12 @@ class TrainSettings:
             lengths.append(self.epochs * max(1, updates_per_epoch))
         total = min(lengths)
         return total, max(1, round(self.cooldown * total))
+
+    def subword_sampling(self) -> SubwordSampling | None:
+        """The training batches' `SubwordSampling`, or None for the best segmentation."""
+        if self.subword_alpha is None:
+            return None
+        return SubwordSampling(self.subword_alpha, self.subword_nbest)
 
     def budget(self) -> str:
         """The stopping budget in words, e.g. "budget 30 min or 5000 steps"."""
@@ -748,9 +761,22 @@ def _load_data(run, settings, src_train, tgt_train, src_valid, tgt_valid) -> _Da
             f"{', '.join(map(str, AUTO_TOKENS_PER_BATCH))} that gives at least "
             f"{MIN_UPDATES_PER_EPOCH} updates an epoch, or the smallest)."
         )
+    sampling = settings.subword_sampling()
     train_data, train_stats = batch_pairs(
-        train_pairs, tokens_per_batch, shuffle=True, seed=settings.seed
+        train_pairs,
+        tokens_per_batch,
+        shuffle=True,
+        seed=settings.seed,
+        sampling=sampling,
+        tokenizer=tokenizer,
     )
+    if sampling is not None:
+        run.log(
+            "Subword sampling: every epoch re-segments the training sentences (alpha "
+            f"{sampling.alpha:g}, among "
+            + ("all segmentations" if sampling.nbest == -1 else f"the {sampling.nbest} best")
+            + "); validation keeps the best segmentation."
+        )
     valid_data, valid_stats = batch_pairs(
         encode_pairs(src_valid, tgt_valid, tokenizer, config.max_length),
         tokens_per_batch,

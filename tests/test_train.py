@@ -371,3 +371,24 @@ def test_the_train_command_prints_no_native_log_lines(corpus_files, tmp_path):
     assert "Epoch 1 (budget 2 steps)" in done.stdout
     lines = [line for line in done.stderr.replace("\r", "\n").splitlines() if line.strip()]
     assert lines and all(line.startswith("translating [") for line in lines), lines
+
+
+def test_subword_sampling_is_said_recorded_and_binds_the_run(corpus_files, tmp_path, capsys):
+    _, paths = corpus_files
+    out = tmp_path / "run"
+    sampling = ["--subword-alpha", "0.2", "--subword-nbest", "-1"]
+    assert cli.main(_train_args(paths, out, "--max-steps", "2", *sampling)) == 0
+    printed = capsys.readouterr().out
+    assert "Subword sampling: every epoch re-segments the training sentences (alpha 0.2, " in (
+        printed
+    )
+    assert "among all segmentations" in printed
+    recorded = json.loads((out / "train_config.json").read_text())
+    assert (recorded["subword_alpha"], recorded["subword_nbest"]) == (0.2, -1)
+    with pytest.raises(SystemExit, match="different configuration.*subword_alpha: 0.2 there"):
+        cli.main(_train_args(paths, out, "--max-steps", "3", "--subword-alpha", "0.5"))
+    with pytest.raises(SystemExit, match="nbest must be -1"):
+        cli.main(
+            _train_args(paths, tmp_path / "other", "--subword-alpha", "0.1", "--subword-nbest", "1")
+        )
+    assert not (tmp_path / "other").exists()

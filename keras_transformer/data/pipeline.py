@@ -3,7 +3,8 @@
 Tokenization runs inside tf.data with `tensorflow_text.SentencepieceTokenizer`.
 Pairs are bucketed by length and each bucket is batched to about
 `tokens_per_batch` padded tokens (section 5.1 of the paper batches by ~25k
-source and ~25k target tokens).
+source and ~25k target tokens). Training batches can re-segment every sentence
+each epoch by sampling (`SubwordSampling`).
 """
 
 from __future__ import annotations
@@ -116,6 +117,38 @@ def _count_batches(lengths, boundaries, batch_sizes) -> int:
     return int(sum(-(-int(n) // size) for n, size in zip(counts, batch_sizes, strict=True)))
 
 
+@dataclasses.dataclass(frozen=True)
+class SubwordSampling:
+    """Subword regularization (Kudo, 2018, "Subword Regularization"): every
+    epoch, each training sentence of both sides is segmented anew by sampling
+    from the unigram SentencePiece model, instead of taking its one best
+    segmentation, so that the model sees many segmentations of the same words.
+
+    Args:
+        alpha: float > 0. Smoothing of the sampling distribution: the
+            probability of a segmentation is raised to `alpha`, so a smaller
+            alpha samples less likely segmentations more often.
+        nbest: int. Sample among the `nbest` best segmentations (at least 2),
+            or among all of them with -1 (the paper's l = infinity).
+    """
+
+    alpha: float
+    nbest: int = 64
+
+    def __post_init__(self):
+        if not (isinstance(self.alpha, (int, float)) and self.alpha > 0):
+            raise ValueError(f"subword sampling alpha must be positive. Received: {self.alpha}")
+        if (
+            not isinstance(self.nbest, int)
+            or isinstance(self.nbest, bool)
+            or (self.nbest != -1 and self.nbest < 2)
+        ):
+            raise ValueError(
+                "subword sampling nbest must be -1 (all segmentations) or at least 2 "
+                f"(1 and 0 would not sample). Received: {self.nbest}"
+            )
+
+
 @dataclasses.dataclass
 class EncodedPairs:
     """Sentence pairs as SentencePiece ids, the kept ones only, before batching.
@@ -128,6 +161,9 @@ class EncodedPairs:
     target_ids: list
     max_length: int
     stats: PipelineStats  # `batches` is left 0: it depends on the batch size
+    # The kept pairs' text, for batches that re-segment it (`SubwordSampling`).
+    source_texts: list | None = None
+    target_texts: list | None = None
 
     def batches(self, tokens_per_batch: int) -> int:
         """Batches of one pass at `tokens_per_batch` padded tokens per side."""
@@ -175,7 +211,12 @@ def encode_pairs(sources, targets, tokenizer, max_length: int) -> EncodedPairs:
             stats.describe() + ". Nothing is left to train on: check the files and max_length."
         )
     return EncodedPairs(
-        [source_ids[k] for k in keep], [target_ids[k] for k in keep], max_length, stats
+        [source_ids[k] for k in keep],
+        [target_ids[k] for k in keep],
+        max_length,
+        stats,
+        source_texts=[sources[nonempty[k]] for k in keep],
+        target_texts=[targets[nonempty[k]] for k in keep],
     )
 
 
@@ -230,12 +271,28 @@ def batch_pairs(
     shuffle: bool = True,
     seed: int = 0,
     repeat_shapes: bool = True,
+    sampling: SubwordSampling | None = None,
+    tokenizer=None,
 ):
-    """The dataset of `make_dataset` from pairs encoded once by `encode_pairs`."""
+    """The dataset of `make_dataset` from pairs encoded once by `encode_pairs`.
+
+    With `sampling` (and the `tokenizer` that encoded the pairs), each pass
+    segments every sentence anew by sampling. A pair still goes to the length
+    bucket of its best segmentation, so an epoch has the same number of
+    batches as without sampling (the schedule's epochs stay exact); a batch is
+    padded to its longest sampled sentence, so it may hold somewhat more than
+    `tokens_per_batch` padded tokens. A sample longer than `max_length`
+    positions is replaced by the best segmentation. SentencePiece draws the
+    samples from its own random generator, which `seed` does not reach.
+    """
     import tensorflow as tf
 
     check_positive_int("tokens_per_batch", tokens_per_batch)
     check_batch_fits(tokens_per_batch, encoded.max_length)
+    if sampling is not None and (tokenizer is None or encoded.source_texts is None):
+        raise ValueError(
+            "Subword sampling needs the tokenizer and the pairs' text (from encode_pairs)."
+        )
     stats = dataclasses.replace(encoded.stats, batches=encoded.batches(tokens_per_batch))
     boundaries = bucket_boundaries(encoded.max_length)
     batch_sizes = _batch_sizes(boundaries, tokens_per_batch)
@@ -246,30 +303,50 @@ def batch_pairs(
         values = np.concatenate(ids).astype(np.int32)
         return tf.RaggedTensor.from_row_lengths(values, np.asarray(lengths, np.int64))
 
-    dataset = tf.data.Dataset.from_tensor_slices((ragged(source_ids), ragged(target_ids)))
+    columns = (ragged(source_ids), ragged(target_ids))
+    if sampling is not None:
+        columns += (
+            tf.constant(encoded.source_texts, tf.string),
+            tf.constant(encoded.target_texts, tf.string),
+        )
+    dataset = tf.data.Dataset.from_tensor_slices(columns)
     if shuffle:
         dataset = dataset.shuffle(len(source_ids), seed=seed, reshuffle_each_iteration=True)
 
     eos = tf.constant([EOS_ID], tf.int32)
     bos = tf.constant([BOS_ID], tf.int32)
 
-    def add_specials(s, t):
-        return s, tf.concat([bos, t], 0), tf.concat([t, eos], 0)
+    def with_specials(s, t):
+        # The bucket key is the best segmentation's length, EOS or BOS included.
+        key = tf.maximum(tf.shape(s)[0], tf.shape(t)[0]) + 1
+        return tf.concat([s, eos], 0), tf.concat([bos, t], 0), tf.concat([t, eos], 0), key
 
-    def with_eos(s, t):
-        s, dec, lab = add_specials(s, t)
-        return tf.concat([s, eos], 0), dec, lab
+    if sampling is None:
+        dataset = dataset.map(with_specials, num_parallel_calls=tf.data.AUTOTUNE)
+    else:
+        sampler = tokenizer.tf_tokenizer(nbest_size=sampling.nbest, alpha=sampling.alpha)
+        fits = encoded.max_length - 1  # pieces that fit beside EOS or BOS
 
-    dataset = dataset.map(with_eos, num_parallel_calls=tf.data.AUTOTUNE)
+        def resampled(best, text):
+            sample = sampler.tokenize(text)
+            return tf.cond(tf.shape(sample)[0] <= fits, lambda: sample, lambda: best)
+
+        def with_samples(s, t, s_text, t_text):
+            key = tf.maximum(tf.shape(s)[0], tf.shape(t)[0]) + 1
+            s, dec, lab, _ = with_specials(resampled(s, s_text), resampled(t, t_text))
+            return s, dec, lab, key
+
+        dataset = dataset.map(with_samples, num_parallel_calls=tf.data.AUTOTUNE)
     dataset = dataset.bucket_by_sequence_length(
-        element_length_func=lambda s, d, lab: tf.maximum(tf.shape(s)[0], tf.shape(d)[0]),
+        element_length_func=lambda s, d, lab, key: key,
         # bucket_by_sequence_length's boundaries are exclusive upper bounds.
         bucket_boundaries=[b + 1 for b in boundaries[:-1]],
         bucket_batch_sizes=batch_sizes,
-        padded_shapes=([None], [None], [None]),
-        padding_values=(PAD_ID, PAD_ID, PAD_ID),
+        padded_shapes=([None], [None], [None], []),
+        padding_values=(PAD_ID, PAD_ID, PAD_ID, 0),
         pad_to_bucket_boundary=False,
     )
+    dataset = dataset.map(lambda s, d, lab, key: (s, d, lab))
     if repeat_shapes:
         lengths = tf.constant(boundaries, tf.int32)
 

@@ -129,11 +129,13 @@ class SentencePieceTokenizer(SentencePieceModel):
         with atomic_path(path) as tmp, open(tmp, "wb") as f:
             f.write(self.model_proto)
 
-    def tf_tokenizer(self):
+    def tf_tokenizer(self, nbest_size: int = 0, alpha: float = 1.0):
         """A new `tensorflow_text.SentencepieceTokenizer` on the same model bytes (int32 ids).
 
         A new one per call: its TensorFlow resource belongs to the context it
-        was made in, and a cached one can outlive that context.
+        was made in, and a cached one can outlive that context. The default
+        gives the one best segmentation; `nbest_size` (-1 or at least 2) and
+        `alpha` make it sample one (`keras_transformer.data.pipeline.SubwordSampling`).
         """
         import tensorflow as tf
         import tensorflow_text
@@ -141,4 +143,6 @@ class SentencePieceTokenizer(SentencePieceModel):
         from keras_transformer.startup import quiet_native_stderr
 
         with quiet_native_stderr():
-            return tensorflow_text.SentencepieceTokenizer(model=self.model_proto, out_type=tf.int32)
+            return tensorflow_text.SentencepieceTokenizer(
+                model=self.model_proto, out_type=tf.int32, nbest_size=nbest_size, alpha=alpha
+            )

@@ -5,6 +5,7 @@ import pytest
 
 from keras_transformer.data.pipeline import (
     DataError,
+    SubwordSampling,
     batch_pairs,
     bucket_boundaries,
     encode_pairs,
@@ -112,6 +113,80 @@ def test_shuffling_changes_the_order_between_epochs_but_keeps_every_pair(corpus,
 
     first, second = epoch(), epoch()
     assert first != second and sorted(first) == sorted(second) and len(first) == 300
+
+
+def _pairs_seen(dataset, tokenizer):
+    """(source text, target text, source pieces, target pieces) of every row of one pass."""
+    rows = []
+    for src, dec, lab in _batches(dataset):
+        for s_row, d_row, l_row in zip(src, dec, lab, strict=True):
+            source = s_row[s_row != PAD_ID].tolist()
+            target = l_row[l_row != PAD_ID].tolist()
+            assert source[-1] == EOS_ID and target[-1] == EOS_ID
+            assert d_row[d_row != PAD_ID].tolist() == [BOS_ID] + target[:-1]
+            source, target = source[:-1], target[:-1]
+            rows.append((tokenizer.decode(source), tokenizer.decode(target), source, target))
+    return rows
+
+
+def test_subword_sampling_resegments_every_epoch_with_the_same_batches(corpus, tokenizer):
+    encoded = encode_pairs(corpus[0], corpus[1], tokenizer, max_length=64)
+    dataset, stats = batch_pairs(
+        encoded, 256, seed=2, sampling=SubwordSampling(0.1, -1), tokenizer=tokenizer
+    )
+    pairs = list(zip(corpus[0], corpus[1], strict=True))
+    epochs = []
+    for _ in range(2):
+        rows = _pairs_seen(dataset, tokenizer)
+        assert len(rows) == 300 and sum(1 for _ in dataset) == stats.batches
+        # Every sampled segmentation spells its sentence, so every pair is still there.
+        assert sorted((s, t) for s, t, _, _ in rows) == sorted(pairs)
+        best = [(p, q) == (tokenizer.encode(s), tokenizer.encode(t)) for s, t, p, q in rows]
+        assert sum(best) < 150  # most sentences are segmented otherwise than the best
+        epochs.append({(s, t): (p, q) for s, t, p, q in rows})
+    # A new sample every epoch, not one drawn once.
+    assert sum(epochs[0][k] != epochs[1][k] for k in epochs[0]) > 150
+    # Without sampling, every row is the best segmentation.
+    plain, _ = batch_pairs(encoded, 256, seed=2)
+    for s, t, p, q in _pairs_seen(plain, tokenizer):
+        assert (p, q) == (tokenizer.encode(s), tokenizer.encode(t))
+
+
+def test_subword_samples_longer_than_max_length_fall_back_to_the_best(corpus, tokenizer):
+    longest = max(
+        len(tokenizer.encode(text)) for pair in zip(*corpus, strict=True) for text in pair
+    )
+    encoded = encode_pairs(corpus[0], corpus[1], tokenizer, max_length=longest + 1)
+    assert encoded.stats.kept_pairs == 300
+    dataset, stats = batch_pairs(
+        encoded, 4 * (longest + 1), sampling=SubwordSampling(0.1, -1), tokenizer=tokenizer
+    )
+    rows = _pairs_seen(dataset, tokenizer)
+    assert len(rows) == 300
+    assert all(len(p) <= longest and len(q) <= longest for _, _, p, q in rows)
+    # The longest sentences have no room to sample a longer segmentation.
+    at_limit = [
+        (pieces, tokenizer.encode(text))
+        for s, t, p, q in rows
+        for text, pieces in ((s, p), (t, q))
+        if len(tokenizer.encode(text)) == longest
+    ]
+    assert at_limit and all(pieces == best for pieces, best in at_limit)
+
+
+@pytest.mark.parametrize(
+    "alpha, nbest, message",
+    [(0, 64, "alpha must be positive"), (-0.5, 64, "alpha"), (0.1, 1, "nbest"), (0.1, 0, "nbest")],
+)
+def test_bad_subword_sampling_settings_are_refused(alpha, nbest, message):
+    with pytest.raises(ValueError, match=message):
+        SubwordSampling(alpha, nbest)
+
+
+def test_subword_sampling_needs_the_tokenizer(corpus, tokenizer):
+    encoded = encode_pairs(corpus[0], corpus[1], tokenizer, max_length=64)
+    with pytest.raises(ValueError, match="needs the tokenizer"):
+        batch_pairs(encoded, 256, sampling=SubwordSampling(0.1))
 
 
 def test_empty_and_over_length_pairs_are_counted(corpus, tokenizer):
