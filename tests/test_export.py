@@ -74,6 +74,17 @@ def _sources(tokenizer, lines):
     return [tokenizer.encode(line) + [tokenizer.eos_id] for line in lines]
 
 
+def _op_types(graph):
+    """The operator types of `graph` and of the graphs inside it (a Loop's body)."""
+    found = set()
+    for node in graph.node:
+        found.add(node.op_type)
+        for attribute in node.attribute:
+            if attribute.type == onnx.AttributeProto.GRAPH:
+                found |= _op_types(attribute.g)
+    return found
+
+
 def _padded(rows):
     array = np.zeros((len(rows), max(map(len, rows))), np.int32)
     for i, row in enumerate(rows):
@@ -88,9 +99,9 @@ def test_export_folder_is_complete_and_valid(exported):
     model, _, translator, out = exported("float32")
     names = set(os.listdir(out))
     assert names == {
-        "encoder.onnx", "decoder_step.onnx", "model.onnx",
-        "encoder_fp16.onnx", "decoder_step_fp16.onnx", "model_fp16.onnx",
-        "manifest.json", "vocab.txt",
+        "encoder.onnx", "decoder_step.onnx", "greedy_search.onnx", "model.onnx",
+        "encoder_fp16.onnx", "decoder_step_fp16.onnx", "greedy_search_fp16.onnx",
+        "model_fp16.onnx", "manifest.json", "vocab.txt",
     }  # fmt: skip
     for name in names - {"manifest.json", "vocab.txt"}:
         onnx.checker.check_model(os.path.join(out, name))
@@ -113,6 +124,10 @@ def test_export_folder_is_complete_and_valid(exported):
         "shape": ["batch", config.vocabulary_size],
     }
     assert manifest["graphs"]["model"]["inputs"]["target_ids"]["shape"] == ["batch", "target_len"]
+    search = manifest["graphs"]["greedy_search"]
+    assert search["inputs"]["limits"] == {"dtype": "int64", "shape": ["sentences"]}
+    assert search["outputs"]["tokens"] == {"dtype": "int64", "shape": ["steps", "sentences"]}
+    assert manifest["format_version"] == 3
     assert {"tensorflow", "tf2onnx", "onnx", "onnxruntime", "keras"} <= set(manifest["versions"])
     assert translator.provider == "CPUExecutionProvider" or "CUDA" in translator.provider
 
@@ -231,6 +246,46 @@ def test_same_translations_as_keras_on_held_out_sentences(kind, exported):
     )
 
 
+@pytest.mark.parametrize("precision", ["float32", "float16"])
+def test_the_greedy_loop_in_the_graph_finds_what_the_step_by_step_search_finds(
+    precision, exported, monkeypatch
+):
+    """greedy_search.onnx (the loop inside ONNX Runtime) against the Python loop
+    over decoder_step.onnx, and against Keras: the same tokens, the same scores."""
+    from keras_transformer_runtime import runtime
+
+    model, tokenizer, _, out = exported("float32")
+    translator = OnnxTranslator(out, precision=precision)
+    sources = _sources(tokenizer, held_out_lines(40, seed=71))
+    keras_tokens, _ = greedy_search(model, sources)
+
+    def search(batch, in_graph, **kwargs):
+        monkeypatch.setattr(runtime, "GRAPH_LOOP_MAX_SENTENCES", len(batch) if in_graph else 0)
+        calls = []
+        original = translator._greedy_in_graph
+        monkeypatch.setattr(
+            translator, "_greedy_in_graph", lambda *a: calls.append(1) or original(*a)
+        )
+        result = translator.greedy_search(batch, **kwargs)
+        assert bool(calls) == in_graph
+        return result
+
+    for start, size in ((0, 1), (1, 1), (2, 2), (4, 5), (9, 31)):
+        batch = sources[start : start + size]
+        for max_length in (None, 3):  # 3: most sentences stop at their limit, not at EOS
+            graph_tokens, graph_scores = search(batch, True, max_length=max_length)
+            step_tokens, step_scores = search(batch, False, max_length=max_length)
+            assert graph_tokens == step_tokens
+            np.testing.assert_allclose(graph_scores, step_scores, rtol=0, atol=1e-5)
+            if max_length is None and precision == "float32":
+                assert graph_tokens == keras_tokens[start : start + size]
+            else:
+                assert all(len(t) <= (max_length or 99) for t in graph_tokens)
+    # An empty source in the batch: an empty output and score 0, as step by step.
+    tokens, scores = search([sources[0], [], sources[1]], True)
+    assert tokens[1] == [] and scores[1] == 0 and tokens[0] == keras_tokens[0]
+
+
 def test_float16_graphs_translate_within_half_a_point_of_float32(exported, toy_run):
     _, _, translator, out = exported("float32")
     half = OnnxTranslator(out, precision="float16")
@@ -256,7 +311,7 @@ def test_int8_graphs_are_smaller_and_translate_no_worse_than_float32(toy_run, tm
     assert manifest["precisions"] == ["float32", "int8"]
     for name, graph in manifest["graphs"].items():
         quantized = onnx.load(os.path.join(out, graph["int8"]))
-        ops = {node.op_type for node in quantized.graph.node}
+        ops = _op_types(quantized.graph)
         assert ops & {"MatMulInteger", "DynamicQuantizeLinear"}, name
         assert os.path.getsize(os.path.join(out, graph["int8"])) < 0.6 * os.path.getsize(
             os.path.join(out, graph["float32"])

@@ -29,6 +29,12 @@ from keras_transformer_runtime.search import (
 from keras_transformer_runtime.specials import EOS_ID
 
 MANIFEST = "manifest.json"
+# Greedy batches of at most this many sentences run as one call of the
+# greedy_search graph (the loop inside ONNX Runtime); larger ones step by step
+# from Python, which leaves finished sentences out of each step's batch
+# (benchmarks/README.md: the loop in the graph was ahead up to 2 to 4
+# sentences, level at 8 and behind at 32).
+GRAPH_LOOP_MAX_SENTENCES = 2
 _CUDA = "CUDAExecutionProvider"
 _CPU = "CPUExecutionProvider"
 
@@ -323,6 +329,8 @@ class OnnxTranslator:
         if (limits == 0).all():
             return greedy_loop(None, limits)
         _, mask, cross = self.encode(source)
+        if len(source) <= GRAPH_LOOP_MAX_SENTENCES and "greedy_search" in self._graph_files:
+            return self._greedy_in_graph(mask, cross, limits)
         state = {
             "rows": np.arange(len(source)),  # the sentences still decoded, in cache order
             "feeds": self._search_feeds(mask, cross),
@@ -352,6 +360,19 @@ class OnnxTranslator:
             return chosen
 
         return greedy_loop(step, limits)
+
+    def _greedy_in_graph(self, mask, cross, limits):
+        """The greedy search as one call of the greedy_search graph (same results)."""
+        feeds = self._search_feeds(mask, cross)
+        feeds["limits"] = np.asarray(limits, np.int64)
+        tokens, step_scores = self.session("greedy_search").run(None, feeds)
+        # A sentence's output stops at its first EOS (ended) or -1 (done before).
+        stops = (tokens == EOS_ID) | (tokens < 0)
+        lengths = np.where(stops.any(0), stops.argmax(0), len(tokens))
+        scores = np.zeros(len(limits), np.float64)
+        for row in step_scores:  # summed step by step in float64, as greedy_loop does
+            scores += row.astype(np.float64)
+        return [tokens[: lengths[i], i].tolist() for i in range(len(limits))], scores
 
     def beam_search(self, source_ids, beam_size=4, length_penalty=0.6, max_length=None):
         """Beam search; same arguments, rules and results as `keras_transformer.decoding`."""

@@ -48,11 +48,13 @@ import shutil
 import tempfile
 
 from keras_transformer.export.encoder_graph import build_encoder
+from keras_transformer.export.greedy_graph import build_greedy_search
 from keras_transformer.export.step_graph import build_decoder_step
 
 GRAPHS = ("encoder", "decoder_step", "model")
 MANIFEST = "manifest.json"
-FORMAT_VERSION = 2  # 2: the step graph's top_k input and outputs
+# 2: the step graph's top_k input and outputs; 3: the greedy_search graph.
+FORMAT_VERSION = 3
 TOKENIZER_FILES = ("spm.model", "vocab.txt")
 PRECISIONS = ("float32", "float16", "int8")
 # The file suffix of each extra precision's graphs.
@@ -259,6 +261,7 @@ def _write_graphs(model, folder, opset, precision):
             graphs[name][precision] = extra
         graphs[name]["inputs"] = _describe(proto.graph.input)
         graphs[name]["outputs"] = _describe(proto.graph.output)
+    graphs["greedy_search"] = _write_greedy_search(folder, graphs["decoder_step"])
     return {
         "format_version": FORMAT_VERSION,
         "opset": opset,
@@ -276,8 +279,32 @@ def _write_graphs(model, folder, opset, precision):
             "top_log_probs and top_ids (batch, top_k), the best tokens other than padding "
             "and BOS."
         ),
+        "greedy_search": (
+            "The whole greedy search, the decoder step inside an ONNX Loop: feed source_mask "
+            "and the cross keys and values from encoder.onnx and limits (sentences,) int64, "
+            "each sentence's maximum output length (EOS included). Returns tokens and scores "
+            "(steps, sentences): a sentence's output is its tokens up to the first EOS or -1, "
+            "its score the sum of its scores."
+        ),
         "versions": _versions(),
     }
+
+
+def _write_greedy_search(folder, step_files):
+    """Writes the greedy-search graph of every precision, each built from that
+    precision's decoder-step graph; returns its manifest entry."""
+    import onnx
+
+    entry = {}
+    for precision in (p for p in PRECISIONS if p in step_files):
+        step = onnx.load(os.path.join(folder, step_files[precision]))
+        search = build_greedy_search(step)
+        onnx.checker.check_model(search, full_check=True)
+        entry[precision] = f"greedy_search{SUFFIXES.get(precision, '')}.onnx"
+        onnx.save(search, os.path.join(folder, entry[precision]))
+    entry["inputs"] = _describe(search.graph.input)
+    entry["outputs"] = _describe(search.graph.output)
+    return entry
 
 
 def _convert(tf2onnx, function, signature, opset):

@@ -1,0 +1,169 @@
+"""The whole greedy search as one ONNX graph: the decoder step inside an ONNX `Loop`.
+
+A search that calls the decoder-step graph once per token pays, at every
+step, for the Python loop, the feeds and the fetches around a graph that
+itself takes a fraction of a millisecond at batch 1. Here the loop runs
+inside ONNX Runtime: one call per batch of sentences, the self-attention
+caches carried from one iteration to the next without leaving the runtime.
+
+The loop body is the decoder-step graph of the same precision (float32,
+float16 or int8: built from that graph's own proto), plus the rules of
+`keras_transformer_runtime.search.greedy_loop`: each row takes the step's
+best token other than padding and BOS; a row that produced EOS, or reached
+its length limit, is done and is fed EOS from then on; the loop stops when
+every row is done. Rows are independent, so a finished row changes nothing
+in the others: the tokens and scores are those of the step-by-step search
+(`tests/test_export.py` holds them equal).
+
+Inputs: `source_mask (sentences, source_len) bool` and the cross keys and
+values from encoder.onnx (one row per sentence), and `limits (sentences,)
+int64`, each sentence's maximum output length (EOS included; at least 1).
+Outputs: `tokens (steps, sentences) int64`, the token each row produced at
+each step (EOS when it ended there, -1 once it was done), and `scores
+(steps, sentences) float32`, that token's log-probability (0 once done); a
+row's output is its tokens up to its first EOS or -1, and its score the sum
+of its scores.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from keras_transformer_runtime.specials import BOS_ID, EOS_ID
+
+
+def build_greedy_search(step):
+    """Returns the greedy-search `onnx.ModelProto` whose loop body is `step`,
+    a decoder-step graph (`keras_transformer.export.step_graph.build_decoder_step`,
+    or its float16 or int8 conversion)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    graph = step.graph
+    inputs = {value.name: value for value in graph.input}
+    self_names = [name for name in inputs if name.startswith("self_")]
+    cross_names = [name for name in inputs if name.startswith("cross_")]
+    cache = inputs[self_names[0]].type.tensor_type
+    heads, head_dim = (cache.shape.dim[i].dim_value for i in (1, 3))
+    cache_type = cache.elem_type
+    float_type = {v.name: v for v in graph.output}["top_log_probs"].type.tensor_type.elem_type
+
+    def const(name, value, dtype=None):
+        return numpy_helper.from_array(np.asarray(value, dtype), name)
+
+    # ---- the loop body: the step, then greedy_loop's rules
+    body_nodes = [
+        helper.make_node("Constant", [], ["top_k"], value=const("greedy.k", [1], np.int64))
+    ]
+    body_nodes += list(graph.node)
+    rules = [
+        ("Squeeze", ["top_ids", "greedy.axes_1"], ["greedy.next_id"]),
+        ("Squeeze", ["top_log_probs", "greedy.axes_1"], ["greedy.chosen"]),
+        ("Not", ["greedy.done"], ["greedy.live"]),
+        ("Where", ["greedy.live", "greedy.chosen", "greedy.zero_score"], ["greedy.step_score"]),
+        ("Where", ["greedy.live", "greedy.next_id", "greedy.no_token"], ["greedy.step_token"]),
+        ("Equal", ["greedy.next_id", "greedy.eos"], ["greedy.ended"]),
+        ("Add", ["greedy.iteration", "greedy.one"], ["greedy.steps_made"]),
+        ("GreaterOrEqual", ["greedy.steps_made", "limits"], ["greedy.at_limit"]),
+        ("Or", ["greedy.done", "greedy.ended"], ["greedy.done_or_ended"]),
+        ("Or", ["greedy.done_or_ended", "greedy.at_limit"], ["greedy.done_next"]),
+        ("Where", ["greedy.done_next", "greedy.eos", "greedy.next_id"], ["greedy.fed_id"]),
+        ("Cast", ["greedy.fed_id"], ["greedy.fed_id_int32"], {"to": TensorProto.INT32}),
+        ("Unsqueeze", ["greedy.fed_id_int32", "greedy.axes_1"], ["greedy.token_ids_next"]),
+        ("Not", ["greedy.done_next"], ["greedy.live_next"]),
+        ("Cast", ["greedy.live_next"], ["greedy.live_next_int32"], {"to": TensorProto.INT32}),
+        ("ReduceMax", ["greedy.live_next_int32"], ["greedy.any_live_int32"], {"keepdims": 0}),
+        ("Cast", ["greedy.any_live_int32"], ["greedy.keep_going"], {"to": TensorProto.BOOL}),
+    ]
+    for op, node_inputs, node_outputs, *attributes in rules:
+        body_nodes.append(
+            helper.make_node(op, node_inputs, node_outputs, **(attributes[0] if attributes else {}))
+        )
+    body_constants = [
+        const("greedy.axes_1", [1], np.int64),
+        const("greedy.zero_score", 0.0, helper.tensor_dtype_to_np_dtype(float_type)),
+        const("greedy.no_token", -1, np.int64),
+        const("greedy.eos", EOS_ID, np.int64),
+        const("greedy.one", 1, np.int64),
+    ]
+
+    def value(name, elem_type, shape=None):
+        return helper.make_tensor_value_info(name, elem_type, shape)
+
+    body_inputs = [
+        value("greedy.iteration", TensorProto.INT64, []),
+        value("greedy.condition", TensorProto.BOOL, []),
+        value("token_ids", TensorProto.INT32, ["batch", 1]),
+        value("greedy.done", TensorProto.BOOL, ["batch"]),
+    ] + [value(name, cache_type, None) for name in self_names]
+    body_outputs = [
+        value("greedy.keep_going", TensorProto.BOOL, []),
+        value("greedy.token_ids_next", TensorProto.INT32, ["batch", 1]),
+        value("greedy.done_next", TensorProto.BOOL, ["batch"]),
+    ] + [value(f"new_{name}", cache_type, None) for name in self_names]
+    body_outputs += [
+        value("greedy.step_token", TensorProto.INT64, ["batch"]),
+        value("greedy.step_score", float_type, ["batch"]),
+    ]
+    body = helper.make_graph(
+        body_nodes,
+        "greedy_step",
+        body_inputs,
+        body_outputs,
+        list(graph.initializer) + body_constants,
+    )
+
+    # ---- the outer graph: initial state, the loop, nothing else
+    empty_cache_shape = [heads, 0, head_dim]
+    outer = [
+        helper.make_node("Shape", ["limits"], ["greedy.rows"]),
+        helper.make_node(
+            "Concat", ["greedy.rows", "greedy.one_column"], ["greedy.token_shape"], axis=0
+        ),
+        helper.make_node(
+            "Expand", ["greedy.bos", "greedy.token_shape"], ["greedy.first_token_ids"]
+        ),
+        helper.make_node("Equal", ["limits", "greedy.zero_steps"], ["greedy.first_done"]),
+        helper.make_node("ReduceMax", ["limits"], ["greedy.max_steps"], keepdims=0),
+        helper.make_node(
+            "Concat",
+            ["greedy.rows", "greedy.empty_cache_dims"],
+            ["greedy.empty_cache_shape"],
+            axis=0,
+        ),
+        helper.make_node(
+            "ConstantOfShape",
+            ["greedy.empty_cache_shape"],
+            ["greedy.empty_cache"],
+            value=numpy_helper.from_array(
+                np.zeros(1, helper.tensor_dtype_to_np_dtype(cache_type)), "greedy.zero_cache"
+            ),
+        ),
+        helper.make_node(
+            "Loop",
+            ["greedy.max_steps", "greedy.true", "greedy.first_token_ids", "greedy.first_done"]
+            + ["greedy.empty_cache"] * len(self_names),
+            ["greedy.last_token_ids", "greedy.last_done"]
+            + [f"greedy.last_{name}" for name in self_names]
+            + ["tokens", "scores"],
+            body=body,
+        ),
+    ]
+    outer_constants = [
+        const("greedy.one_column", [1], np.int64),
+        const("greedy.bos", [[BOS_ID]], np.int32),
+        const("greedy.zero_steps", 0, np.int64),
+        const("greedy.empty_cache_dims", empty_cache_shape, np.int64),
+        const("greedy.true", True, np.bool_),
+    ]
+    outer_inputs = [inputs["source_mask"]] + [inputs[name] for name in cross_names]
+    outer_inputs.append(value("limits", TensorProto.INT64, ["sentences"]))
+    outer_outputs = [
+        value("tokens", TensorProto.INT64, ["steps", "sentences"]),
+        value("scores", float_type, ["steps", "sentences"]),
+    ]
+    model = helper.make_model(
+        helper.make_graph(outer, "greedy_search", outer_inputs, outer_outputs, outer_constants),
+        producer_name="keras-transformer",
+        opset_imports=list(step.opset_import),
+    )
+    model.ir_version = step.ir_version
+    return model
