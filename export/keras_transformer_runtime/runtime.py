@@ -32,9 +32,9 @@ MANIFEST = "manifest.json"
 # Greedy batches of at most this many sentences run as one call of the
 # greedy_search graph (the loop inside ONNX Runtime); larger ones step by step
 # from Python, which leaves finished sentences out of each step's batch
-# (benchmarks/README.md: the loop in the graph was ahead up to 2 to 4
-# sentences, level at 8 and behind at 32).
-GRAPH_LOOP_MAX_SENTENCES = 2
+# (`python -m benchmarks.greedy_loop`: the loop in the graph was ahead up to 4
+# sentences, level at 8 and behind from 16).
+GRAPH_LOOP_MAX_SENTENCES = 4
 _CUDA = "CUDAExecutionProvider"
 _CPU = "CPUExecutionProvider"
 

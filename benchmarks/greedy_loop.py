@@ -1,0 +1,122 @@
+"""Greedy search with the loop inside ONNX Runtime against the loop in Python, side by side.
+
+    python -m benchmarks.greedy_loop ONNX_DIR --src test.de.gz [--batch-sizes 1 2 4 8 16 32]
+
+For each precision of the export and each batch size, the same sentences
+(sorted by length into batches, as `translate` makes them) are searched
+greedily with `greedy_search.onnx` (one call per batch) and step by step
+over `decoder_step.onnx` from Python (which leaves finished sentences out of
+each step's batch), repetitions interleaved, on one intra-op thread; the
+median is kept. Reported: sentences/s of each, their ratio, and the sentences
+whose tokens are the same (all of them in float32; in int8 a sentence's
+activations are quantized with its batch's, and the two loops hold different
+batches once some sentences have finished). This is what `GRAPH_LOOP_MAX_SENTENCES` in
+`keras_transformer_runtime/runtime.py` is chosen on. Writes JSON to
+benchmarks/results/greedy_loop.json (or --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+
+def build_parser():
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.greedy_loop")
+    parser.add_argument("onnx_dir", help="a folder written by `keras-transformer export`")
+    parser.add_argument("--src", required=True, help="source sentences (plain or .gz)")
+    parser.add_argument("--lines", type=int, default=200, help="first N sentences (default 200)")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
+    parser.add_argument("--repeats", type=int, default=3, help="interleaved repetitions")
+    parser.add_argument("--out", default=os.path.join("benchmarks", "results", "greedy_loop.json"))
+    return parser
+
+
+def run(args):
+    import numpy as np
+    from keras_transformer_runtime import OnnxTranslator, runtime
+
+    from benchmarks.machine import describe_machine
+    from keras_transformer.data.pipeline import read_lines
+
+    lines = read_lines(args.src)[: args.lines]
+    with open(os.path.join(args.onnx_dir, "manifest.json"), encoding="utf-8") as f:
+        manifest = json.load(f)
+    if "greedy_search" not in manifest["graphs"]:
+        raise SystemExit(f"{args.onnx_dir} has no greedy_search graph: export it again.")
+    precisions = [p for p in manifest["precisions"] if p in ("float32", "int8")]
+    default = runtime.GRAPH_LOOP_MAX_SENTENCES
+    results = []
+    try:
+        for precision in precisions:
+            translator = OnnxTranslator(
+                args.onnx_dir,
+                providers=["CPUExecutionProvider"],
+                num_threads=1,
+                precision=precision,
+            )
+            sources = [translator.tokenizer.encode(line) + [2] for line in lines]
+            order = np.argsort([len(s) for s in sources], kind="stable")
+            for size in args.batch_sizes:
+                batches = [
+                    [sources[i] for i in order[start : start + size]]
+                    for start in range(0, len(order), size)
+                ]
+                times = {"graph": [], "python": []}
+                outputs = {}
+                for _ in range(args.repeats):
+                    for name, limit in (("graph", size), ("python", 0)):
+                        runtime.GRAPH_LOOP_MAX_SENTENCES = limit
+                        start = time.perf_counter()
+                        outputs[name] = [translator.greedy_search(b)[0] for b in batches]
+                        times[name].append(time.perf_counter() - start)
+                speed = {k: len(lines) / statistics.median(v) for k, v in times.items()}
+                cell = {
+                    "precision": precision,
+                    "batch_size": size,
+                    "graph_sentences_per_second": speed["graph"],
+                    "python_sentences_per_second": speed["python"],
+                    "ratio": speed["graph"] / speed["python"],
+                    "seconds": times,
+                    "identical_sentences": sum(
+                        a == b
+                        for graph, python in zip(outputs["graph"], outputs["python"], strict=True)
+                        for a, b in zip(graph, python, strict=True)
+                    ),
+                }
+                results.append(cell)
+                print(
+                    f"{precision}, batch {size}: loop in the graph {speed['graph']:.1f}/s, "
+                    f"in Python {speed['python']:.1f}/s ({cell['ratio']:.2f}x"
+                    f", identical tokens on {cell['identical_sentences']} of {len(lines)})",
+                    flush=True,
+                )
+    finally:
+        runtime.GRAPH_LOOP_MAX_SENTENCES = default
+    report = {
+        "command": "python -m benchmarks.greedy_loop " + " ".join(args.argv),
+        "settings": {k: v for k, v in vars(args).items() if k != "argv"},
+        "sentences": len(lines),
+        "cells": results,
+        "machine": describe_machine(),
+    }
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w", encoding="utf-8") as f:
+        json.dump(report, f, indent=2)
+        f.write("\n")
+    return report
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = build_parser().parse_args(argv)
+    args.argv = argv
+    return run(args)
+
+
+if __name__ == "__main__":
+    main()
