@@ -92,6 +92,7 @@ def run(args):
     from keras_transformer.data.pipeline import read_lines
     from keras_transformer.evaluation import score_translations
     from keras_transformer.export.onnx import float32_copy
+    from keras_transformer.io_utils import atomic_write_text
     from keras_transformer.translation import load_run
 
     lines = read_lines(args.src)[: args.lines]
@@ -143,10 +144,7 @@ def run(args):
         "cells": results,
         "machine": describe_machine(),
     }
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w", encoding="utf-8") as f:
-        json.dump(report, f, indent=2)
-        f.write("\n")
+    atomic_write_text(args.out, json.dumps(report, indent=2) + "\n")  # key order kept
     print(table(report))
     return report
 

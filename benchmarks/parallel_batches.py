@@ -61,6 +61,7 @@ def run(args):
 
     from benchmarks.machine import describe_machine
     from keras_transformer.data.pipeline import read_lines
+    from keras_transformer.io_utils import atomic_write_text
 
     lines = read_lines(args.src)[: args.lines]
     with open(os.path.join(args.onnx_dir, "manifest.json"), encoding="utf-8") as f:
@@ -114,10 +115,7 @@ def run(args):
         "cells": results,
         "machine": describe_machine(),
     }
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w", encoding="utf-8") as f:
-        json.dump(report, f, indent=2)
-        f.write("\n")
+    atomic_write_text(args.out, json.dumps(report, indent=2) + "\n")  # key order kept
     return report
 
 
