@@ -315,31 +315,39 @@ def test_parallel_batches_benchmark_compares_layouts_on_the_same_outputs(
         layouts_main([str(onnx_dir), "--src", paths["test.src"], "--layouts", "0x2"])
 
 
-def test_greedy_loop_benchmark_compares_the_two_loops_on_the_same_sentences(
+def test_search_loop_benchmark_compares_the_two_loops_on_the_same_sentences(
     trained_run, corpus_files, tmp_path
 ):
-    """Both precisions, each batch size; float32 tokens identical; the switch put back."""
+    """Greedy and beam, both precisions, each batch size; float32 tokens identical;
+    the switches put back."""
     from keras_transformer_runtime import runtime
 
-    from benchmarks.greedy_loop import main as loop_main
+    from benchmarks.search_loop import main as loop_main
     from keras_transformer.export.onnx import export_onnx
 
     _, paths = corpus_files
     onnx_dir = tmp_path / "onnx"
     export_onnx(str(trained_run), str(onnx_dir), precision="int8")
-    out = tmp_path / "loop.json"
-    default = runtime.GRAPH_LOOP_MAX_SENTENCES
+    defaults = runtime.GRAPH_LOOP_MAX_SENTENCES, runtime.BEAM_GRAPH_MAX_SENTENCES
     argv = [str(onnx_dir), "--src", paths["test.src"], "--lines", "12", "--repeats", "1"]
-    loop_main(argv + ["--batch-sizes", "1", "5", "--out", str(out)])
-    assert runtime.GRAPH_LOOP_MAX_SENTENCES == default
-    report = json.loads(out.read_text())
-    assert [(c["precision"], c["batch_size"]) for c in report["cells"]] == [
-        ("float32", 1), ("float32", 5), ("int8", 1), ("int8", 5),
-    ]  # fmt: skip
-    for cell in report["cells"]:
-        assert cell["graph_sentences_per_second"] > 0 and cell["python_sentences_per_second"] > 0
-        assert cell["ratio"] == pytest.approx(
-            cell["graph_sentences_per_second"] / cell["python_sentences_per_second"]
+    for beam_size in (1, 3):
+        out = tmp_path / f"loop{beam_size}.json"
+        loop_main(
+            argv + ["--batch-sizes", "1", "5", "--beam-size", str(beam_size), "--out", str(out)]
         )
-        if cell["precision"] == "float32" or cell["batch_size"] == 1:
-            assert cell["identical_sentences"] == 12
+        assert (runtime.GRAPH_LOOP_MAX_SENTENCES, runtime.BEAM_GRAPH_MAX_SENTENCES) == defaults
+        report = json.loads(out.read_text())
+        assert [(c["precision"], c["beam_size"], c["batch_size"]) for c in report["cells"]] == [
+            ("float32", beam_size, 1), ("float32", beam_size, 5),
+            ("int8", beam_size, 1), ("int8", beam_size, 5),
+        ]  # fmt: skip
+        for cell in report["cells"]:
+            assert cell["graph_sentences_per_second"] > 0
+            assert cell["python_sentences_per_second"] > 0
+            assert cell["ratio"] == pytest.approx(
+                cell["graph_sentences_per_second"] / cell["python_sentences_per_second"]
+            )
+            if cell["precision"] == "float32" or cell["batch_size"] == 1:
+                assert cell["identical_sentences"] == 12
+    with pytest.raises(SystemExit):
+        loop_main(argv + ["--beam-size", "0", "--out", str(tmp_path / "no.json")])

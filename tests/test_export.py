@@ -99,9 +99,9 @@ def test_export_folder_is_complete_and_valid(exported):
     model, _, translator, out = exported("float32")
     names = set(os.listdir(out))
     assert names == {
-        "encoder.onnx", "decoder_step.onnx", "greedy_search.onnx", "model.onnx",
-        "encoder_fp16.onnx", "decoder_step_fp16.onnx", "greedy_search_fp16.onnx",
-        "model_fp16.onnx", "manifest.json", "vocab.txt",
+        "encoder.onnx", "decoder_step.onnx", "greedy_search.onnx", "beam_search.onnx",
+        "model.onnx", "encoder_fp16.onnx", "decoder_step_fp16.onnx", "greedy_search_fp16.onnx",
+        "beam_search_fp16.onnx", "model_fp16.onnx", "manifest.json", "vocab.txt",
     }  # fmt: skip
     for name in names - {"manifest.json", "vocab.txt"}:
         onnx.checker.check_model(os.path.join(out, name))
@@ -127,7 +127,12 @@ def test_export_folder_is_complete_and_valid(exported):
     search = manifest["graphs"]["greedy_search"]
     assert search["inputs"]["limits"] == {"dtype": "int64", "shape": ["sentences"]}
     assert search["outputs"]["tokens"] == {"dtype": "int64", "shape": ["steps", "sentences"]}
-    assert manifest["format_version"] == 3
+    beam = manifest["graphs"]["beam_search"]
+    assert beam["inputs"]["beam_size"] == {"dtype": "int64", "shape": []}
+    assert beam["inputs"]["length_penalty"] == {"dtype": "float64", "shape": []}
+    assert beam["outputs"]["tokens"] == {"dtype": "int64", "shape": ["sentences", "steps"]}
+    assert beam["outputs"]["scores"] == {"dtype": "float64", "shape": ["sentences"]}
+    assert manifest["format_version"] == 4
     assert {"tensorflow", "tf2onnx", "onnx", "onnxruntime", "keras"} <= set(manifest["versions"])
     assert translator.provider == "CPUExecutionProvider" or "CUDA" in translator.provider
 
@@ -284,6 +289,57 @@ def test_the_greedy_loop_in_the_graph_finds_what_the_step_by_step_search_finds(
     # An empty source in the batch: an empty output and score 0, as step by step.
     tokens, scores = search([sources[0], [], sources[1]], True)
     assert tokens[1] == [] and scores[1] == 0 and tokens[0] == keras_tokens[0]
+
+
+@pytest.mark.parametrize("precision", ["float32", "float16"])
+def test_the_beam_loop_in_the_graph_finds_what_the_step_by_step_search_finds(
+    precision, exported, monkeypatch
+):
+    """beam_search.onnx (the loop inside ONNX Runtime) against the Python loop
+    over decoder_step.onnx, and against Keras: the same tokens, the same scores,
+    for several beam sizes, length penalties and length limits."""
+    from keras_transformer_runtime import runtime
+
+    model, tokenizer, _, out = exported("float32")
+    translator = OnnxTranslator(out, precision=precision)
+    sources = _sources(tokenizer, held_out_lines(40, seed=73))
+
+    def search(batch, in_graph, **kwargs):
+        monkeypatch.setattr(runtime, "BEAM_GRAPH_MAX_SENTENCES", len(batch) if in_graph else 0)
+        calls = []
+        original = translator._beam_in_graph
+        monkeypatch.setattr(
+            translator, "_beam_in_graph", lambda *a: calls.append(1) or original(*a)
+        )
+        result = translator.beam_search(batch, **kwargs)
+        assert bool(calls) == in_graph
+        return result
+
+    settings = [
+        dict(beam_size=4),
+        dict(beam_size=2, length_penalty=0.0),
+        dict(beam_size=5, length_penalty=2.0),
+        dict(beam_size=4, max_length=3),  # most sentences end at the limit, not at EOS
+        dict(beam_size=3, max_length=1),
+    ]
+    for start, size in ((0, 1), (1, 1), (2, 2), (4, 5), (9, 31)):
+        batch = sources[start : start + size]
+        for kwargs in settings:
+            graph_tokens, graph_scores = search(batch, True, **kwargs)
+            step_tokens, step_scores = search(batch, False, **kwargs)
+            assert graph_tokens == step_tokens, kwargs
+            np.testing.assert_allclose(graph_scores, step_scores, rtol=0, atol=1e-5)
+            assert all(len(t) <= kwargs.get("max_length", 99) for t in graph_tokens)
+            if precision == "float32" and kwargs == settings[0]:
+                keras_tokens, keras_scores = beam_search(model, batch, beam_size=4)
+                assert graph_tokens == keras_tokens
+                np.testing.assert_allclose(graph_scores, keras_scores, atol=1e-3)
+    # An empty source in the batch: an empty output and score 0, as step by step.
+    tokens, scores = search([sources[0], [], sources[1]], True, beam_size=4)
+    step_tokens, step_scores = search([sources[0], [], sources[1]], False, beam_size=4)
+    assert tokens == step_tokens
+    np.testing.assert_allclose(scores, step_scores, rtol=0, atol=1e-5)
+    assert tokens[1] == [] and scores[1] == 0
 
 
 def test_float16_graphs_translate_within_half_a_point_of_float32(exported, toy_run):

@@ -35,6 +35,11 @@ MANIFEST = "manifest.json"
 # (`python -m benchmarks.greedy_loop`: the loop in the graph was ahead up to 4
 # sentences, level at 8 and behind from 16).
 GRAPH_LOOP_MAX_SENTENCES = 4
+# The same for beam search and the beam_search graph (`python -m
+# benchmarks.search_loop --beam-size 4`: the graph was ahead at one sentence
+# and behind from two, where it computes every finished sentence's beams to
+# the end while the Python loop drops them).
+BEAM_GRAPH_MAX_SENTENCES = 1
 _CUDA = "CUDAExecutionProvider"
 _CPU = "CPUExecutionProvider"
 
@@ -384,6 +389,12 @@ class OnnxTranslator:
         # first reorder gives its beams copies of its row. The cross keys and
         # values stay one row per sentence (older exports: one per beam).
         _, mask, cross = self.encode(source)
+        if (
+            len(source) <= BEAM_GRAPH_MAX_SENTENCES
+            and "beam_search" in self._graph_files
+            and 2 * beam_size <= self.vocabulary_size
+        ):
+            return self._beam_in_graph(mask, cross, limits, beam_size, length_penalty)
         state = {
             "feeds": self._search_feeds(mask, cross),
             "caches": self.empty_self_caches(len(mask)),
@@ -431,6 +442,15 @@ class OnnxTranslator:
             drop_finished=True,
             shared_first_step=True,
         )
+
+    def _beam_in_graph(self, mask, cross, limits, beam_size, length_penalty):
+        """The beam search as one call of the beam_search graph (same results)."""
+        feeds = self._search_feeds(mask, cross)
+        feeds["limits"] = np.asarray(limits, np.int64)
+        feeds["beam_size"] = np.array(beam_size, np.int64)
+        feeds["length_penalty"] = np.array(length_penalty, np.float64)
+        tokens, lengths, scores = self.session("beam_search").run(None, feeds)
+        return [tokens[i, : lengths[i]].tolist() for i in range(len(limits))], scores
 
     def translate(
         self,

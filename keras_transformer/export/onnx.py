@@ -47,14 +47,16 @@ import os
 import shutil
 import tempfile
 
+from keras_transformer.export.beam_graph import build_beam_search
 from keras_transformer.export.encoder_graph import build_encoder
 from keras_transformer.export.greedy_graph import build_greedy_search
 from keras_transformer.export.step_graph import build_decoder_step
 
 GRAPHS = ("encoder", "decoder_step", "model")
 MANIFEST = "manifest.json"
-# 2: the step graph's top_k input and outputs; 3: the greedy_search graph.
-FORMAT_VERSION = 3
+# 2: the step graph's top_k input and outputs; 3: the greedy_search graph;
+# 4: the beam_search graph.
+FORMAT_VERSION = 4
 TOKENIZER_FILES = ("spm.model", "vocab.txt")
 PRECISIONS = ("float32", "float16", "int8")
 # The file suffix of each extra precision's graphs.
@@ -261,7 +263,8 @@ def _write_graphs(model, folder, opset, precision):
             graphs[name][precision] = extra
         graphs[name]["inputs"] = _describe(proto.graph.input)
         graphs[name]["outputs"] = _describe(proto.graph.output)
-    graphs["greedy_search"] = _write_greedy_search(folder, graphs["decoder_step"])
+    graphs["greedy_search"] = _write_search(folder, graphs["decoder_step"], "greedy_search")
+    graphs["beam_search"] = _write_search(folder, graphs["decoder_step"], "beam_search")
     return {
         "format_version": FORMAT_VERSION,
         "opset": opset,
@@ -286,21 +289,32 @@ def _write_graphs(model, folder, opset, precision):
             "(steps, sentences): a sentence's output is its tokens up to the first EOS or -1, "
             "its score the sum of its scores."
         ),
+        "beam_search": (
+            "The whole beam search, the decoder step inside an ONNX Loop: feed source_mask "
+            "and the cross keys and values from encoder.onnx, limits (sentences,) int64 "
+            "(each sentence's maximum output length, EOS included; 0 for an empty source), "
+            "beam_size () int64 (twice it at most the vocabulary size) and length_penalty () "
+            "double (alpha of ((5 + length) / 6) ** alpha; 0: none). Returns tokens "
+            "(sentences, steps) and lengths (sentences,): a sentence's output is its first "
+            "lengths tokens; and scores (sentences,) double, the length-penalized score."
+        ),
         "versions": _versions(),
     }
 
 
-def _write_greedy_search(folder, step_files):
-    """Writes the greedy-search graph of every precision, each built from that
-    precision's decoder-step graph; returns its manifest entry."""
+def _write_search(folder, step_files, name):
+    """Writes the search graph `name` ("greedy_search" or "beam_search") of every
+    precision, each built from that precision's decoder-step graph; returns its
+    manifest entry."""
     import onnx
 
+    build = {"greedy_search": build_greedy_search, "beam_search": build_beam_search}[name]
     entry = {}
     for precision in (p for p in PRECISIONS if p in step_files):
         step = onnx.load(os.path.join(folder, step_files[precision]))
-        search = build_greedy_search(step)
+        search = build(step)
         onnx.checker.check_model(search, full_check=True)
-        entry[precision] = f"greedy_search{SUFFIXES.get(precision, '')}.onnx"
+        entry[precision] = f"{name}{SUFFIXES.get(precision, '')}.onnx"
         onnx.save(search, os.path.join(folder, entry[precision]))
     entry["inputs"] = _describe(search.graph.input)
     entry["outputs"] = _describe(search.graph.output)

@@ -1,18 +1,21 @@
-"""Greedy search with the loop inside ONNX Runtime against the loop in Python, side by side.
+"""A search with its loop inside ONNX Runtime against the loop in Python, side by side.
 
-    python -m benchmarks.greedy_loop ONNX_DIR --src test.de.gz [--batch-sizes 1 2 4 8 16 32]
+    python -m benchmarks.search_loop ONNX_DIR --src test.de.gz [--beam-size 4]
+        [--batch-sizes 1 2 4 8 16 32]
 
 For each precision of the export and each batch size, the same sentences
 (sorted by length into batches, as `translate` makes them) are searched
-greedily with `greedy_search.onnx` (one call per batch) and step by step
-over `decoder_step.onnx` from Python (which leaves finished sentences out of
-each step's batch), repetitions interleaved, on one intra-op thread; the
+greedily (`--beam-size 1`, the default) with `greedy_search.onnx`, or with
+beams with `beam_search.onnx`, one call per batch, and step by step over
+`decoder_step.onnx` from Python (which leaves finished sentences out of the
+decoder's batch), repetitions interleaved, on one intra-op thread; the
 median is kept. Reported: sentences/s of each, their ratio, and the sentences
 whose tokens are the same (all of them in float32; in int8 a sentence's
 activations are quantized with its batch's, and the two loops hold different
-batches once some sentences have finished). This is what `GRAPH_LOOP_MAX_SENTENCES` in
-`keras_transformer_runtime/runtime.py` is chosen on. Writes JSON to
-benchmarks/results/greedy_loop.json (or --out).
+batches once some sentences have finished). This is what
+`GRAPH_LOOP_MAX_SENTENCES` and `BEAM_GRAPH_MAX_SENTENCES` in
+`keras_transformer_runtime/runtime.py` are chosen on. Writes JSON to
+benchmarks/results/search_loop.json (or --out).
 """
 
 from __future__ import annotations
@@ -26,13 +29,19 @@ import time
 
 
 def build_parser():
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.greedy_loop")
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.search_loop")
     parser.add_argument("onnx_dir", help="a folder written by `keras-transformer export`")
     parser.add_argument("--src", required=True, help="source sentences (plain or .gz)")
     parser.add_argument("--lines", type=int, default=200, help="first N sentences (default 200)")
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
+    parser.add_argument(
+        "--beam-size", type=int, default=1, help="1: greedy search (default); more: beam search"
+    )
+    parser.add_argument(
+        "--length-penalty", type=float, default=0.6, help="the beam search's alpha (default 0.6)"
+    )
     parser.add_argument("--repeats", type=int, default=3, help="interleaved repetitions")
-    parser.add_argument("--out", default=os.path.join("benchmarks", "results", "greedy_loop.json"))
+    parser.add_argument("--out", default=os.path.join("benchmarks", "results", "search_loop.json"))
     return parser
 
 
@@ -47,10 +56,26 @@ def run(args):
     lines = read_lines(args.src)[: args.lines]
     with open(os.path.join(args.onnx_dir, "manifest.json"), encoding="utf-8") as f:
         manifest = json.load(f)
-    if "greedy_search" not in manifest["graphs"]:
-        raise SystemExit(f"{args.onnx_dir} has no greedy_search graph: export it again.")
+    if args.beam_size < 1:
+        raise SystemExit(f"--beam-size must be at least 1, not {args.beam_size}.")
+    greedy = args.beam_size == 1
+    graph, threshold = (
+        ("greedy_search", "GRAPH_LOOP_MAX_SENTENCES")
+        if greedy
+        else ("beam_search", "BEAM_GRAPH_MAX_SENTENCES")
+    )
+    if graph not in manifest["graphs"]:
+        raise SystemExit(f"{args.onnx_dir} has no {graph} graph: export it again.")
     precisions = [p for p in manifest["precisions"] if p in ("float32", "int8")]
-    default = runtime.GRAPH_LOOP_MAX_SENTENCES
+    default = getattr(runtime, threshold)
+
+    def search(translator, batch):
+        if greedy:
+            return translator.greedy_search(batch)[0]
+        return translator.beam_search(
+            batch, beam_size=args.beam_size, length_penalty=args.length_penalty
+        )[0]
+
     results = []
     try:
         for precision in precisions:
@@ -71,13 +96,14 @@ def run(args):
                 outputs = {}
                 for _ in range(args.repeats):
                     for name, limit in (("graph", size), ("python", 0)):
-                        runtime.GRAPH_LOOP_MAX_SENTENCES = limit
+                        setattr(runtime, threshold, limit)
                         start = time.perf_counter()
-                        outputs[name] = [translator.greedy_search(b)[0] for b in batches]
+                        outputs[name] = [search(translator, b) for b in batches]
                         times[name].append(time.perf_counter() - start)
                 speed = {k: len(lines) / statistics.median(v) for k, v in times.items()}
                 cell = {
                     "precision": precision,
+                    "beam_size": args.beam_size,
                     "batch_size": size,
                     "graph_sentences_per_second": speed["graph"],
                     "python_sentences_per_second": speed["python"],
@@ -91,15 +117,16 @@ def run(args):
                 }
                 results.append(cell)
                 print(
-                    f"{precision}, batch {size}: loop in the graph {speed['graph']:.1f}/s, "
+                    f"{precision}, {'greedy' if greedy else f'beam {args.beam_size}'}, "
+                    f"batch {size}: loop in the graph {speed['graph']:.1f}/s, "
                     f"in Python {speed['python']:.1f}/s ({cell['ratio']:.2f}x"
                     f", identical tokens on {cell['identical_sentences']} of {len(lines)})",
                     flush=True,
                 )
     finally:
-        runtime.GRAPH_LOOP_MAX_SENTENCES = default
+        setattr(runtime, threshold, default)
     report = {
-        "command": "python -m benchmarks.greedy_loop " + " ".join(args.argv),
+        "command": "python -m benchmarks.search_loop " + " ".join(args.argv),
         "settings": {k: v for k, v in vars(args).items() if k != "argv"},
         "sentences": len(lines),
         "cells": results,

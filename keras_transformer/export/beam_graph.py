@@ -1,0 +1,345 @@
+"""The whole beam search as one ONNX graph: the decoder step inside an ONNX `Loop`.
+
+The step-by-step beam search (`keras_transformer_runtime.search.beam_loop`)
+calls the decoder-step graph once per token and, between the calls, ranks
+the candidates, books the finished hypotheses and reorders the caches in
+numpy. At small batches that Python work and the feeds and fetches around
+each call cost as much as the step itself. Here all of it runs inside ONNX
+Runtime: one call per batch of sentences.
+
+The loop body is the decoder-step graph of the same precision, then
+`beam_loop`'s rules, vectorized over sentences (row `p * k + j` of the
+state is beam j of sentence p; the first step runs one row per sentence,
+as `beam_loop(shared_first_step=True)` does):
+
+- a sentence's candidates are its live beams' scores plus each beam's
+  `2k` best tokens (the step's `top_k`), summed in double precision, and
+  ranked with `TopK`, whose ties go to the lower beam, then the step's
+  order (best first, ties to the lower token id): `beam_loop`'s
+  `lexsort` order;
+- among the `2k` best, an EOS candidate ranked within the first `k`
+  finishes its beam; the first `k` other candidates are the new beams;
+- at a sentence's length limit the new beams finish as they are;
+- a finished hypothesis is scored by its summed log-probability over
+  the length penalty `((5 + length) / 6) ** alpha`, and only the best
+  one is kept (the first found among equals, as `max` does), with the
+  count of those finished;
+- a sentence is done when no live beam can beat its best finished
+  hypothesis even at its maximum length, or when `k` have finished and
+  no live beam beats the best at its current length; the loop stops when
+  every sentence is done.
+
+Finished sentences stay in the state until the loop ends (their rows are
+computed and ignored): the graph cannot shrink its batch as the Python
+loop does, so it pays most at small batches.
+
+Inputs: `source_mask (sentences, source_len) bool` and the cross keys and
+values from encoder.onnx (one row per sentence), `limits (sentences,)
+int64` (each sentence's maximum output length, EOS included; 0 for an
+empty source), `beam_size ()` int64 (2 * beam_size at most the vocabulary
+less padding and BOS) and `length_penalty ()` double (alpha; 0 turns it
+off). Outputs: `tokens (sentences, steps) int64` and `lengths (sentences,)
+int64` (a sentence's output is its first `lengths` tokens, EOS excluded),
+and `scores (sentences,) double`, the length-penalized score.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from keras_transformer_runtime.specials import BOS_ID, EOS_ID
+
+PREFIX = "beam."
+
+
+class _Nodes:
+    """Nodes whose outputs are named `beam.<name>`: no clash with the step graph's."""
+
+    def __init__(self):
+        self.nodes, self.constants = [], []
+
+    def __call__(self, op, inputs, output, **attributes):
+        from onnx import helper
+
+        outputs = [output] if isinstance(output, str) else list(output)
+        names = [PREFIX + name for name in outputs]
+        self.nodes.append(helper.make_node(op, inputs, names, **attributes))
+        return names[0] if len(names) == 1 else names
+
+    def const(self, name, value, dtype):
+        from onnx import numpy_helper
+
+        self.constants.append(numpy_helper.from_array(np.asarray(value, dtype), PREFIX + name))
+        return PREFIX + name
+
+
+def build_beam_search(step):
+    """Returns the beam-search `onnx.ModelProto` whose loop body is `step`, a
+    decoder-step graph (`keras_transformer.export.step_graph.build_decoder_step`,
+    or its float16 or int8 conversion)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    graph = step.graph
+    inputs = {value.name: value for value in graph.input}
+    self_names = [name for name in inputs if name.startswith("self_")]
+    cross_names = [name for name in inputs if name.startswith("cross_")]
+    cache = inputs[self_names[0]].type.tensor_type
+    heads, head_dim = (cache.shape.dim[i].dim_value for i in (1, 3))
+    cache_type = cache.elem_type
+    DOUBLE, INT64 = TensorProto.DOUBLE, TensorProto.INT64
+
+    # ---- the outer graph, before the loop: sizes, constants and the first state
+    o = _Nodes()
+    zero_i, one_i = o.const("zero_i", 0, np.int64), o.const("one_i", 1, np.int64)
+    two_i = o.const("two_i", 2, np.int64)
+    axis0, axis1 = o.const("axis0", [0], np.int64), o.const("axis1", [1], np.int64)
+    minus_one_1d = o.const("minus_one_1d", [-1], np.int64)
+    five, six = o.const("five", 5.0, np.float64), o.const("six", 6.0, np.float64)
+    neg_inf = o.const("neg_inf", -np.inf, np.float64)
+    zero_d = o.const("zero_d", 0.0, np.float64)
+    eos = o.const("eos", EOS_ID, np.int64)
+    o("Shape", ["limits"], "sentences_1d")
+    o("Squeeze", [PREFIX + "sentences_1d", axis0], "sentences")
+    o("Range", [zero_i, PREFIX + "sentences", one_i], "sentence_index")
+    o("Mul", ["beam_size", two_i], "two_k")
+    # The step graph's own `top_k` input: each row's 2k best tokens.
+    o.nodes.append(helper.make_node("Reshape", [PREFIX + "two_k", axis1], ["top_k"]))
+    o("Reshape", ["beam_size", axis1], "k_1d")
+    o("Range", [zero_i, PREFIX + "two_k", one_i], "positions")  # ranks 0 .. 2k - 1
+    o("Add", [PREFIX + "positions", PREFIX + "two_k"], "positions_after")
+    o("Less", [PREFIX + "positions", "beam_size"], "first_k")
+    o("Cast", ["limits"], "limits_d", to=DOUBLE)
+    o("Add", [PREFIX + "limits_d", five], "limit_penalty_base")
+    o("Div", [PREFIX + "limit_penalty_base", six], "limit_penalty_ratio")
+    o("Pow", [PREFIX + "limit_penalty_ratio", "length_penalty"], "limit_penalty")
+    # First state: one row per sentence fed BOS; beam 0 alone is live.
+    o("Concat", [PREFIX + "sentences_1d", axis1], "column_shape", axis=0)
+    o("Expand", [o.const("bos", [[BOS_ID]], np.int32), PREFIX + "column_shape"], "first_ids")
+    o("Range", [zero_i, "beam_size", one_i], "beam_index")
+    o("Equal", [PREFIX + "beam_index", zero_i], "is_first_beam")
+    o("Where", [PREFIX + "is_first_beam", zero_d, neg_inf], "first_beam_scores")
+    o("Concat", [PREFIX + "sentences_1d", PREFIX + "k_1d"], "beam_shape", axis=0)
+    o("Expand", [PREFIX + "first_beam_scores", PREFIX + "beam_shape"], "first_alive_scores")
+    o("Concat", [PREFIX + "sentences_1d", o.const("zero_1d", [0], np.int64)], "empty_shape", axis=0)
+    o(
+        "ConstantOfShape",
+        [PREFIX + "empty_shape"],
+        "no_tokens",
+        value=numpy_helper.from_array(np.zeros(1, np.int64)),
+    )
+    o("Equal", ["limits", zero_i], "first_done")
+    o("Where", [PREFIX + "first_done", zero_d, neg_inf], "first_best_scores")
+    o(
+        "ConstantOfShape",
+        [PREFIX + "sentences_1d"],
+        "zeros",
+        value=numpy_helper.from_array(np.zeros(1, np.int64)),
+    )
+    o(
+        "ConstantOfShape",
+        [PREFIX + "column_shape"],
+        "pad_column",
+        value=numpy_helper.from_array(np.full(1, -1, np.int64)),
+    )
+    o(
+        "Concat",
+        [PREFIX + "sentences_1d", o.const("cache_dims", [heads, 0, head_dim], np.int64)],
+        "empty_cache_shape",
+        axis=0,
+    )
+    cache_np = helper.tensor_dtype_to_np_dtype(cache_type)
+    o(
+        "ConstantOfShape",
+        [PREFIX + "empty_cache_shape"],
+        "empty_cache",
+        value=numpy_helper.from_array(np.zeros(1, cache_np)),
+    )
+    o("ReduceMax", ["limits"], "max_steps", keepdims=0)
+
+    # ---- the loop body: the step, then beam_loop's rules
+    b = _Nodes()
+    P = PREFIX
+    b("Shape", ["token_ids"], "rows_shape")
+    b("Gather", [P + "rows_shape", zero_i], "rows")
+    b("Div", [P + "rows", P + "sentences"], "n")  # rows per sentence: 1, then k
+    b("Shape", ["top_ids"], "top_shape")
+    b("Gather", [P + "top_shape", one_i], "w")
+    b("Mul", [P + "n", P + "w"], "nw")
+    b("Reshape", [P + "n", axis1], "n_1d")
+    b("Reshape", [P + "w", axis1], "w_1d")
+    b("Reshape", [P + "nw", axis1], "nw_1d")
+    b("Concat", [P + "sentences_1d", P + "n_1d", P + "w_1d"], "s_n_w", axis=0)
+    b("Concat", [P + "sentences_1d", P + "nw_1d"], "s_nw", axis=0)
+    # Candidates: live beam scores plus each row's best tokens, in double.
+    b("Cast", ["top_log_probs"], "step_scores", to=DOUBLE)
+    b("Reshape", [P + "step_scores", P + "s_n_w"], "step_scores_3d")
+    b("Slice", [P + "alive_scores", axis0, P + "n_1d", axis1], "row_scores")
+    b("Unsqueeze", [P + "row_scores", o.const("axis2", [2], np.int64)], "row_scores_3d")
+    b("Add", [P + "row_scores_3d", P + "step_scores_3d"], "candidates_3d")
+    b("Reshape", [P + "candidates_3d", P + "s_nw"], "candidates")
+    b("Reshape", ["top_ids", P + "s_nw"], "candidate_ids")
+    b("TopK", [P + "candidates", "top_k"], ["ranked", "ranked_at"], axis=1)
+    b("Div", [P + "ranked_at", P + "w"], "ranked_beam")
+    b("GatherElements", [P + "candidate_ids", P + "ranked_at"], "ranked_token", axis=1)
+    b("Greater", [P + "ranked", neg_inf], "finite")
+    b("Equal", [P + "ranked_token", eos], "is_eos")
+    b("And", [P + "is_eos", P + "finite"], "eos_finite")
+    b("And", [P + "eos_finite", P + "first_k"], "eos_finishes")
+    b("Not", [P + "is_eos"], "not_eos")
+    b("And", [P + "not_eos", P + "finite"], "continues")
+    # The new beams: the first k continuing candidates, in rank order.
+    b("Where", [P + "continues", P + "positions", P + "positions_after"], "slot_key")
+    b("TopK", [P + "slot_key", P + "k_1d"], ["slot_rank", "slot_at"], axis=1, largest=0)
+    b("Less", [P + "slot_rank", P + "two_k"], "slot_ok")
+    b("GatherElements", [P + "ranked", P + "slot_at"], "slot_raw_score", axis=1)
+    b("Where", [P + "slot_ok", P + "slot_raw_score", neg_inf], "slot_score")
+    b("GatherElements", [P + "ranked_beam", P + "slot_at"], "slot_raw_beam", axis=1)
+    b("Where", [P + "slot_ok", P + "slot_raw_beam", zero_i], "slot_beam")
+    b("GatherElements", [P + "ranked_token", P + "slot_at"], "slot_token", axis=1)
+    # Length penalties of this step and whether each sentence is out of room.
+    b("Add", [P + "iteration", one_i], "made")
+    b("GreaterOrEqual", [P + "made", "limits"], "at_limit")
+    b("Unsqueeze", [P + "at_limit", axis1], "at_limit_2d")
+    b("Cast", [P + "made"], "made_d", to=DOUBLE)
+    b("Add", [P + "made_d", five], "penalty_base")
+    b("Div", [P + "penalty_base", six], "penalty_ratio")
+    b("Pow", [P + "penalty_ratio", "length_penalty"], "penalty")
+    # Hypotheses finished at this step: EOS ones in rank order, then (at the
+    # limit) the new beams; the best is the first of the highest.
+    b("Div", [P + "ranked", P + "penalty"], "ranked_normalized")
+    b("Where", [P + "eos_finishes", P + "ranked_normalized", neg_inf], "eos_normalized")
+    b("And", [P + "slot_ok", P + "at_limit_2d"], "limit_finishes")
+    b("Div", [P + "slot_score", P + "penalty"], "slot_normalized")
+    b("Where", [P + "limit_finishes", P + "slot_normalized", neg_inf], "limit_normalized")
+    b("Concat", [P + "eos_normalized", P + "limit_normalized"], "finish_scores", axis=1)
+    b("ReduceMax", [P + "finish_scores"], "step_best", axes=[1], keepdims=0)
+    b("ArgMax", [P + "finish_scores"], "step_best_at", axis=1, keepdims=1)
+    b("Not", [P + "done"], "live")
+    b("Greater", [P + "step_best", P + "best_score"], "better")
+    b("And", [P + "live", P + "better"], "update")
+    b("Where", [P + "update", P + "step_best", P + "best_score"], "best_score_next")
+    b("Cast", [P + "eos_finishes"], "eos_finishes_i", to=INT64)
+    b("Cast", [P + "limit_finishes"], "limit_finishes_i", to=INT64)
+    b("Concat", [P + "eos_finishes_i", P + "limit_finishes_i"], "finishes_i", axis=1)
+    b("ReduceSum", [P + "finishes_i", axis1], "finished_now", keepdims=0)
+    b("Where", [P + "live", P + "finished_now", zero_i], "finished_counted")
+    b("Add", [P + "count", P + "finished_counted"], "count_next")
+    # The tokens of the step's best finished hypothesis: its beam's tokens,
+    # plus the new token when it finished at the limit (EOS is not kept).
+    b("Shape", [P + "ranked_token"], "ranked_shape")
+    b(
+        "ConstantOfShape",
+        [P + "ranked_shape"],
+        "no_token",
+        value=numpy_helper.from_array(np.full(1, -1, np.int64)),
+    )
+    b("Concat", [P + "ranked_beam", P + "slot_beam"], "finish_beams", axis=1)
+    b("Concat", [P + "no_token", P + "slot_token"], "finish_tokens", axis=1)
+    b("GatherElements", [P + "finish_beams", P + "step_best_at"], "best_beam_2d", axis=1)
+    b("Squeeze", [P + "best_beam_2d", axis1], "best_beam")
+    b("GatherElements", [P + "finish_tokens", P + "step_best_at"], "best_last", axis=1)
+    b("Mul", [P + "sentence_index", P + "n"], "first_rows")
+    b("Add", [P + "first_rows", P + "best_beam"], "best_row")
+    b("Gather", [P + "alive_tokens", P + "best_row"], "best_prefix", axis=0)
+    b("Concat", [P + "best_prefix", P + "best_last"], "finished_tokens", axis=1)
+    b("Concat", [P + "best_tokens", P + "pad_column"], "best_tokens_grown", axis=1)
+    b("Unsqueeze", [P + "update", axis1], "update_2d")
+    b(
+        "Where",
+        [P + "update_2d", P + "finished_tokens", P + "best_tokens_grown"],
+        "best_tokens_next",
+    )
+    b("Squeeze", [P + "best_last", axis1], "best_last_1d")
+    b("GreaterOrEqual", [P + "best_last_1d", zero_i], "appended")
+    b("Cast", [P + "appended"], "appended_i", to=INT64)
+    b("Add", [P + "iteration", P + "appended_i"], "finished_length")
+    b("Where", [P + "update", P + "finished_length", P + "best_length"], "best_length_next")
+    # Done: no live beam can win, or k finished and none wins at this length.
+    b("Slice", [P + "slot_score", axis0, axis1, axis1], "top_slot_2d")
+    b("Squeeze", [P + "top_slot_2d", axis1], "top_slot")
+    b("Where", [P + "at_limit", neg_inf, P + "top_slot"], "top_live")
+    b("Div", [P + "top_live", P + "limit_penalty"], "top_bound")
+    b("Greater", [P + "top_bound", P + "best_score_next"], "can_improve")
+    b("Div", [P + "top_live", P + "penalty"], "top_now")
+    b("LessOrEqual", [P + "top_now", P + "best_score_next"], "none_better")
+    b("GreaterOrEqual", [P + "count_next", "beam_size"], "enough")
+    b("And", [P + "enough", P + "none_better"], "settled")
+    b("Not", [P + "can_improve"], "hopeless")
+    b("Or", [P + "settled", P + "hopeless"], "stops")
+    b("Or", [P + "done", P + "stops"], "done_next")
+    b("Cast", [P + "done_next"], "done_next_i", to=TensorProto.INT32)
+    b("ReduceMin", [P + "done_next_i"], "all_done_i", keepdims=0)
+    b("Cast", [P + "all_done_i"], "all_done", to=TensorProto.BOOL)
+    b("Not", [P + "all_done"], "keep_going")
+    # The next state: the new beams, their tokens and their rows' caches.
+    b("Where", [P + "at_limit_2d", neg_inf, P + "slot_score"], "alive_scores_next")
+    b("Unsqueeze", [P + "first_rows", axis1], "first_rows_2d")
+    b("Add", [P + "first_rows_2d", P + "slot_beam"], "origin_2d")
+    b("Reshape", [P + "origin_2d", minus_one_1d], "origin")
+    b("Gather", [P + "alive_tokens", P + "origin"], "alive_prefix", axis=0)
+    b("Reshape", [P + "slot_token", o.const("column", [-1, 1], np.int64)], "slot_token_column")
+    b("Concat", [P + "alive_prefix", P + "slot_token_column"], "alive_tokens_next", axis=1)
+    b("Where", [P + "slot_ok", P + "slot_token", eos], "fed")
+    b("Cast", [P + "fed"], "fed_i32", to=TensorProto.INT32)
+    b("Reshape", [P + "fed_i32", P + "column"], "token_ids_next")
+    for name in self_names:
+        b("Gather", [f"new_{name}", P + "origin"], f"next_{name}", axis=0)
+
+    def value(name, elem_type, shape=None):
+        return helper.make_tensor_value_info(name, elem_type, shape)
+
+    carried = [
+        ("token_ids", "token_ids_next", TensorProto.INT32, "first_ids"),
+        ("alive_scores", "alive_scores_next", DOUBLE, "first_alive_scores"),
+        ("alive_tokens", "alive_tokens_next", INT64, "no_tokens"),
+        ("done", "done_next", TensorProto.BOOL, "first_done"),
+        ("best_score", "best_score_next", DOUBLE, "first_best_scores"),
+        ("best_tokens", "best_tokens_next", INT64, "no_tokens"),
+        ("best_length", "best_length_next", INT64, "zeros"),
+        ("count", "count_next", INT64, "zeros"),
+    ]
+    carried += [(name, f"next_{name}", cache_type, "empty_cache") for name in self_names]
+
+    def body_name(name):
+        return name if name == "token_ids" or name in self_names else P + name
+
+    body_inputs = [value(P + "iteration", INT64, []), value(P + "condition", TensorProto.BOOL, [])]
+    body_inputs += [value(body_name(name), t) for name, _, t, _ in carried]
+    body_outputs = [value(P + "keep_going", TensorProto.BOOL, [])]
+    body_outputs += [value(P + name, t) for _, name, t, _ in carried]
+    body = helper.make_graph(
+        list(graph.node) + b.nodes,
+        "beam_step",
+        body_inputs,
+        body_outputs,
+        list(graph.initializer) + b.constants,
+    )
+    final = [P + f"last_{name}" for name, *_ in carried]
+    o(
+        "Loop",
+        [P + "max_steps", o.const("true", True, np.bool_)] + [P + c[3] for c in carried],
+        [f"last_{name}" for name, *_ in carried],
+        body=body,
+    )
+    named = dict(zip((name for name, *_ in carried), final, strict=True))
+    o.nodes.append(helper.make_node("Identity", [named["best_tokens"]], ["tokens"]))
+    o.nodes.append(helper.make_node("Identity", [named["best_length"]], ["lengths"]))
+    o.nodes.append(helper.make_node("Identity", [named["best_score"]], ["scores"]))
+
+    outer_inputs = [inputs["source_mask"]] + [inputs[name] for name in cross_names]
+    outer_inputs += [
+        value("limits", INT64, ["sentences"]),
+        value("beam_size", INT64, []),
+        value("length_penalty", DOUBLE, []),
+    ]
+    outer_outputs = [
+        value("tokens", INT64, ["sentences", "steps"]),
+        value("lengths", INT64, ["sentences"]),
+        value("scores", DOUBLE, ["sentences"]),
+    ]
+    model = helper.make_model(
+        helper.make_graph(o.nodes, "beam_search", outer_inputs, outer_outputs, o.constants),
+        producer_name="keras-transformer",
+        opset_imports=list(step.opset_import),
+    )
+    model.ir_version = step.ir_version
+    return model
