@@ -70,11 +70,13 @@ def _systems(run_dir, tokenizer, model, threads, parallel_batches):
         systems[name] = OnnxTranslator(
             onnx_dir, providers=["CPUExecutionProvider"], num_threads=threads, precision=precision
         )
-        sizes[name] = sum(
-            os.path.getsize(os.path.join(onnx_dir, graph[precision]))
-            for key, graph in systems[name].manifest["graphs"].items()
+        manifest = systems[name].manifest
+        files = [
+            graph[precision]
+            for key, graph in manifest["graphs"].items()
             if key != "model"  # the teacher-forced graph is not used to translate
-        )
+        ] + [manifest["weights"][precision]]  # their weights, stored once
+        sizes[name] = sum(os.path.getsize(os.path.join(onnx_dir, f)) for f in files)
         folder = os.path.join(run_dir, f"ct2-{precision}")
         if not os.path.isfile(os.path.join(folder, "model.bin")):
             ctranslate2_model(model, tokenizer, folder, None if precision == "float32" else "int8")

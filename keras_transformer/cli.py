@@ -195,7 +195,7 @@ def _export(args):
         for graph in manifest["graphs"].values()
         for k, f in graph.items()
         if k in ("float32", "float16", "int8")
-    )
+    ) + sorted(manifest.get("weights", {}).values())
     print(f"Wrote {', '.join(files)} and {manifest.get('tokenizer', 'no tokenizer')} to {out}")
     return 0
 

@@ -74,6 +74,15 @@ def _sources(tokenizer, lines):
     return [tokenizer.encode(line) + [tokenizer.eos_id] for line in lines]
 
 
+def _subgraphs(graph):
+    """`graph` and the graphs inside it (a Loop's body)."""
+    yield graph
+    for node in graph.node:
+        for attribute in node.attribute:
+            if attribute.type == onnx.AttributeProto.GRAPH:
+                yield from _subgraphs(attribute.g)
+
+
 def _op_types(graph):
     """The operator types of `graph` and of the graphs inside it (a Loop's body)."""
     found = set()
@@ -102,9 +111,10 @@ def test_export_folder_is_complete_and_valid(exported):
         "encoder.onnx", "decoder_step.onnx", "greedy_search.onnx", "beam_search.onnx",
         "model.onnx", "encoder_fp16.onnx", "decoder_step_fp16.onnx", "greedy_search_fp16.onnx",
         "beam_search_fp16.onnx", "model_fp16.onnx", "manifest.json", "vocab.txt",
+        "weights.bin", "weights_fp16.bin",
     }  # fmt: skip
-    for name in names - {"manifest.json", "vocab.txt"}:
-        onnx.checker.check_model(os.path.join(out, name))
+    for name in {n for n in names if n.endswith(".onnx")}:
+        onnx.checker.check_model(os.path.join(out, name), full_check=True)
     manifest = json.loads(open(os.path.join(out, "manifest.json")).read())
     config = transformer_parts(model).config
     assert manifest["config"] == config.to_dict()
@@ -133,6 +143,38 @@ def test_export_folder_is_complete_and_valid(exported):
     assert beam["outputs"]["tokens"] == {"dtype": "int64", "shape": ["sentences", "steps"]}
     assert beam["outputs"]["scores"] == {"dtype": "float64", "shape": ["sentences"]}
     assert manifest["format_version"] == 4
+    # The graphs that translate hold no weights of their own: one file per
+    # precision holds them, each tensor once (the decoder's are in three graphs).
+    assert manifest["weights"] == {"float32": "weights.bin", "float16": "weights_fp16.bin"}
+    assert manifest["weight_bytes"]["float32"] == os.path.getsize(os.path.join(out, "weights.bin"))
+    for suffix, weights in (("", "weights.bin"), ("_fp16", "weights_fp16.bin")):
+        names = [f"{g}{suffix}.onnx" for g in ("encoder", "decoder_step", "greedy_search")]
+        names.append(f"beam_search{suffix}.onnx")
+        spans = {}  # graph -> the (offset, length) of its external tensors
+        for n in names:
+            graph = onnx.load(os.path.join(out, n), load_external_data=False).graph
+            entries = [
+                dict((e.key, e.value) for e in tensor.external_data)
+                for g in _subgraphs(graph)
+                for tensor in g.initializer
+                if tensor.data_location == onnx.TensorProto.EXTERNAL
+            ]
+            assert {e["location"] for e in entries} == {weights}
+            inline = [
+                t.name
+                for g in _subgraphs(graph)
+                for t in g.initializer
+                if t.data_location != onnx.TensorProto.EXTERNAL
+                and onnx.numpy_helper.to_array(t).nbytes >= 1024
+            ]
+            assert not inline, (n, inline)
+            spans[n] = {(int(e["offset"]), int(e["length"])) for e in entries}
+        # The loops' bodies read the step graph's very bytes.
+        assert spans[names[1]] <= spans[names[2]] and spans[names[1]] <= spans[names[3]]
+        with open(os.path.join(out, weights), "rb") as f:
+            blob = f.read()
+        stored = [blob[o : o + n] for o, n in set().union(*spans.values())]
+        assert len(set(stored)) == len(stored)  # no tensor stored twice
     assert {"tensorflow", "tf2onnx", "onnx", "onnxruntime", "keras"} <= set(manifest["versions"])
     assert translator.provider == "CPUExecutionProvider" or "CUDA" in translator.provider
 
@@ -369,9 +411,12 @@ def test_int8_graphs_are_smaller_and_translate_no_worse_than_float32(toy_run, tm
         quantized = onnx.load(os.path.join(out, graph["int8"]))
         ops = _op_types(quantized.graph)
         assert ops & {"MatMulInteger", "DynamicQuantizeLinear"}, name
-        assert os.path.getsize(os.path.join(out, graph["int8"])) < 0.6 * os.path.getsize(
-            os.path.join(out, graph["float32"])
-        ), name
+    for full_file, int8_file in (
+        ("model.onnx", "model_int8.onnx"),
+        ("weights.bin", "weights_int8.bin"),
+    ):
+        full_size = os.path.getsize(os.path.join(out, full_file))
+        assert os.path.getsize(os.path.join(out, int8_file)) < 0.6 * full_size
     full, quantized = OnnxTranslator(out), OnnxTranslator(out, precision="int8")
     lines = held_out_lines(200, seed=59)
     references = [toy_run[1].translate(line) for line in lines]
@@ -673,6 +718,8 @@ def test_over_long_lines_translate_as_in_keras_with_a_warning(exported):
     [
         ("missing:decoder_step.onnx", "ONNX graph missing: .*decoder_step.onnx"),
         ("corrupt:encoder.onnx", "Cannot load the ONNX graph .*encoder.onnx"),
+        ("missing:weights.bin", "weights.bin missing from .*copy the whole export folder"),
+        ("corrupt:weights.bin", "weights.bin has 23 bytes, not the [0-9]+ the export wrote"),
         ("missing:manifest.json", "manifest.json missing"),
         ("corrupt:manifest.json", "manifest.json is not a valid export manifest"),
         ("missing:vocab.txt", "Tokenizer file missing: .*vocab.txt"),

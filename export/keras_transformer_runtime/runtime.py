@@ -154,6 +154,7 @@ class OnnxTranslator:
                 f"{', '.join(self.manifest.get('precisions', ['float32']))})."
             )
         self.precision = precision
+        self._check_weights(precision)
         self.num_layers = int(config["num_layers"])
         self.num_heads = int(config["num_heads"])
         self.head_dim = int(config["hidden_dim"]) // self.num_heads
@@ -179,6 +180,24 @@ class OnnxTranslator:
         # (`sentences` rows, each shared by that sentence's beams); older ones per row.
         cross_rows = {i.name: i.shape[0] for i in self.step_session.get_inputs()}["cross_key_0"]
         self._cross_per_sentence = cross_rows == "sentences"
+
+    def _check_weights(self, precision):
+        """The shared weights file of `precision` is there and whole (`weights.bin`...)."""
+        weights = self.manifest.get("weights", {}).get(precision)
+        if weights is None:  # exports before format 4 keep the weights in each graph
+            return
+        path = os.path.join(self.onnx_dir, weights)
+        if not os.path.isfile(path):
+            raise ExportFileError(
+                f"{weights} missing from {self.onnx_dir}: it holds the {precision} weights "
+                "of every graph that translates; copy the whole export folder."
+            )
+        expected = self.manifest.get("weight_bytes", {}).get(precision)
+        if expected is not None and os.path.getsize(path) != expected:
+            raise ExportFileError(
+                f"{path} has {os.path.getsize(path)} bytes, not the {expected} the export "
+                "wrote: it is truncated or from another export; copy it again."
+            )
 
     def session(self, name):
         """The ONNX Runtime session of graph `name` ("encoder", "decoder_step" or "model")."""
