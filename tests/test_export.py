@@ -411,6 +411,15 @@ def test_int8_graphs_are_smaller_and_translate_no_worse_than_float32(toy_run, tm
         quantized = onnx.load(os.path.join(out, graph["int8"]))
         ops = _op_types(quantized.graph)
         assert ops & {"MatMulInteger", "DynamicQuantizeLinear"}, name
+        # The embedding table too is int8 (one scale per row), in every graph.
+        vocabulary = manifest["config"]["vocabulary_size"]
+        tables = [
+            t.data_type
+            for g in _subgraphs(quantized.graph)
+            for t in g.initializer
+            if len(t.dims) == 2 and t.dims[0] == vocabulary and t.dims[1] > 1  # not the scales
+        ]
+        assert onnx.TensorProto.INT8 in tables and onnx.TensorProto.FLOAT not in tables, name
     for full_file, int8_file in (
         ("model.onnx", "model_int8.onnx"),
         ("weights.bin", "weights_int8.bin"),

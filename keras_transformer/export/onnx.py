@@ -273,7 +273,7 @@ def _write_graphs(model, folder, opset, precision):
                 onnx.checker.check_model(half, full_check=True)
                 onnx.save(half, os.path.join(folder, extra))
             else:
-                _int8(path, os.path.join(folder, extra))
+                _int8(path, os.path.join(folder, extra), config.vocabulary_size)
             graphs[name][precision] = extra
         graphs[name]["inputs"] = _describe(proto.graph.input)
         graphs[name]["outputs"] = _describe(proto.graph.output)
@@ -484,8 +484,9 @@ def _float16(proto):
     return half
 
 
-def _int8(path, out_path):
-    """Dynamic int8 quantization of the constant-weight MatMul and Gemm of a float32 graph.
+def _int8(path, out_path, vocabulary_size):
+    """Dynamic int8 quantization of the constant-weight MatMul and Gemm of a float32 graph,
+    and int8 embedding tables (`_int8_embeddings`).
 
     One scale per weight matrix: on the Multi30k `small` model one scale per
     output column gave the same test BLEU (greedy and beam 5 within 0.12) but
@@ -514,6 +515,60 @@ def _int8(path, out_path):
         )
     finally:
         logging.getLogger().removeFilter(hush)
+    import onnx
+
+    model = onnx.load(out_path)
+    if _int8_embeddings(model.graph, vocabulary_size):
+        onnx.save(model, out_path)
+
+
+def _int8_embeddings(graph, vocabulary_size):
+    """Stores the float32 `(vocabulary, width)` tables that `Gather` reads as int8
+    with one scale per row (symmetric, the row's largest magnitude at 127): the
+    gathered rows are dequantized, `Cast(int8 rows) * row scales`. The
+    quantizer leaves `Gather` tables in float32, and the embedding table was
+    then half of an int8 export. Returns whether any table was replaced.
+    """
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+
+    tables = {
+        t.name: t
+        for t in graph.initializer
+        if t.data_type == TensorProto.FLOAT and len(t.dims) == 2 and t.dims[0] == vocabulary_size
+    }
+    nodes, replaced = [], set()
+    for node in graph.node:
+        axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+        if node.op_type != "Gather" or node.input[0] not in tables or axis != 0:
+            nodes.append(node)
+            continue
+        name, ids, out = node.input[0], node.input[1], node.output[0]
+        if name not in replaced:
+            table = numpy_helper.to_array(tables[name]).astype(np.float32)
+            scale = np.abs(table).max(axis=1, keepdims=True) / 127.0
+            scale[scale == 0] = 1.0
+            quantized = np.clip(np.round(table / scale), -127, 127).astype(np.int8)
+            graph.initializer.append(numpy_helper.from_array(quantized, f"{name}_int8"))
+            graph.initializer.append(
+                numpy_helper.from_array(scale.astype(np.float32), f"{name}_scale")
+            )
+            replaced.add(name)
+        nodes += [
+            helper.make_node("Gather", [f"{name}_int8", ids], [f"{out}_int8"]),
+            helper.make_node("Cast", [f"{out}_int8"], [f"{out}_dequantized"], to=TensorProto.FLOAT),
+            helper.make_node("Gather", [f"{name}_scale", ids], [f"{out}_scale"]),
+            helper.make_node("Mul", [f"{out}_dequantized", f"{out}_scale"], [out]),
+        ]
+    if not replaced:
+        return False
+    still_read = {name for node in nodes for name in node.input}
+    kept = [t for t in graph.initializer if t.name not in replaced or t.name in still_read]
+    del graph.initializer[:]
+    graph.initializer.extend(kept)
+    del graph.node[:]
+    graph.node.extend(nodes)
+    return True
 
 
 def _sort_topologically(graph):
