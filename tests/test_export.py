@@ -11,6 +11,7 @@ import logging
 import os
 import subprocess
 import sys
+from unittest.mock import ANY
 
 import keras
 import numpy as np
@@ -349,7 +350,7 @@ def test_the_beam_loop_in_the_graph_finds_what_the_step_by_step_search_finds(
     def search(batch, in_graph, **kwargs):
         monkeypatch.setattr(runtime, "BEAM_GRAPH_MAX_SENTENCES", len(batch) if in_graph else 0)
         calls = []
-        original = translator._beam_in_graph
+        original = OnnxTranslator._beam_in_graph.__get__(translator)
         monkeypatch.setattr(
             translator, "_beam_in_graph", lambda *a: calls.append(1) or original(*a)
         )
@@ -376,6 +377,13 @@ def test_the_beam_loop_in_the_graph_finds_what_the_step_by_step_search_finds(
                 keras_tokens, keras_scores = beam_search(model, batch, beam_size=4)
                 assert graph_tokens == keras_tokens
                 np.testing.assert_allclose(graph_scores, keras_scores, atol=1e-3)
+    # More beams than the graph's ranking takes (2 * beam > vocabulary): the Python loop.
+    monkeypatch.setattr(runtime, "BEAM_GRAPH_MAX_SENTENCES", 4)
+    monkeypatch.setattr(translator, "_beam_in_graph", lambda *a: pytest.fail("graph used"))
+    wide = translator.vocabulary_size // 2 + 1
+    assert translator.beam_search(sources[:1], beam_size=wide)[0][0] == (
+        beam_search(model, sources[:1], beam_size=wide)[0][0] if precision == "float32" else ANY
+    )
     # An empty source in the batch: an empty output and score 0, as step by step.
     tokens, scores = search([sources[0], [], sources[1]], True, beam_size=4)
     step_tokens, step_scores = search([sources[0], [], sources[1]], False, beam_size=4)
