@@ -48,6 +48,8 @@ from __future__ import annotations
 import numpy as np
 from keras_transformer_runtime.specials import BOS_ID, EOS_ID
 
+from keras_transformer.export.greedy_graph import step_interface
+
 PREFIX = "beam."
 
 
@@ -79,12 +81,7 @@ def build_beam_search(step):
     from onnx import TensorProto, helper, numpy_helper
 
     graph = step.graph
-    inputs = {value.name: value for value in graph.input}
-    self_names = [name for name in inputs if name.startswith("self_")]
-    cross_names = [name for name in inputs if name.startswith("cross_")]
-    cache = inputs[self_names[0]].type.tensor_type
-    heads, head_dim = (cache.shape.dim[i].dim_value for i in (1, 3))
-    cache_type = cache.elem_type
+    inputs, self_names, cross_names, heads, head_dim, cache_type = step_interface(step)
     DOUBLE, INT64 = TensorProto.DOUBLE, TensorProto.INT64
 
     # ---- the outer graph, before the loop: sizes, constants and the first state

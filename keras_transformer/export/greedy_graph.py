@@ -31,6 +31,18 @@ import numpy as np
 from keras_transformer_runtime.specials import BOS_ID, EOS_ID
 
 
+def step_interface(step):
+    """What a search graph built around the decoder-step graph `step` reads of it:
+    `(inputs by name, self-attention cache names, cross-attention cache names,
+    heads, head_dim, the caches' element type)`."""
+    inputs = {value.name: value for value in step.graph.input}
+    self_names = [name for name in inputs if name.startswith("self_")]
+    cross_names = [name for name in inputs if name.startswith("cross_")]
+    cache = inputs[self_names[0]].type.tensor_type
+    heads, head_dim = (cache.shape.dim[i].dim_value for i in (1, 3))
+    return inputs, self_names, cross_names, heads, head_dim, cache.elem_type
+
+
 def build_greedy_search(step):
     """Returns the greedy-search `onnx.ModelProto` whose loop body is `step`,
     a decoder-step graph (`keras_transformer.export.step_graph.build_decoder_step`,
@@ -38,12 +50,7 @@ def build_greedy_search(step):
     from onnx import TensorProto, helper, numpy_helper
 
     graph = step.graph
-    inputs = {value.name: value for value in graph.input}
-    self_names = [name for name in inputs if name.startswith("self_")]
-    cross_names = [name for name in inputs if name.startswith("cross_")]
-    cache = inputs[self_names[0]].type.tensor_type
-    heads, head_dim = (cache.shape.dim[i].dim_value for i in (1, 3))
-    cache_type = cache.elem_type
+    inputs, self_names, cross_names, heads, head_dim, cache_type = step_interface(step)
     float_type = {v.name: v for v in graph.output}["top_log_probs"].type.tensor_type.elem_type
 
     def const(name, value, dtype=None):
