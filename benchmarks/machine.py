@@ -34,3 +34,21 @@ def describe_machine() -> dict:
         "backend": keras.backend.backend(),
         "platform": platform.platform(),
     }
+
+
+def write_report(module, args, **fields):
+    """Writes a benchmark's JSON report to `args.out` and returns it: the command
+    that made it (`python -m benchmarks.<module> ARGV`), its settings, `fields` in
+    the order given, and the machine. `args` holds the parsed options and `argv`."""
+    import json
+
+    from keras_transformer.io_utils import atomic_write_text
+
+    report = {
+        "command": f"python -m benchmarks.{module} " + " ".join(args.argv),
+        "settings": {k: v for k, v in vars(args).items() if k != "argv"},
+        **fields,
+        "machine": describe_machine(),
+    }
+    atomic_write_text(args.out, json.dumps(report, indent=2) + "\n")  # key order kept
+    return report

@@ -90,11 +90,10 @@ def _systems(run_dir, tokenizer, model, threads, parallel_batches):
 
 
 def run(args):
-    from benchmarks.machine import describe_machine
+    from benchmarks.machine import write_report
     from keras_transformer.data.pipeline import read_lines
     from keras_transformer.evaluation import score_translations
     from keras_transformer.export.onnx import float32_copy
-    from keras_transformer.io_utils import atomic_write_text
     from keras_transformer.translation import load_run
 
     lines = read_lines(args.src)[: args.lines]
@@ -135,18 +134,16 @@ def run(args):
     for name in SYSTEMS:
         if name.startswith("ct2"):
             systems[name].close()
-    report = {
-        "command": "python -m benchmarks.onnx_vs_ctranslate2 " + " ".join(args.argv),
-        "settings": {k: v for k, v in vars(args).items() if k != "argv"},
-        "sentences": len(lines),
-        "threads": args.threads,
-        "parallel_batches": args.parallel_batches,
-        "repeats": args.repeats,
-        "size_bytes": sizes,
-        "cells": results,
-        "machine": describe_machine(),
-    }
-    atomic_write_text(args.out, json.dumps(report, indent=2) + "\n")  # key order kept
+    report = write_report(
+        "onnx_vs_ctranslate2",
+        args,
+        sentences=len(lines),
+        threads=args.threads,
+        parallel_batches=args.parallel_batches,
+        repeats=args.repeats,
+        size_bytes=sizes,
+        cells=results,
+    )
     print(table(report))
     return report
 

@@ -59,9 +59,8 @@ def build_parser():
 def run(args):
     from keras_transformer_runtime import OnnxTranslator
 
-    from benchmarks.machine import describe_machine
+    from benchmarks.machine import write_report
     from keras_transformer.data.pipeline import read_lines
-    from keras_transformer.io_utils import atomic_write_text
 
     lines = read_lines(args.src)[: args.lines]
     with open(os.path.join(args.onnx_dir, "manifest.json"), encoding="utf-8") as f:
@@ -108,14 +107,7 @@ def run(args):
             }
             results.append(cell)
             print(_row(cell), flush=True)
-    report = {
-        "command": "python -m benchmarks.parallel_batches " + " ".join(args.argv),
-        "settings": {k: v for k, v in vars(args).items() if k != "argv"},
-        "sentences": len(lines),
-        "cells": results,
-        "machine": describe_machine(),
-    }
-    atomic_write_text(args.out, json.dumps(report, indent=2) + "\n")  # key order kept
+    report = write_report("parallel_batches", args, sentences=len(lines), cells=results)
     return report
 
 

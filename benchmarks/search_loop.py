@@ -49,9 +49,8 @@ def run(args):
     import numpy as np
     from keras_transformer_runtime import OnnxTranslator, runtime
 
-    from benchmarks.machine import describe_machine
+    from benchmarks.machine import write_report
     from keras_transformer.data.pipeline import read_lines
-    from keras_transformer.io_utils import atomic_write_text
 
     lines = read_lines(args.src)[: args.lines]
     with open(os.path.join(args.onnx_dir, "manifest.json"), encoding="utf-8") as f:
@@ -125,14 +124,7 @@ def run(args):
                 )
     finally:
         setattr(runtime, threshold, default)
-    report = {
-        "command": "python -m benchmarks.search_loop " + " ".join(args.argv),
-        "settings": {k: v for k, v in vars(args).items() if k != "argv"},
-        "sentences": len(lines),
-        "cells": results,
-        "machine": describe_machine(),
-    }
-    atomic_write_text(args.out, json.dumps(report, indent=2) + "\n")  # key order kept
+    report = write_report("search_loop", args, sentences=len(lines), cells=results)
     return report
 
 
