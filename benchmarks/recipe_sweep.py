@@ -237,6 +237,7 @@ def run_one(args) -> None:
         optimizer=transformer_optimizer(config.hidden_dim, warmup, scale),
         loss=LabelSmoothedCrossEntropy(s["label_smoothing"]),
         metrics=[MaskedAccuracy()],
+        steps_per_execution=args.steps_per_execution,
     )
     val = _read_split(args.data, "val", src, tgt)
     test = _read_split(args.data, TEST, src, tgt)
@@ -268,10 +269,16 @@ def run_one(args) -> None:
             report["stopped"] = f"deadline of {args.deadline} s reached before epoch {epoch}"
             break
         t0 = time.time()
-        losses = []
-        for x, y in batches.epoch():
-            logs = model.train_on_batch(x, y, return_dict=True)
-            losses.append(float(logs["loss"]))
+        members = batches.epoch_members()
+        # fit, not train_on_batch: with steps_per_execution the device runs ahead
+        # of Python instead of waiting for each step's loss.
+        history = model.fit(
+            (batches.pad(m) for m in members),
+            steps_per_epoch=len(members),
+            epochs=epoch,
+            initial_epoch=epoch - 1,
+            verbose=0,
+        )
         train_seconds = time.time() - t0
         val_losses, val_tokens = [], []
         for x, y in val_batches.epoch():
@@ -280,7 +287,7 @@ def run_one(args) -> None:
             val_tokens.append(int((y != 0).sum()))
         entry = dict(
             epoch=epoch,
-            train_loss=float(np.mean(losses)),
+            train_loss=float(history.history["loss"][-1]),
             val_loss=float(np.average(val_losses, weights=val_tokens)),
             seconds=round(train_seconds, 1),
         )
@@ -341,7 +348,7 @@ def run_many(args) -> None:
         command = [sys.executable, "-m", "benchmarks.recipe_sweep", "one", name,
                    "--data", args.data, "--pair", *args.pair, "--report", report,
                    "--bleu-from", str(args.bleu_from)]  # fmt: skip
-        for flag in ("max_sentences", "epochs", "deadline"):
+        for flag in ("max_sentences", "epochs", "deadline", "steps_per_execution"):
             if getattr(args, flag):
                 command += ["--" + flag.replace("_", "-"), str(getattr(args, flag))]
         children[name] = (
@@ -416,6 +423,7 @@ def main(argv=None) -> int:
         p.add_argument("--pair", nargs=2, default=["en", "de"])
         p.add_argument("--bleu-from", type=int, default=8)
         p.add_argument("--max-sentences", type=int, help="a quick check: the first N of each split")
+        p.add_argument("--steps-per-execution", type=int, default=32)
         p.add_argument("--epochs", type=int, help="instead of the setting's")
         p.add_argument("--deadline", type=float,
                        help="seconds after which no new epoch starts; the final choice still runs")  # fmt: skip
