@@ -3,7 +3,8 @@
 # recipe of the README's quality table: train's defaults (on Multi30k, 2048-token
 # batches, a 3-epoch warm-up, dropout 0.1, epochs ranked by greedy val BLEU).
 #   usage: examples/multi30k.sh SRC TGT [RUN_DIR]     e.g. examples/multi30k.sh de en
-# Budget: EPOCHS epochs (default 10; the README's en->de row uses EPOCHS=20 TOKENS=1024).
+# Budget: EPOCHS epochs (default 10; the README's en->de row sets EPOCHS=20 TOKENS=1024
+# AVERAGE=10 SEED=1).
 # Every epoch is scored by greedy BLEU on val; the final weights are the best
 # on val among the last, the best and the means of up to 5 epoch checkpoints.
 # Rerunning the same command resumes an interrupted run.
@@ -13,7 +14,8 @@
 # (--vocab-size; unset: 8000), COOLDOWN (--cooldown; unset: none), SUBWORD_ALPHA
 # (--subword-alpha; unset: no subword sampling), LR_SCALE
 # (--learning-rate-scale; unset: the paper's peak for the width), PRECISION
-# (--precision; unset: auto), KT (the keras-transformer command).
+# (--precision; unset: auto), AVERAGE (--average: the most epoch checkpoints
+# averaged; unset: 5), SEED (--seed; unset: 0), KT (the keras-transformer command).
 set -euo pipefail
 SRC=${1:?source language (de, en or fr)}
 TGT=${2:?target language}
@@ -30,7 +32,8 @@ KT=${KT:-.venv/bin/keras-transformer}
   ${VOCAB:+--vocab-size "$VOCAB"} ${COOLDOWN:+--cooldown "$COOLDOWN"} \
   ${SUBWORD_ALPHA:+--subword-alpha "$SUBWORD_ALPHA"} \
   ${LR_SCALE:+--learning-rate-scale "$LR_SCALE"} \
-  ${PRECISION:+--precision "$PRECISION"}
+  ${PRECISION:+--precision "$PRECISION"} ${AVERAGE:+--average "$AVERAGE"} \
+  ${SEED:+--seed "$SEED"}
 
 for BEAM in 1 5; do
   "$KT" evaluate "$RUN" --beam "$BEAM" \
