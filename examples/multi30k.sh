@@ -1,12 +1,11 @@
 #!/usr/bin/env bash
 # Trains and evaluates the `small` preset on Multi30k in one direction, the
-# recipe of the README's quality table: train's defaults (on Multi30k, 2048-token
+# recipe of the README's quality table: train's defaults (on Multi30k, 1024-token
 # batches, a 3-epoch warm-up, dropout 0.1, epochs ranked by greedy val BLEU).
 #   usage: examples/multi30k.sh SRC TGT [RUN_DIR]     e.g. examples/multi30k.sh de en
-# Budget: EPOCHS epochs (default 10; the README's en->de row sets EPOCHS=20 TOKENS=1024
-# AVERAGE=10 SEED=1).
+# Budget: EPOCHS epochs (default 10; the README's en->de row sets EPOCHS=20 SEED=1).
 # Every epoch is scored by greedy BLEU on val; the final weights are the best
-# on val among the last, the best and the means of up to 5 epoch checkpoints.
+# on val among the last, the best and the means of up to 10 epoch checkpoints.
 # Rerunning the same command resumes an interrupted run.
 # Overridable: MULTI30K (data folder), EPOCHS, TOKENS (--tokens-per-batch; unset:
 # train's automatic choice), DROPOUT (--dropout; unset: the preset's),
@@ -15,7 +14,7 @@
 # (--subword-alpha; unset: no subword sampling), LR_SCALE
 # (--learning-rate-scale; unset: the paper's peak for the width), PRECISION
 # (--precision; unset: auto), AVERAGE (--average: the most epoch checkpoints
-# averaged; unset: 5), SEED (--seed; unset: 0), KT (the keras-transformer command).
+# averaged; unset: 10), SEED (--seed; unset: 0), KT (the keras-transformer command).
 set -euo pipefail
 SRC=${1:?source language (de, en or fr)}
 TGT=${2:?target language}

@@ -256,7 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--tokens-per-batch",
         type=int,
         help="padded tokens per batch on each side (default: 4096, or 2048 or 1024 where "
-        "that leaves an epoch fewer than 200 updates)",
+        "that leaves an epoch fewer than 400 updates)",
     )
     train.add_argument(
         "--precision",
@@ -348,8 +348,8 @@ def build_parser() -> argparse.ArgumentParser:
     choose.add_argument(
         "--average",
         type=int,
-        default=5,
-        help="average at most K epoch checkpoints into the final weights (default 5)",
+        default=10,
+        help="average at most K epoch checkpoints into the final weights (default 10)",
     )
     choose.add_argument(
         "--final",

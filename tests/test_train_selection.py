@@ -138,12 +138,12 @@ def _pairs(count, length=15):
 
 
 def test_the_automatic_batch_is_the_largest_with_enough_updates_else_the_smallest():
-    assert AUTO_TOKENS_PER_BATCH == (4096, 2048, 1024) and MIN_UPDATES_PER_EPOCH == 200
+    assert AUTO_TOKENS_PER_BATCH == (4096, 2048, 1024) and MIN_UPDATES_PER_EPOCH == 400
     # 16-position pairs: 256 a batch at 4096 tokens, 128 at 2048, 64 at 1024.
     for count, accumulate, chosen in [
-        (256 * 200, 1, 4096),  # exactly 200 updates at 4096
-        (256 * 199, 1, 2048),  # 199 at 4096, 398 at 2048
-        (128 * 200, 2, 1024),  # accumulation halves the updates: 100 at 2048, 200 at 1024
+        (256 * 400, 1, 4096),  # exactly 400 updates at 4096
+        (256 * 399, 1, 2048),  # 399 at 4096, 798 at 2048
+        (128 * 400, 2, 1024),  # accumulation halves the updates: 200 at 2048, 400 at 1024
         (64 * 100, 1, 1024),  # too few at every size: the smallest
         (1, 1, 1024),
     ]:
