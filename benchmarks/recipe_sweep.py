@@ -123,8 +123,8 @@ class Batches:
         self.source_ids, self.target_ids = source_ids, target_ids
         self.boundaries = bucket_boundaries(max_length)
         self.sizes = _batch_sizes(self.boundaries, tokens)
-        keys = [max(len(s), len(t)) + 1 for s, t in zip(source_ids, target_ids, strict=True)]
-        self.bucket = np.searchsorted(self.boundaries, keys)
+        self.keys = [max(len(s), len(t)) + 1 for s, t in zip(source_ids, target_ids, strict=True)]
+        self.bucket = np.searchsorted(self.boundaries, self.keys)
         self.rng = np.random.default_rng(seed)
         # Rows of the padded shape of each width: the most sentences any bucket under it batches.
         self.rows = {}
@@ -173,8 +173,9 @@ class Batches:
         return {"source_ids": src, "target_ids": dec}, lab
 
     def count(self):
-        counts = np.bincount(self.bucket, minlength=len(self.boundaries))
-        return int(sum(-(-int(n) // s) for n, s in zip(counts, self.sizes, strict=True)))
+        from keras_transformer.data.pipeline import _count_batches
+
+        return _count_batches(self.keys, self.boundaries, self.sizes)
 
 
 def _read_split(data, split, src, tgt):
@@ -382,7 +383,11 @@ def run_many(args) -> None:
 
 
 def _machine() -> dict:
-    info = {"python": sys.version.split()[0]}
+    """`benchmarks.machine.describe_machine`, with the GPU and JAX's version."""
+    from benchmarks.machine import describe_machine
+
+    os.environ.setdefault("KERAS_BACKEND", "jax")  # the device has no TensorFlow
+    info = describe_machine()
     try:
         out = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
                              capture_output=True, text=True, timeout=20)  # fmt: skip
@@ -391,11 +396,10 @@ def _machine() -> dict:
         info["gpu"] = None
     try:
         import jax
-        import keras
 
-        info.update(jax=jax.__version__, keras=keras.__version__)
+        info["jax"] = jax.__version__
     except ImportError:
-        pass
+        info["jax"] = None
     return info
 
 
