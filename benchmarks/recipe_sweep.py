@@ -53,7 +53,7 @@ WIDTHS = (56, 128)
 
 # Each setting: TransformerConfig overrides ("model") and training settings.
 BASE = dict(preset="small", epochs=20, dropout=0.1, attention_dropout=None, label_smoothing=0.1,
-            lr_mult=1.0, warmup_epochs=3, seed=0, tokens=TOKENS_PER_BATCH, model={})  # fmt: skip
+            lr_mult=1.0, seed=0, tokens=TOKENS_PER_BATCH, model={})  # fmt: skip
 CONFIGS = {
     "small": {},
     "small-seed1": dict(seed=1),
@@ -126,12 +126,8 @@ class Batches:
         self.keys = [max(len(s), len(t)) + 1 for s, t in zip(source_ids, target_ids, strict=True)]
         self.bucket = np.searchsorted(self.boundaries, self.keys)
         self.rng = np.random.default_rng(seed)
-        # Rows of the padded shape of each width: the most sentences any bucket under it batches.
-        self.rows = {}
-        for b, size in zip(self.boundaries, self.sizes, strict=True):
-            w = self.width(b)
-            self.rows[w] = max(self.rows.get(w, 0), size)
-        self.rows = dict.fromkeys(self.rows, max(self.rows.values()))
+        # Rows of every padded batch: the most sentences any bucket batches.
+        self.rows = max(self.sizes)
 
     @staticmethod
     def width(length):
@@ -161,10 +157,9 @@ class Batches:
 
         longest = max(max(len(self.source_ids[i]), len(self.target_ids[i])) + 1 for i in members)
         width = self.width(longest)
-        rows = self.rows.get(width, len(members))
-        src = np.zeros((rows, width), np.int32)
-        dec = np.zeros((rows, width), np.int32)
-        lab = np.zeros((rows, width), np.int32)
+        src = np.zeros((self.rows, width), np.int32)
+        dec = np.zeros((self.rows, width), np.int32)
+        lab = np.zeros((self.rows, width), np.int32)
         for r, i in enumerate(members):
             s, t = self.source_ids[i], self.target_ids[i]
             src[r, : len(s) + 1] = [*s, EOS_ID]
@@ -198,6 +193,12 @@ def run_one(args) -> None:
     from keras_transformer.data.tokenizer import SentencePieceTokenizer
     from keras_transformer.evaluation import score_translations
     from keras_transformer.model import build_transformer
+    from keras_transformer.train import (
+        KEEP_CHECKPOINTS,
+        PAPER_WARMUP_STEPS,
+        WARMUP_EPOCHS,
+        final_candidates,
+    )
     from keras_transformer.training import (
         LabelSmoothedCrossEntropy,
         MaskedAccuracy,
@@ -229,8 +230,9 @@ def run_one(args) -> None:
             tgt_ids.append(y)
     batches = Batches(src_ids, tgt_ids, s["tokens"], config.max_length, s["seed"])
     per_epoch = batches.count()
-    warmup = min(4000, s["warmup_epochs"] * per_epoch)
-    scale = math.sqrt(warmup / 4000) * s["lr_mult"]
+    # `TrainSettings.schedule`'s automatic warm-up and peak, times `lr_mult`.
+    warmup = min(PAPER_WARMUP_STEPS, WARMUP_EPOCHS * per_epoch)
+    scale = math.sqrt(warmup / PAPER_WARMUP_STEPS) * s["lr_mult"]
 
     keras.utils.set_random_seed(s["seed"])
     model = build_transformer(config)
@@ -301,20 +303,12 @@ def run_one(args) -> None:
         print(f"[{s['name']}] {json.dumps(entry)}", flush=True)
 
     # Final weights as `train --final auto` chooses them: means of the last and
-    # of the best k epochs, k = 1 .. 5, ranked by greedy val BLEU.
-    ranked = sorted(
-        kept, key=lambda e: -next(x["val_bleu"] for x in report["epochs"] if x["epoch"] == e)
-    )
-    last = sorted(kept)
-    candidates = {}
-    for k in range(1, min(5, len(kept)) + 1):
-        candidates.setdefault(tuple(sorted(last[-k:])), f"last {k}")
-        candidates.setdefault(tuple(sorted(ranked[:k])), f"best {k}")
+    # of the best k epochs, k up to train's default `average`, by greedy val BLEU.
     if not kept:  # stopped before any epoch was scored: the last weights
         kept[len(report["epochs"])] = [w.copy() for w in model.get_weights()]
-        candidates[(len(report["epochs"]),)] = "last 1"
+    candidates = final_candidates(report["epochs"], list(kept), "bleu", KEEP_CHECKPOINTS)
     finals = []
-    for epochs, label in candidates.items():
+    for label, epochs in candidates.items():
         model.set_weights(_mean_weights(kept, epochs))
         scores = bleu(val)
         finals.append(dict(label=label, epochs=list(epochs), val_bleu=scores["bleu"],
@@ -357,8 +351,10 @@ def run_many(args) -> None:
             report,
         )
 
+    machine = _machine()
+
     def merge():
-        merged = {"pair": args.pair, "machine": _machine(), "settings": {}}
+        merged = {"pair": args.pair, "machine": machine, "settings": {}}
         for name, (process, report) in children.items():
             entry = {"returncode": process.poll()}
             if os.path.exists(report):
