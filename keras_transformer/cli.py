@@ -25,7 +25,7 @@ def _demo(args):
 
 def _train(args):
     from keras_transformer.data.pipeline import DataError
-    from keras_transformer.train import RunDirectoryError, TrainSettings, train
+    from keras_transformer.train import KEEP_CHECKPOINTS, RunDirectoryError, TrainSettings, train
 
     try:
         settings = TrainSettings(
@@ -57,7 +57,8 @@ def _train(args):
             seed=args.seed,
             select_by=args.select_by,
             patience=args.patience,
-            average=args.average_last or args.average,
+            average=args.average_last
+            or (KEEP_CHECKPOINTS if args.average is None else args.average),
             final="last" if args.average_last else args.final,
             valid_beam=args.valid_beam,
             jit_compile=args.jit_compile,
@@ -348,8 +349,8 @@ def build_parser() -> argparse.ArgumentParser:
     choose.add_argument(
         "--average",
         type=int,
-        default=10,
-        help="average at most K epoch checkpoints into the final weights (default 10)",
+        help="average at most K epoch checkpoints into the final weights (default 10, "
+        "the checkpoints train keeps)",
     )
     choose.add_argument(
         "--final",
