@@ -1,9 +1,12 @@
 """ONNX Runtime translation with the cores in one search or in several, side by side.
 
     python -m benchmarks.parallel_batches ONNX_DIR --src test.de.gz [--layouts 2x1 1x2]
+    python -m benchmarks.parallel_batches ONNX_DIR --src test.de.gz --layouts 2x1:none 2x1 2x1:all
 
 A layout `TxP` runs P batches at once (`translate(..., parallel_batches=P)`),
-each search on T intra-op threads; `2x1` and `1x2` both use 2 cores. For
+each search on T intra-op threads; `2x1` and `1x2` both use 2 cores. A
+suffix sets which graphs' idle worker threads spin (`OnnxTranslator`'s
+`spinning`): `:auto` (the default, the search graphs'), `:none` or `:all`. For
 each precision of the export and each cell (greedy and beam 4, batch 1 and
 32), every layout translates the same sentences, repetitions interleaved,
 and the median is kept. Reported: sentences/s, the speed relative to the
@@ -23,17 +26,26 @@ import time
 CELLS = (("greedy", 1, 1), ("greedy", 1, 32), ("beam 4", 4, 1), ("beam 4", 4, 32))
 
 
+SPINNING = {"auto": None, "none": False, "all": True}
+
+
 def layout(text):
-    """ "TxP" -> (threads, parallel_batches), both positive."""
+    """ "TxP[:spinning]" -> (name, threads, parallel_batches, spinning); T and P positive."""
+    cores, _, policy = text.lower().partition(":")
     try:
-        threads, parallel = (int(part) for part in text.lower().split("x"))
+        threads, parallel = (int(part) for part in cores.split("x"))
     except ValueError:
         raise argparse.ArgumentTypeError(
-            f"a layout is THREADSxBATCHES, e.g. 2x1 or 1x2; got {text!r}"
+            f"a layout is THREADSxBATCHES[:SPINNING], e.g. 2x1, 1x2 or 2x1:none; got {text!r}"
         ) from None
     if threads < 1 or parallel < 1:
         raise argparse.ArgumentTypeError(f"threads and batches must be positive; got {text!r}")
-    return threads, parallel
+    if policy and policy not in SPINNING:
+        raise argparse.ArgumentTypeError(
+            f"spinning is one of {', '.join(SPINNING)}; got {policy!r} in {text!r}"
+        )
+    name = f"{threads}x{parallel}" + (f":{policy}" if policy and policy != "auto" else "")
+    return name, threads, parallel, SPINNING[policy or "auto"]
 
 
 def build_parser():
@@ -45,8 +57,9 @@ def build_parser():
         "--layouts",
         type=layout,
         nargs="+",
-        default=[(2, 1), (1, 2)],
-        help="THREADSxBATCHES each: intra-op threads per search x batches at once "
+        default=[layout("2x1"), layout("1x2")],
+        help="THREADSxBATCHES[:SPINNING] each: intra-op threads per search x batches at "
+        "once, and whose worker threads spin: auto (the search graphs'), none or all "
         "(default: 2x1 1x2)",
     )
     parser.add_argument("--repeats", type=int, default=3, help="interleaved repetitions")
@@ -65,7 +78,9 @@ def run(args):
     lines = read_lines(args.src)[: args.lines]
     with open(os.path.join(args.onnx_dir, "manifest.json"), encoding="utf-8") as f:
         precisions = [p for p in json.load(f)["precisions"] if p in ("float32", "int8")]
-    names = [f"{t}x{p}" for t, p in args.layouts]
+    names = [name for name, *_ in args.layouts]
+    if len(set(names)) != len(names):
+        raise SystemExit(f"--layouts names a layout twice: {' '.join(names)}")
     results = []
     for precision in precisions:
         translators = {
@@ -75,10 +90,11 @@ def run(args):
                     providers=["CPUExecutionProvider"],
                     num_threads=threads,
                     precision=precision,
+                    spinning=spinning,
                 ),
                 parallel,
             )
-            for name, (threads, parallel) in zip(names, args.layouts, strict=True)
+            for name, threads, parallel, spinning in args.layouts
         }
         for label, beam, batch in CELLS:
             times = {name: [] for name in names}

@@ -540,6 +540,41 @@ def _runtime_command(out, lines, *flags):
     )
 
 
+def test_search_graphs_spin_and_the_encoder_sleeps_unless_told(exported):
+    """By default the sessions of the graphs that run decoder steps let their idle
+    worker threads spin and the encoder's sleep; `spinning=True` or `False`
+    sets every session; the translations are the same under each policy."""
+    from keras_transformer_runtime.runtime import SPINNING_GRAPHS
+
+    _, _, _, out = exported("float32")
+    lines = held_out_lines(10, seed=59)
+    graphs = ("encoder", "decoder_step", "greedy_search", "beam_search")
+    assert set(SPINNING_GRAPHS) == set(graphs) - {"encoder"}
+    translations = {}
+    for spinning, expected in (
+        (None, {"encoder": "0", "decoder_step": "1", "greedy_search": "1", "beam_search": "1"}),
+        (True, dict.fromkeys(graphs, "1")),
+        (False, dict.fromkeys(graphs, "0")),
+    ):
+        translator = OnnxTranslator(
+            out, providers=["CPUExecutionProvider"], num_threads=2, spinning=spinning
+        )
+        found = {
+            name: translator.session(name)
+            .get_session_options()
+            .get_session_config_entry("session.intra_op.allow_spinning")
+            for name in graphs
+        }
+        assert found == expected, spinning
+        # Batches of 2 and of 6: the in-graph loops and the step-by-step ones.
+        translations[spinning] = [
+            translator.translate(lines, beam_size=beam, batch_size=batch)
+            for beam in (1, 3)
+            for batch in (2, 6)
+        ]
+    assert translations[True] == translations[None] == translations[False]
+
+
 def test_parallel_batches_translate_as_one_batch_at_a_time(exported):
     """Several batches searched at once, on threads sharing one session: every line
     gets the translation it gets alone, in input order, through the Python API

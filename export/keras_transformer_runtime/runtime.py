@@ -41,6 +41,15 @@ GRAPH_LOOP_MAX_SENTENCES = 4
 # computes every finished sentence's beams to the end while the Python loop
 # drops them).
 BEAM_GRAPH_MAX_SENTENCES = 4
+# The graphs whose idle worker threads spin between parallel sections instead
+# of sleeping, so that the many small products of a decoder step do not each
+# wait for a thread to wake. The encoder's threads sleep: each session has
+# its own pool, and the encoder's spinning on while a search runs leaves more
+# busy threads than cores. Measured by `python -m benchmarks.parallel_batches
+# ONNX_DIR --layouts 2x1:none 2x1 2x1:all` (benchmarks/README.md): faster than
+# no spinning in most cells, every graph spinning slower than both. With one
+# thread per search (`num_threads=1`) there is no worker to spin.
+SPINNING_GRAPHS = ("decoder_step", "greedy_search", "beam_search")
 _CUDA = "CUDAExecutionProvider"
 _CPU = "CPUExecutionProvider"
 
@@ -97,9 +106,7 @@ def _session(path, providers, num_threads, spinning=False):
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     if num_threads is not None:
         options.intra_op_num_threads = int(num_threads)
-    # Spinning worker threads compete with the Python search loop that runs
-    # between decoder steps; off, a batch-1 step of the Multi30k `small` model
-    # took half the time on a 2-core machine.
+    # Which graphs spin: `SPINNING_GRAPHS`.
     options.add_session_config_entry("session.intra_op.allow_spinning", "1" if spinning else "0")
     try:
         return ort.InferenceSession(path, sess_options=options, providers=providers)
@@ -126,12 +133,14 @@ class OnnxTranslator:
             otherwise CPU. `self.provider` says which one runs.
         num_threads: intra-op threads (default: ONNX Runtime's choice).
         precision: "float32", or "float16" / "int8" for graphs exported with it.
-        spinning: let ONNX Runtime's idle worker threads spin (its default);
-            off here, see `_session`.
+        spinning: let ONNX Runtime's idle worker threads spin (its default)
+            in every graph (True) or in none (False); by default (None) the
+            search graphs' threads spin and the encoder's sleep
+            (`SPINNING_GRAPHS`).
     """
 
     def __init__(
-        self, onnx_dir, providers=None, num_threads=None, precision="float32", spinning=False
+        self, onnx_dir, providers=None, num_threads=None, precision="float32", spinning=None
     ):
         self.onnx_dir = os.fspath(onnx_dir)
         if not os.path.isdir(self.onnx_dir):
@@ -166,7 +175,7 @@ class OnnxTranslator:
         )
         self._providers = list(providers) if providers is not None else default_providers()
         self._num_threads = num_threads
-        self._spinning = bool(spinning)
+        self._spinning = None if spinning is None else bool(spinning)
         self._graph_files = {name: entry[precision] for name, entry in graphs.items()}
         self._sessions = {}
         self._self_names = self.cache_names("self")
@@ -205,9 +214,10 @@ class OnnxTranslator:
             if name not in self._graph_files:
                 raise ExportFileError(f"{MANIFEST} in {self.onnx_dir} lists no {name!r} graph.")
             path = os.path.join(self.onnx_dir, self._graph_files[name])
-            self._sessions[name] = _session(
-                path, self._providers, self._num_threads, self._spinning
-            )
+            spinning = self._spinning
+            if spinning is None:
+                spinning = name in SPINNING_GRAPHS
+            self._sessions[name] = _session(path, self._providers, self._num_threads, spinning)
         return self._sessions[name]
 
     # ----------------------------------------------------------------------- graphs
