@@ -3,7 +3,8 @@
 # recipe of the README's quality table: train's defaults (on Multi30k, 1024-token
 # batches, a 3-epoch warm-up, dropout 0.1, epochs ranked by greedy val BLEU).
 #   usage: examples/multi30k.sh SRC TGT [RUN_DIR]     e.g. examples/multi30k.sh de en
-# Budget: EPOCHS epochs (default 10; the README's en->de row sets EPOCHS=20 SEED=1).
+# Budget: EPOCHS epochs (default 10; the README's en->de rows set EPOCHS=20, and
+# SEED=1 for the second pair).
 # Every epoch is scored by greedy BLEU on val; the final weights are the best
 # on val among the last, the best and the means of up to 10 epoch checkpoints.
 # Rerunning the same command resumes an interrupted run.
