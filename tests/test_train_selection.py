@@ -12,6 +12,7 @@ from keras_transformer.data.pipeline import EncodedPairs, PipelineStats
 from keras_transformer.model import build_transformer
 from keras_transformer.train import (
     AUTO_TOKENS_PER_BATCH,
+    KEEP_CHECKPOINTS,
     MIN_UPDATES_PER_EPOCH,
     TrainSettings,
     _RunRecorder,
@@ -46,6 +47,17 @@ def test_epochs_rank_by_loss_or_bleu_and_ties_keep_the_earlier():
 )
 def test_patience(losses, patience, spent):
     assert patience_spent(_history("val_loss", losses), "loss", patience) is spent
+
+
+def test_the_train_commands_help_states_the_defaults_train_applies():
+    """The CLI writes these defaults as text (it imports `train` only to run it):
+    the help must follow the constants."""
+    from keras_transformer.cli import build_parser
+
+    train_parser = build_parser()._subparsers._group_actions[0].choices["train"]
+    helps = {a.dest: a.help for a in train_parser._actions}
+    assert f"default {KEEP_CHECKPOINTS}," in helps["average"]
+    assert f"fewer than {MIN_UPDATES_PER_EPOCH} updates" in helps["tokens_per_batch"]
 
 
 def test_final_candidates():
