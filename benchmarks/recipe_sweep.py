@@ -78,6 +78,10 @@ CONFIGS = {
     ),
     "ff2048": dict(model=dict(intermediate_dim=2048)),
     "tok1536-lr15": dict(tokens=1536, lr_mult=1.5),
+    "heads8": dict(model=dict(num_heads=8)),
+    "deep4-prenorm": dict(model=dict(num_layers=4, normalize_first=True)),
+    "deep6-prenorm": dict(model=dict(num_layers=6, normalize_first=True)),
+    "ls005": dict(label_smoothing=0.05),
 }
 
 
