@@ -47,6 +47,7 @@ def _train(args):
             vocab_size=args.vocab_size,
             subword_alpha=args.subword_alpha,
             subword_nbest=args.subword_nbest,
+            rdrop_alpha=args.rdrop_alpha,
             num_layers=args.num_layers,
             hidden_dim=args.hidden_dim,
             intermediate_dim=args.intermediate_dim,
@@ -313,6 +314,15 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="L",
         help="with --subword-alpha, sample among the L best segmentations, or all with -1 "
         "(default 64)",
+    )
+    train.add_argument(
+        "--rdrop-alpha",
+        type=float,
+        default=0.0,
+        metavar="ALPHA",
+        help="R-Drop: run every training sentence twice per step (two dropout masks) and add "
+        "ALPHA times the symmetric KL divergence of the two predictions to the loss; twice "
+        "the compute per step (default 0: off)",
     )
     shape = train.add_argument_group("model shape (default: the preset's)")
     shape.add_argument("--num-layers", type=int, help="encoder layers, and as many decoder layers")

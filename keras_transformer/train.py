@@ -45,6 +45,7 @@ from keras_transformer.data.pipeline import (
     SubwordSampling,
     batch_pairs,
     check_batch_fits,
+    duplicate_rows,
     encode_pairs,
     read_parallel,
 )
@@ -71,6 +72,7 @@ from keras_transformer.training import (
     LabelSmoothedCrossEntropy,
     MaskedAccuracy,
     TransformerSchedule,
+    check_consistency,
     transformer_optimizer,
 )
 
@@ -154,6 +156,10 @@ class TrainSettings:
     subword_alpha: float | None = None
     # Sample among this many best segmentations (-1: all); used with subword_alpha.
     subword_nbest: int = 64
+    # R-Drop's alpha: every training sentence goes through the model twice per
+    # step, with different dropout masks, and the loss adds alpha times the
+    # symmetric KL divergence between the two predictions; 0: off.
+    rdrop_alpha: float = 0.0
     # The model's shape; None: the preset's (SHAPE_FIELDS).
     num_layers: int | None = None
     hidden_dim: int | None = None
@@ -233,6 +239,13 @@ class TrainSettings:
                     "(a budget in minutes alone does not say when the run ends)."
                 )
         self.subword_sampling()  # a valid alpha and nbest, or say why not
+        check_consistency(self.rdrop_alpha)
+        if self.rdrop_alpha and self.strategy != "default":
+            raise ValueError(
+                "rdrop_alpha pairs the two copies of a sentence within one device's batch; "
+                f"it is available with strategy='default' only. Received: "
+                f"strategy={self.strategy!r}"
+            )
         config = self.model_config(self.vocab_size)  # the preset and shape build, or say why not
         if self.tokens_per_batch is not None:
             check_batch_fits(self.tokens_per_batch, config.max_length)
@@ -574,6 +587,7 @@ def build_and_compile(
     accumulate_steps: int = 1,
     total_steps: int | None = None,
     cooldown_steps: int | None = None,
+    rdrop_alpha: float = 0.0,
 ) -> keras.Model:
     """Builds `config` under `strategy`'s scope in `precision` and compiles it for training.
 
@@ -582,7 +596,9 @@ def build_and_compile(
     precision is resolved by `keras_transformer.precision.resolve_precision`.
     `accumulate_steps` > 1 averages that many batches' gradients per update.
     `cooldown_steps` of `total_steps` end the schedule with a linear fall to
-    zero (`TransformerSchedule`).
+    zero (`TransformerSchedule`). `rdrop_alpha` > 0 adds R-Drop's consistency
+    term to the loss; the batches must then hold each sentence twice
+    (`keras_transformer.data.pipeline.duplicate_rows`).
     `strategy` None is the default (one-device) strategy.
 
     Example:
@@ -609,7 +625,7 @@ def build_and_compile(
                 total_steps,
                 cooldown_steps,
             ),
-            loss=LabelSmoothedCrossEntropy(label_smoothing),
+            loss=LabelSmoothedCrossEntropy(label_smoothing, consistency=rdrop_alpha),
             metrics=[MaskedAccuracy()],
             jit_compile=jit_compile,
         )
@@ -679,6 +695,7 @@ class _Recipe:
             label_smoothing=settings.label_smoothing,
             jit_compile=settings.jit_compile,
             accumulate_steps=settings.accumulate_steps,
+            rdrop_alpha=settings.rdrop_alpha,
         )
 
 
@@ -799,6 +816,13 @@ def _load_data(run, settings, src_train, tgt_train, src_valid, tgt_valid) -> _Da
     )
     run.log(train_stats.describe("train"))
     run.log(valid_stats.describe("valid"))
+    if settings.rdrop_alpha:
+        # The validation batches too: the loss reads its pairs, and without
+        # dropout the two copies agree, so the validation loss is unchanged.
+        train_data, valid_data = duplicate_rows(train_data), duplicate_rows(valid_data)
+        run.log(
+            f"R-Drop: every sentence twice per batch, consistency alpha {settings.rdrop_alpha:g}."
+        )
     if run.replicas > 1:
         train_data = share_global_batches(train_data)
         valid_data = share_global_batches(valid_data)

@@ -6,7 +6,7 @@ import keras
 from keras import ops
 from keras_transformer_runtime.specials import PAD_ID
 
-from keras_transformer.ops.loss import label_smoothed_token_losses
+from keras_transformer.ops.loss import label_smoothed_token_losses, paired_symmetric_kl
 from keras_transformer.validation import check_positive_int, check_rate
 
 
@@ -138,6 +138,12 @@ def transformer_optimizer(
     )
 
 
+def check_consistency(alpha) -> None:
+    """R-Drop's alpha: a finite number >= 0, or a clear error."""
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 <= alpha < 1e6:
+        raise ValueError(f"consistency (R-Drop alpha) must be a number >= 0. Received: {alpha!r}")
+
+
 def _real_token_mask(y_true):
     return ops.cast(ops.not_equal(ops.cast(y_true, "int32"), PAD_ID), "float32")
 
@@ -175,8 +181,17 @@ class LabelSmoothedCrossEntropy(keras.losses.Loss):
     weights each token `(batch_size, target_len)` or sentence `(batch_size,)`
     on top of the padding mask.
 
+    With `consistency` alpha > 0 (R-Drop, Liang et al. 2021) the batch must
+    hold every sentence twice, in adjacent rows (`duplicate_rows`), and each
+    token's loss gains `alpha / 4 * (KL(p||q) + KL(q||p))` between its two
+    copies: per pair, half of R-Drop's `ce_1 + ce_2 + alpha / 2 * (KL(p||q) +
+    KL(q||p))`. Under training the copies see different dropout masks; in
+    evaluation they agree and the term is zero, so the validation loss stays
+    the plain cross-entropy.
+
     Args:
         label_smoothing: float in [0, 1). 0.1 in the paper (section 5.4).
+        consistency: float >= 0, R-Drop's alpha; 0 (default): none.
 
     Example:
 
@@ -186,15 +201,26 @@ class LabelSmoothedCrossEntropy(keras.losses.Loss):
     2.0794
     """
 
-    def __init__(self, label_smoothing=0.1, name="label_smoothed_cross_entropy", **kwargs):
+    def __init__(
+        self, label_smoothing=0.1, consistency=0.0, name="label_smoothed_cross_entropy", **kwargs
+    ):
         check_rate("label_smoothing", label_smoothing)
+        check_consistency(consistency)
         kwargs.pop("reduction", None)
         super().__init__(name=name, reduction="sum", dtype="float32", **kwargs)
         self.label_smoothing = float(label_smoothing)
+        self.consistency = float(consistency)
+
+    def _token_losses(self, y_true, y_pred):
+        losses = label_smoothed_token_losses(y_true, y_pred, self.label_smoothing)
+        if self.consistency:
+            divergence = ops.repeat(paired_symmetric_kl(y_pred), 2, axis=0)
+            losses = losses + (self.consistency / 4.0) * divergence
+        return losses
 
     def __call__(self, y_true, y_pred, sample_weight=None):
         mask = _token_weights(y_true, sample_weight)
-        losses = label_smoothed_token_losses(y_true, y_pred, self.label_smoothing)
+        losses = self._token_losses(y_true, y_pred)
         # Under tf.distribute each replica divides its own sum by the real-token
         # count of the whole global batch; the summed gradients are then those
         # of the global mean, whatever the replicas' shares of padding.
@@ -202,12 +228,14 @@ class LabelSmoothedCrossEntropy(keras.losses.Loss):
 
     def call(self, y_true, y_pred):
         # Unreduced per-token losses (padding zeroed), for callers that want them.
-        return label_smoothed_token_losses(y_true, y_pred, self.label_smoothing) * (
-            _real_token_mask(y_true)
-        )
+        return self._token_losses(y_true, y_pred) * _real_token_mask(y_true)
 
     def get_config(self):
-        return {"label_smoothing": self.label_smoothing, "name": self.name}
+        return {
+            "label_smoothing": self.label_smoothing,
+            "consistency": self.consistency,
+            "name": self.name,
+        }
 
 
 @keras.saving.register_keras_serializable(package="keras_transformer")

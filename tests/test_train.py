@@ -392,3 +392,26 @@ def test_subword_sampling_is_said_recorded_and_binds_the_run(corpus_files, tmp_p
             _train_args(paths, tmp_path / "other", "--subword-alpha", "0.1", "--subword-nbest", "1")
         )
     assert not (tmp_path / "other").exists()
+
+
+def test_rdrop_doubles_the_batches_keeps_the_updates_and_binds_the_run(
+    corpus_files, tmp_path, capsys
+):
+    _, paths = corpus_files
+    out = tmp_path / "run"
+    assert cli.main(_train_args(paths, out, "--max-steps", "3", "--rdrop-alpha", "5")) == 0
+    assert "R-Drop: every sentence twice per batch, consistency alpha 5." in capsys.readouterr().out
+    recorded = json.loads((out / "train_config.json").read_text())
+    assert recorded["rdrop_alpha"] == 5.0
+    history = json.loads((out / "history.json").read_text())
+    assert history[-1]["steps"] == 3 and np.isfinite(history[-1]["val_loss"])
+    with pytest.raises(SystemExit, match="different configuration.*rdrop_alpha: 5.0 there"):
+        cli.main(_train_args(paths, out, "--max-steps", "4"))
+    for bad, message in (("-1", "R-Drop alpha"), ("nan", "R-Drop alpha")):
+        with pytest.raises(SystemExit, match=message):
+            cli.main(_train_args(paths, tmp_path / "other", "--rdrop-alpha", bad))
+    with pytest.raises(SystemExit, match="strategy='default' only"):
+        cli.main(
+            _train_args(paths, tmp_path / "other", "--rdrop-alpha", "1", "--strategy", "mirrored")
+        )
+    assert not (tmp_path / "other").exists()

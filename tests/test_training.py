@@ -290,3 +290,47 @@ def test_loss_and_gradient_stay_exact_when_logits_spread_far():
     expected[0] += 1.0
     expected[2] -= 1 - eps
     np.testing.assert_allclose(gradient[0, 0], expected / 2, atol=1e-6)
+
+
+def _hand_symmetric_kl(a, b):
+    a, b = a.astype(np.float64), b.astype(np.float64)
+    log_p = a - np.log(np.exp(a).sum(-1, keepdims=True))
+    log_q = b - np.log(np.exp(b).sum(-1, keepdims=True))
+    return (np.exp(log_p) * (log_p - log_q)).sum(-1) + (np.exp(log_q) * (log_q - log_p)).sum(-1)
+
+
+@pytest.mark.usefixtures("loss_gradient_path")
+def test_rdrop_consistency_adds_the_pairs_symmetric_kl():
+    """Rows 2i and 2i+1 are two copies of one sentence: the loss is the plain mean
+    plus alpha / 4 times their symmetric KL, averaged over the real tokens."""
+    eps, alpha = 0.1, 5.0
+    rng = np.random.default_rng(4)
+    one = np.array([[3, 1, 4, 0], [2, 2, 0, 0]], "int32")
+    labels = np.repeat(one, 2, axis=0)
+    logits = rng.normal(size=(4, 4, 6)).astype("float32")
+    plain = _hand_loss(labels, logits, eps)
+    divergence = _hand_symmetric_kl(logits[0::2], logits[1::2])  # (2, 4)
+    real = one != 0
+    expected = plain + alpha / 4 * 2 * (divergence * real).sum() / (2 * real.sum())
+    loss = LabelSmoothedCrossEntropy(eps, consistency=alpha)
+    assert float(to_numpy(loss(labels, logits))) == pytest.approx(expected, rel=1e-5)
+    assert expected > plain + 0.1  # the term is not negligible here
+    # Copies that agree (no dropout, as in validation) add nothing.
+    same = np.repeat(logits[0::2], 2, axis=0)
+    assert float(to_numpy(loss(labels, same))) == pytest.approx(
+        _hand_loss(labels, same, eps), rel=1e-6
+    )
+    # The term pulls each copy towards the other: its gradient is not zero.
+    gradient = _loss_gradient(loss, labels, logits)
+    plain_gradient = _loss_gradient(LabelSmoothedCrossEntropy(eps), labels, logits)
+    assert np.abs(gradient - plain_gradient).max() > 1e-3
+    assert np.isfinite(gradient).all()
+
+
+def test_rdrop_consistency_serializes_and_validates():
+    loss = LabelSmoothedCrossEntropy(0.1, consistency=2.5)
+    restored = keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(loss))
+    assert (restored.label_smoothing, restored.consistency) == (0.1, 2.5)
+    for bad in (-1.0, float("nan"), float("inf"), "5"):
+        with pytest.raises(ValueError, match="R-Drop alpha"):
+            LabelSmoothedCrossEntropy(0.1, consistency=bad)

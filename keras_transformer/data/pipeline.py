@@ -371,3 +371,20 @@ def batch_pairs(
     # which shifts gradient accumulation) and shows a progress bar with a total.
     dataset = dataset.apply(tf.data.experimental.assert_cardinality(stats.batches))
     return dataset.prefetch(tf.data.AUTOTUNE), stats
+
+
+def duplicate_rows(dataset):
+    """Every batch of `dataset` with each sentence twice, in adjacent rows.
+
+    For R-Drop (`LabelSmoothedCrossEntropy(consistency=...)`): the two copies
+    go through the model with different dropout masks in one step, so a batch
+    of `tokens_per_batch` tokens computes as one of twice that; the number of
+    updates an epoch does not change.
+    """
+    import tensorflow as tf
+
+    def twice(inputs, labels):
+        inputs = {name: tf.repeat(ids, 2, axis=0) for name, ids in inputs.items()}
+        return inputs, tf.repeat(labels, 2, axis=0)
+
+    return dataset.map(twice, num_parallel_calls=tf.data.AUTOTUNE)

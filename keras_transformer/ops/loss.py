@@ -103,3 +103,23 @@ def _add_at_labels(values, labels, amounts, positions=None):
     updated = ops.take(flat, positions) + ops.reshape(amounts, (-1,))
     flat = ops.scatter_update(flat, ops.expand_dims(positions, -1), updated)
     return ops.reshape(flat, ops.shape(values))
+
+
+def paired_symmetric_kl(logits):
+    """`KL(p||q) + KL(q||p)` per token between rows `2i` and `2i + 1`, shape `(B/2, T)`.
+
+    The consistency term of R-Drop (Liang et al., 2021, "R-Drop: Regularized
+    Dropout for Neural Networks"): the batch holds every sentence twice, in
+    adjacent rows, and dropout gives the two copies different sub-models.
+    `KL(p||q) + KL(q||p) = sum_v (p_v - q_v) (log p_v - log q_v)`, in float32.
+
+    Example:
+
+    >>> logits = np.zeros((2, 1, 4), "float32")  # one pair, equal distributions
+    >>> float(paired_symmetric_kl(logits)[0, 0])
+    0.0
+    """
+    logits = ops.cast(logits, "float32")
+    log_p = ops.log_softmax(logits[0::2], axis=-1)
+    log_q = ops.log_softmax(logits[1::2], axis=-1)
+    return ops.sum((ops.exp(log_p) - ops.exp(log_q)) * (log_p - log_q), axis=-1)

@@ -8,6 +8,7 @@ from keras_transformer.data.pipeline import (
     SubwordSampling,
     batch_pairs,
     bucket_boundaries,
+    duplicate_rows,
     encode_pairs,
     make_dataset,
     read_lines,
@@ -245,3 +246,17 @@ def test_bucket_boundaries_cover_max_length():
     boundaries = bucket_boundaries(128)
     assert boundaries[0] == 8 and boundaries[-1] == 128
     assert all(a < b for a, b in zip(boundaries, boundaries[1:], strict=False))
+
+
+def test_duplicate_rows_repeats_each_sentence_in_adjacent_rows(corpus, tokenizer):
+    dataset, stats = batch_pairs(
+        encode_pairs(*corpus, tokenizer, 48), tokens_per_batch=256, shuffle=False
+    )
+    plain, doubled = _batches(dataset), _batches(duplicate_rows(dataset))
+    assert len(doubled) == len(plain) == stats.batches
+    assert int(duplicate_rows(dataset).cardinality()) == stats.batches
+    for once, twice in zip(plain, doubled, strict=True):
+        for a, b in zip(once, twice, strict=True):
+            assert b.shape == (2 * a.shape[0], a.shape[1])
+            np.testing.assert_array_equal(b[0::2], a)
+            np.testing.assert_array_equal(b[1::2], a)
