@@ -204,6 +204,8 @@ def _summary(settings: dict, model: dict, tokens_per_batch=None) -> str:
             f"subword sampling alpha {settings['subword_alpha']:g} "
             + ("all" if nbest == -1 else f"{nbest}-best")
         )
+    if settings.get("rdrop_alpha"):
+        parts.append(f"R-Drop alpha {settings['rdrop_alpha']:g}")
     return ", ".join(parts)
 
 
