@@ -321,8 +321,8 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.0,
         metavar="ALPHA",
         help="R-Drop: run every training sentence twice per step (two dropout masks) and add "
-        "ALPHA times the symmetric KL divergence of the two predictions to the loss; twice "
-        "the compute per step (default 0: off)",
+        "ALPHA times the symmetric KL divergence of the two predictions to the loss; each "
+        "step computes twice the sentences (default 0: off)",
     )
     shape = train.add_argument_group("model shape (default: the preset's)")
     shape.add_argument("--num-layers", type=int, help="encoder layers, and as many decoder layers")
