@@ -72,9 +72,9 @@ from keras_transformer.training import (
     LabelSmoothedCrossEntropy,
     MaskedAccuracy,
     TransformerSchedule,
-    check_consistency,
     transformer_optimizer,
 )
+from keras_transformer.validation import check_consistency
 
 # Settings that only say when to stop or how to finish; changing them resumes the run.
 RESUMABLE_FIELDS = (

@@ -7,7 +7,7 @@ from keras import ops
 from keras_transformer_runtime.specials import PAD_ID
 
 from keras_transformer.ops.loss import label_smoothed_token_losses, paired_symmetric_kl
-from keras_transformer.validation import check_positive_int, check_rate
+from keras_transformer.validation import check_consistency, check_positive_int, check_rate
 
 
 @keras.saving.register_keras_serializable(package="keras_transformer")
@@ -136,12 +136,6 @@ def transformer_optimizer(
         gradient_accumulation_steps=accumulation_steps if accumulation_steps > 1 else None,
         **settings,
     )
-
-
-def check_consistency(alpha) -> None:
-    """R-Drop's alpha: a finite number >= 0, or a clear error."""
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 <= alpha < 1e6:
-        raise ValueError(f"consistency (R-Drop alpha) must be a number >= 0. Received: {alpha!r}")
 
 
 def _real_token_mask(y_true):
