@@ -1,21 +1,28 @@
-"""A search with its loop inside ONNX Runtime against the loop in Python, side by side.
+"""Searches with their loop inside ONNX Runtime against the loop in Python, side by side.
 
     python -m benchmarks.search_loop ONNX_DIR --src test.de.gz [--beam-size 4]
         [--batch-sizes 1 2 4 8 16 32]
 
 For each precision of the export and each batch size, the same sentences
 (sorted by length into batches, as `translate` makes them) are searched
-greedily (`--beam-size 1`, the default) with `greedy_search.onnx`, or with
-beams with `beam_search.onnx`, one call per batch, and step by step over
-`decoder_step.onnx` from Python (which leaves finished sentences out of the
-decoder's batch), repetitions interleaved, on one intra-op thread; the
-median is kept. Reported: sentences/s of each, their ratio, and the sentences
-whose tokens are the same (all of them in float32; in int8 a sentence's
-activations are quantized with its batch's, and the two loops hold different
-batches once some sentences have finished). This is what
-`GRAPH_LOOP_MAX_SENTENCES` and `BEAM_GRAPH_MAX_SENTENCES` in
-`keras_transformer_runtime/runtime.py` are chosen on. Writes JSON to
-benchmarks/results/search_loop.json (or --out).
+greedily (`--beam-size 1`, the default) or with beams, three ways, one call
+per batch each, repetitions interleaved, on one intra-op thread; the median
+is kept:
+
+- `graph`: `greedy_search.onnx` / `beam_search.onnx`, whose loop computes a
+  finished sentence's rows to the end;
+- `batch_graph`: `greedy_batch_search.onnx` / `beam_batch_search.onnx`,
+  whose loop drops each sentence when it ends (exports of format 5);
+- `python`: step by step over `decoder_step.onnx` from Python, which also
+  leaves finished sentences out of the decoder's batch.
+
+Reported: sentences/s of each, each graph's ratio to Python, and the
+sentences whose tokens are the same as Python's (all of them in float32; in
+int8 a sentence's activations are quantized with its batch's, and the loops
+hold different batches once some sentences have finished). This is what
+`GRAPH_LOOP_MAX_SENTENCES`, `BEAM_GRAPH_MAX_SENTENCES` and the batch graphs'
+switches in `keras_transformer_runtime/runtime.py` are chosen on. Writes JSON
+to benchmarks/results/search_loop.json (or --out).
 """
 
 from __future__ import annotations
@@ -58,15 +65,23 @@ def run(args):
     if args.beam_size < 1:
         raise SystemExit(f"--beam-size must be at least 1, not {args.beam_size}.")
     greedy = args.beam_size == 1
-    graph, threshold = (
-        ("greedy_search", "GRAPH_LOOP_MAX_SENTENCES")
-        if greedy
-        else ("beam_search", "BEAM_GRAPH_MAX_SENTENCES")
+    graph, batch_graph = (
+        ("greedy_search", "greedy_batch_search") if greedy else ("beam_search", "beam_batch_search")
     )
     if graph not in manifest["graphs"]:
         raise SystemExit(f"{args.onnx_dir} has no {graph} graph: export it again.")
+    ways = ["graph"] + (["batch_graph"] if batch_graph in manifest["graphs"] else []) + ["python"]
     precisions = [p for p in manifest["precisions"] if p in ("float32", "int8")]
-    default = getattr(runtime, threshold)
+    switches = ("GRAPH_LOOP_MAX_SENTENCES", "BEAM_GRAPH_MAX_SENTENCES")
+    switches += ("GREEDY_BATCH_GRAPH", "BEAM_BATCH_GRAPH")
+    defaults = {name: getattr(runtime, name) for name in switches}
+
+    def choose(way, size):
+        """Sets the runtime's switches so that a batch of `size` takes `way`."""
+        for name in switches[:2]:
+            setattr(runtime, name, size if way == "graph" else 0)
+        for name in switches[2:]:
+            setattr(runtime, name, way == "batch_graph")
 
     def search(translator, batch):
         if greedy:
@@ -91,39 +106,45 @@ def run(args):
                     [sources[i] for i in order[start : start + size]]
                     for start in range(0, len(order), size)
                 ]
-                times = {"graph": [], "python": []}
+                times = {way: [] for way in ways}
                 outputs = {}
                 for _ in range(args.repeats):
-                    for name, limit in (("graph", size), ("python", 0)):
-                        setattr(runtime, threshold, limit)
+                    for way in ways:
+                        choose(way, size)
                         start = time.perf_counter()
-                        outputs[name] = [search(translator, b) for b in batches]
-                        times[name].append(time.perf_counter() - start)
+                        outputs[way] = [search(translator, b) for b in batches]
+                        times[way].append(time.perf_counter() - start)
                 speed = {k: len(lines) / statistics.median(v) for k, v in times.items()}
                 cell = {
                     "precision": precision,
                     "beam_size": args.beam_size,
                     "batch_size": size,
-                    "graph_sentences_per_second": speed["graph"],
                     "python_sentences_per_second": speed["python"],
-                    "ratio": speed["graph"] / speed["python"],
                     "seconds": times,
-                    "identical_sentences": sum(
-                        a == b
-                        for graph, python in zip(outputs["graph"], outputs["python"], strict=True)
-                        for a, b in zip(graph, python, strict=True)
-                    ),
                 }
+                for way in ways[:-1]:
+                    cell[f"{way}_sentences_per_second"] = speed[way]
+                    cell[f"{way}_ratio"] = speed[way] / speed["python"]
+                    cell[f"{way}_identical_sentences"] = sum(
+                        a == b
+                        for ours, python in zip(outputs[way], outputs["python"], strict=True)
+                        for a, b in zip(ours, python, strict=True)
+                    )
                 results.append(cell)
                 print(
                     f"{precision}, {'greedy' if greedy else f'beam {args.beam_size}'}, "
-                    f"batch {size}: loop in the graph {speed['graph']:.1f}/s, "
-                    f"in Python {speed['python']:.1f}/s ({cell['ratio']:.2f}x"
-                    f", identical tokens on {cell['identical_sentences']} of {len(lines)})",
+                    f"batch {size}: "
+                    + ", ".join(
+                        f"{way} {speed[way]:.1f}/s ({cell[f'{way}_ratio']:.2f}x Python, "
+                        f"identical on {cell[f'{way}_identical_sentences']} of {len(lines)})"
+                        for way in ways[:-1]
+                    )
+                    + f", Python {speed['python']:.1f}/s",
                     flush=True,
                 )
     finally:
-        setattr(runtime, threshold, default)
+        for name, value in defaults.items():
+            setattr(runtime, name, value)
     report = write_report("search_loop", args, sentences=len(lines), cells=results)
     return report
 

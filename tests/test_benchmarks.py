@@ -318,11 +318,11 @@ def test_parallel_batches_benchmark_compares_layouts_on_the_same_outputs(
         layouts_main([str(onnx_dir), "--src", paths["test.src"], "--layouts", "2x1", "2x1:auto"])
 
 
-def test_search_loop_benchmark_compares_the_two_loops_on_the_same_sentences(
+def test_search_loop_benchmark_compares_the_three_loops_on_the_same_sentences(
     trained_run, corpus_files, tmp_path
 ):
-    """Greedy and beam, both precisions, each batch size; float32 tokens identical;
-    the switches put back."""
+    """Greedy and beam, both precisions, each batch size: both graphs against the
+    Python loop; float32 tokens identical; the switches put back."""
     from keras_transformer_runtime import runtime
 
     from benchmarks.search_loop import main as loop_main
@@ -331,26 +331,28 @@ def test_search_loop_benchmark_compares_the_two_loops_on_the_same_sentences(
     _, paths = corpus_files
     onnx_dir = tmp_path / "onnx"
     export_onnx(str(trained_run), str(onnx_dir), precision="int8")
-    defaults = runtime.GRAPH_LOOP_MAX_SENTENCES, runtime.BEAM_GRAPH_MAX_SENTENCES
+    switches = ("GRAPH_LOOP_MAX_SENTENCES", "BEAM_GRAPH_MAX_SENTENCES")
+    switches += ("GREEDY_BATCH_GRAPH", "BEAM_BATCH_GRAPH")
+    defaults = [getattr(runtime, name) for name in switches]
     argv = [str(onnx_dir), "--src", paths["test.src"], "--lines", "12", "--repeats", "1"]
     for beam_size in (1, 3):
         out = tmp_path / f"loop{beam_size}.json"
         loop_main(
             argv + ["--batch-sizes", "1", "5", "--beam-size", str(beam_size), "--out", str(out)]
         )
-        assert (runtime.GRAPH_LOOP_MAX_SENTENCES, runtime.BEAM_GRAPH_MAX_SENTENCES) == defaults
+        assert [getattr(runtime, name) for name in switches] == defaults
         report = json.loads(out.read_text())
         assert [(c["precision"], c["beam_size"], c["batch_size"]) for c in report["cells"]] == [
             ("float32", beam_size, 1), ("float32", beam_size, 5),
             ("int8", beam_size, 1), ("int8", beam_size, 5),
         ]  # fmt: skip
         for cell in report["cells"]:
-            assert cell["graph_sentences_per_second"] > 0
             assert cell["python_sentences_per_second"] > 0
-            assert cell["ratio"] == pytest.approx(
-                cell["graph_sentences_per_second"] / cell["python_sentences_per_second"]
-            )
-            if cell["precision"] == "float32" or cell["batch_size"] == 1:
-                assert cell["identical_sentences"] == 12
+            for way in ("graph", "batch_graph"):
+                assert cell[f"{way}_ratio"] == pytest.approx(
+                    cell[f"{way}_sentences_per_second"] / cell["python_sentences_per_second"]
+                )
+                if cell["precision"] == "float32" or cell["batch_size"] == 1:
+                    assert cell[f"{way}_identical_sentences"] == 12
     with pytest.raises(SystemExit):
         loop_main(argv + ["--beam-size", "0", "--out", str(tmp_path / "no.json")])

@@ -109,10 +109,11 @@ def test_export_folder_is_complete_and_valid(exported):
     model, _, translator, out = exported("float32")
     names = set(os.listdir(out))
     assert names == {
-        "encoder.onnx", "decoder_step.onnx", "greedy_search.onnx", "beam_search.onnx",
-        "model.onnx", "encoder_fp16.onnx", "decoder_step_fp16.onnx", "greedy_search_fp16.onnx",
-        "beam_search_fp16.onnx", "model_fp16.onnx", "manifest.json", "vocab.txt",
-        "weights.bin", "weights_fp16.bin",
+        "encoder.onnx", "decoder_step.onnx", "greedy_search.onnx", "greedy_batch_search.onnx",
+        "beam_search.onnx", "beam_batch_search.onnx", "model.onnx", "encoder_fp16.onnx",
+        "decoder_step_fp16.onnx", "greedy_search_fp16.onnx", "greedy_batch_search_fp16.onnx",
+        "beam_search_fp16.onnx", "beam_batch_search_fp16.onnx", "model_fp16.onnx",
+        "manifest.json", "vocab.txt", "weights.bin", "weights_fp16.bin",
     }  # fmt: skip
     for name in {n for n in names if n.endswith(".onnx")}:
         onnx.checker.check_model(os.path.join(out, name), full_check=True)
@@ -135,22 +136,25 @@ def test_export_folder_is_complete_and_valid(exported):
         "shape": ["batch", config.vocabulary_size],
     }
     assert manifest["graphs"]["model"]["inputs"]["target_ids"]["shape"] == ["batch", "target_len"]
-    search = manifest["graphs"]["greedy_search"]
-    assert search["inputs"]["limits"] == {"dtype": "int64", "shape": ["sentences"]}
-    assert search["outputs"]["tokens"] == {"dtype": "int64", "shape": ["steps", "sentences"]}
-    beam = manifest["graphs"]["beam_search"]
-    assert beam["inputs"]["beam_size"] == {"dtype": "int64", "shape": []}
-    assert beam["inputs"]["length_penalty"] == {"dtype": "float64", "shape": []}
-    assert beam["outputs"]["tokens"] == {"dtype": "int64", "shape": ["sentences", "steps"]}
-    assert beam["outputs"]["scores"] == {"dtype": "float64", "shape": ["sentences"]}
-    assert manifest["format_version"] == 4
+    for name in ("greedy_search", "greedy_batch_search"):
+        search = manifest["graphs"][name]
+        assert search["inputs"]["limits"] == {"dtype": "int64", "shape": ["sentences"]}
+        assert search["outputs"]["tokens"] == {"dtype": "int64", "shape": ["steps", "sentences"]}
+    for name in ("beam_search", "beam_batch_search"):
+        beam = manifest["graphs"][name]
+        assert beam["inputs"]["beam_size"] == {"dtype": "int64", "shape": []}
+        assert beam["inputs"]["length_penalty"] == {"dtype": "float64", "shape": []}
+        assert beam["outputs"]["tokens"] == {"dtype": "int64", "shape": ["sentences", "steps"]}
+        assert beam["outputs"]["scores"] == {"dtype": "float64", "shape": ["sentences"]}
+    assert manifest["format_version"] == 5
     # The graphs that translate hold no weights of their own: one file per
     # precision holds them, each tensor once (the decoder's are in three graphs).
     assert manifest["weights"] == {"float32": "weights.bin", "float16": "weights_fp16.bin"}
     assert manifest["weight_bytes"]["float32"] == os.path.getsize(os.path.join(out, "weights.bin"))
     for suffix, weights in (("", "weights.bin"), ("_fp16", "weights_fp16.bin")):
         names = [f"{g}{suffix}.onnx" for g in ("encoder", "decoder_step", "greedy_search")]
-        names.append(f"beam_search{suffix}.onnx")
+        names += [f"{g}{suffix}.onnx" for g in ("beam_search", "greedy_batch_search")]
+        names.append(f"beam_batch_search{suffix}.onnx")
         spans = {}  # graph -> the (offset, length) of its external tensors
         for n in names:
             graph = onnx.load(os.path.join(out, n), load_external_data=False).graph
@@ -171,7 +175,7 @@ def test_export_folder_is_complete_and_valid(exported):
             assert not inline, (n, inline)
             spans[n] = {(int(e["offset"]), int(e["length"])) for e in entries}
         # The loops' bodies read the step graph's very bytes.
-        assert spans[names[1]] <= spans[names[2]] and spans[names[1]] <= spans[names[3]]
+        assert all(spans[names[1]] <= spans[n] for n in names[2:])
         with open(os.path.join(out, weights), "rb") as f:
             blob = f.read()
         stored = [blob[o : o + n] for o, n in set().union(*spans.values())]
@@ -298,8 +302,10 @@ def test_same_translations_as_keras_on_held_out_sentences(kind, exported):
 def test_the_greedy_loop_in_the_graph_finds_what_the_step_by_step_search_finds(
     precision, exported, monkeypatch
 ):
-    """greedy_search.onnx (the loop inside ONNX Runtime) against the Python loop
-    over decoder_step.onnx, and against Keras: the same tokens, the same scores."""
+    """greedy_search.onnx and greedy_batch_search.onnx (the loop inside ONNX
+    Runtime; the batch graph drops each sentence when it ends) against the
+    Python loop over decoder_step.onnx, and against Keras: the same tokens,
+    the same scores."""
     from keras_transformer_runtime import runtime
 
     model, tokenizer, _, out = exported("float32")
@@ -307,55 +313,71 @@ def test_the_greedy_loop_in_the_graph_finds_what_the_step_by_step_search_finds(
     sources = _sources(tokenizer, held_out_lines(40, seed=71))
     keras_tokens, _ = greedy_search(model, sources)
 
-    def search(batch, in_graph, **kwargs):
-        monkeypatch.setattr(runtime, "GRAPH_LOOP_MAX_SENTENCES", len(batch) if in_graph else 0)
+    def search(batch, graph, **kwargs):
+        """`graph`: the search graph that must run, or None for the Python loop."""
+        monkeypatch.setattr(runtime, "GREEDY_BATCH_GRAPH", graph == "greedy_batch_search")
+        limit = len(batch) if graph == "greedy_search" else 0
+        monkeypatch.setattr(runtime, "GRAPH_LOOP_MAX_SENTENCES", limit)
         calls = []
         original = translator._greedy_in_graph
         monkeypatch.setattr(
-            translator, "_greedy_in_graph", lambda *a: calls.append(1) or original(*a)
+            translator,
+            "_greedy_in_graph",
+            lambda *a: calls.append(a[3] if len(a) > 3 else "greedy_search") or original(*a),
         )
         result = translator.greedy_search(batch, **kwargs)
-        assert bool(calls) == in_graph
+        assert calls == ([graph] if graph else [])
         return result
 
     for start, size in ((0, 1), (1, 1), (2, 2), (4, 5), (9, 31)):
         batch = sources[start : start + size]
+        graphs = ["greedy_search", "greedy_batch_search"]
         for max_length in (None, 3):  # 3: most sentences stop at their limit, not at EOS
-            graph_tokens, graph_scores = search(batch, True, max_length=max_length)
-            step_tokens, step_scores = search(batch, False, max_length=max_length)
-            assert graph_tokens == step_tokens
-            np.testing.assert_allclose(graph_scores, step_scores, rtol=0, atol=1e-5)
+            step_tokens, step_scores = search(batch, None, max_length=max_length)
+            for graph in graphs:
+                graph_tokens, graph_scores = search(batch, graph, max_length=max_length)
+                assert graph_tokens == step_tokens, graph
+                np.testing.assert_allclose(graph_scores, step_scores, rtol=0, atol=1e-5)
             if max_length is None and precision == "float32":
-                assert graph_tokens == keras_tokens[start : start + size]
+                assert step_tokens == keras_tokens[start : start + size]
             else:
-                assert all(len(t) <= (max_length or 99) for t in graph_tokens)
+                assert all(len(t) <= (max_length or 99) for t in step_tokens)
     # An empty source in the batch: an empty output and score 0, as step by step.
-    tokens, scores = search([sources[0], [], sources[1]], True)
-    assert tokens[1] == [] and scores[1] == 0 and tokens[0] == keras_tokens[0]
+    for graph in ("greedy_search", "greedy_batch_search"):
+        tokens, scores = search([sources[0], [], sources[1]], graph)
+        assert tokens[1] == [] and scores[1] == 0 and tokens[0] == keras_tokens[0]
+        assert tokens[2] == keras_tokens[1]
 
 
 @pytest.mark.parametrize("precision", ["float32", "float16"])
 def test_the_beam_loop_in_the_graph_finds_what_the_step_by_step_search_finds(
     precision, exported, monkeypatch
 ):
-    """beam_search.onnx (the loop inside ONNX Runtime) against the Python loop
-    over decoder_step.onnx, and against Keras: the same tokens, the same scores,
-    for several beam sizes, length penalties and length limits."""
+    """beam_search.onnx and beam_batch_search.onnx (the loop inside ONNX Runtime;
+    the batch graph drops each sentence when it is done) against the Python
+    loop over decoder_step.onnx, and against Keras: the same tokens, the same
+    scores, for several beam sizes, length penalties and length limits."""
     from keras_transformer_runtime import runtime
 
     model, tokenizer, _, out = exported("float32")
     translator = OnnxTranslator(out, precision=precision)
     sources = _sources(tokenizer, held_out_lines(40, seed=73))
+    graphs = ("beam_search", "beam_batch_search")
 
-    def search(batch, in_graph, **kwargs):
-        monkeypatch.setattr(runtime, "BEAM_GRAPH_MAX_SENTENCES", len(batch) if in_graph else 0)
+    def search(batch, graph, **kwargs):
+        """`graph`: the search graph that must run, or None for the Python loop."""
+        monkeypatch.setattr(runtime, "BEAM_BATCH_GRAPH", graph == "beam_batch_search")
+        limit = len(batch) if graph == "beam_search" else 0
+        monkeypatch.setattr(runtime, "BEAM_GRAPH_MAX_SENTENCES", limit)
         calls = []
         original = OnnxTranslator._beam_in_graph.__get__(translator)
         monkeypatch.setattr(
-            translator, "_beam_in_graph", lambda *a: calls.append(1) or original(*a)
+            translator,
+            "_beam_in_graph",
+            lambda *a: calls.append(a[5] if len(a) > 5 else "beam_search") or original(*a),
         )
         result = translator.beam_search(batch, **kwargs)
-        assert bool(calls) == in_graph
+        assert calls == ([graph] if graph else [])
         return result
 
     settings = [
@@ -368,28 +390,32 @@ def test_the_beam_loop_in_the_graph_finds_what_the_step_by_step_search_finds(
     for start, size in ((0, 1), (1, 1), (2, 2), (4, 5), (9, 31)):
         batch = sources[start : start + size]
         for kwargs in settings:
-            graph_tokens, graph_scores = search(batch, True, **kwargs)
-            step_tokens, step_scores = search(batch, False, **kwargs)
-            assert graph_tokens == step_tokens, kwargs
-            np.testing.assert_allclose(graph_scores, step_scores, rtol=0, atol=1e-5)
-            assert all(len(t) <= kwargs.get("max_length", 99) for t in graph_tokens)
+            step_tokens, step_scores = search(batch, None, **kwargs)
+            for graph in graphs:
+                graph_tokens, graph_scores = search(batch, graph, **kwargs)
+                assert graph_tokens == step_tokens, (graph, kwargs)
+                np.testing.assert_allclose(graph_scores, step_scores, rtol=0, atol=1e-5)
+            assert all(len(t) <= kwargs.get("max_length", 99) for t in step_tokens)
             if precision == "float32" and kwargs == settings[0]:
                 keras_tokens, keras_scores = beam_search(model, batch, beam_size=4)
-                assert graph_tokens == keras_tokens
-                np.testing.assert_allclose(graph_scores, keras_scores, atol=1e-3)
-    # More beams than the graph's ranking takes (2 * beam > vocabulary): the Python loop.
-    monkeypatch.setattr(runtime, "BEAM_GRAPH_MAX_SENTENCES", 4)
-    monkeypatch.setattr(translator, "_beam_in_graph", lambda *a: pytest.fail("graph used"))
-    wide = translator.vocabulary_size // 2 + 1
-    assert translator.beam_search(sources[:1], beam_size=wide)[0][0] == (
-        beam_search(model, sources[:1], beam_size=wide)[0][0] if precision == "float32" else ANY
-    )
+                assert step_tokens == keras_tokens
+                np.testing.assert_allclose(step_scores, keras_scores, atol=1e-3)
+    # More beams than the graphs' ranking takes (2 * beam > vocabulary): the Python loop.
+    for limit in (4, 0):
+        monkeypatch.setattr(runtime, "BEAM_GRAPH_MAX_SENTENCES", limit)
+        monkeypatch.setattr(runtime, "BEAM_BATCH_GRAPH", True)
+        monkeypatch.setattr(translator, "_beam_in_graph", lambda *a: pytest.fail("graph used"))
+        wide = translator.vocabulary_size // 2 + 1
+        assert translator.beam_search(sources[:1], beam_size=wide)[0][0] == (
+            beam_search(model, sources[:1], beam_size=wide)[0][0] if precision == "float32" else ANY
+        )
     # An empty source in the batch: an empty output and score 0, as step by step.
-    tokens, scores = search([sources[0], [], sources[1]], True, beam_size=4)
-    step_tokens, step_scores = search([sources[0], [], sources[1]], False, beam_size=4)
-    assert tokens == step_tokens
-    np.testing.assert_allclose(scores, step_scores, rtol=0, atol=1e-5)
-    assert tokens[1] == [] and scores[1] == 0
+    step_tokens, step_scores = search([sources[0], [], sources[1]], None, beam_size=4)
+    for graph in graphs:
+        tokens, scores = search([sources[0], [], sources[1]], graph, beam_size=4)
+        assert tokens == step_tokens
+        np.testing.assert_allclose(scores, step_scores, rtol=0, atol=1e-5)
+        assert tokens[1] == [] and scores[1] == 0
 
 
 def test_float16_graphs_translate_within_half_a_point_of_float32(exported, toy_run):
@@ -548,11 +574,12 @@ def test_search_graphs_spin_and_the_encoder_sleeps_unless_told(exported):
 
     _, _, _, out = exported("float32")
     lines = held_out_lines(10, seed=59)
-    graphs = ("encoder", "decoder_step", "greedy_search", "beam_search")
+    graphs = ("encoder", "decoder_step", "greedy_search", "greedy_batch_search", "beam_search")
+    graphs += ("beam_batch_search",)
     assert set(SPINNING_GRAPHS) == set(graphs) - {"encoder"}
     translations = {}
     for spinning, expected in (
-        (None, {"encoder": "0", "decoder_step": "1", "greedy_search": "1", "beam_search": "1"}),
+        (None, {**dict.fromkeys(graphs, "1"), "encoder": "0"}),
         (True, dict.fromkeys(graphs, "1")),
         (False, dict.fromkeys(graphs, "0")),
     ):
@@ -566,7 +593,7 @@ def test_search_graphs_spin_and_the_encoder_sleeps_unless_told(exported):
             for name in graphs
         }
         assert found == expected, spinning
-        # Batches of 2 and of 6: the in-graph loops and the step-by-step ones.
+        # Batches of 2 and of 6: the search graphs and their batch versions.
         translations[spinning] = [
             translator.translate(lines, beam_size=beam, batch_size=batch)
             for beam in (1, 3)

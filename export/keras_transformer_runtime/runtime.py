@@ -30,17 +30,19 @@ from keras_transformer_runtime.specials import EOS_ID
 
 MANIFEST = "manifest.json"
 # Greedy batches of at most this many sentences run as one call of the
-# greedy_search graph (the loop inside ONNX Runtime); larger ones step by step
-# from Python, which leaves finished sentences out of each step's batch
-# (`python -m benchmarks.greedy_loop`: the loop in the graph was ahead up to 4
-# sentences, level at 8 and behind from 16).
+# greedy_search graph (the loop inside ONNX Runtime, which computes a finished
+# sentence's row to the end); larger ones as one call of greedy_batch_search,
+# whose loop drops each sentence when it ends (format 5 exports), or else step
+# by step from Python, which leaves finished sentences out of each step's
+# batch. `python -m benchmarks.search_loop` measures the three.
 GRAPH_LOOP_MAX_SENTENCES = 4
-# The same for beam search and the beam_search graph (`python -m
-# benchmarks.search_loop --beam-size 4`: the graph was ahead up to 4 sentences
-# in int8, up to 2 and level at 4 in float32, and behind from 8, where it
-# computes every finished sentence's beams to the end while the Python loop
-# drops them).
+# False: larger batches step from Python even where the export has the batch
+# graph (for side-by-side measurements and tests).
+GREEDY_BATCH_GRAPH = True
+# The same for beam search: beam_search up to this many sentences (it computes
+# every finished sentence's beams to the end), beam_batch_search above.
 BEAM_GRAPH_MAX_SENTENCES = 4
+BEAM_BATCH_GRAPH = True
 # The graphs whose idle worker threads spin between parallel sections instead
 # of sleeping, so that the many small products of a decoder step do not each
 # wait for a thread to wake. The encoder's threads sleep: each session has
@@ -49,7 +51,13 @@ BEAM_GRAPH_MAX_SENTENCES = 4
 # ONNX_DIR --layouts 2x1:none 2x1 2x1:all` (benchmarks/README.md): faster than
 # no spinning in most cells, every graph spinning slower than both. With one
 # thread per search (`num_threads=1`) there is no worker to spin.
-SPINNING_GRAPHS = ("decoder_step", "greedy_search", "beam_search")
+SPINNING_GRAPHS = (
+    "decoder_step",
+    "greedy_search",
+    "greedy_batch_search",
+    "beam_search",
+    "beam_batch_search",
+)
 _CUDA = "CUDAExecutionProvider"
 _CPU = "CPUExecutionProvider"
 
@@ -366,6 +374,8 @@ class OnnxTranslator:
         _, mask, cross = self.encode(source)
         if len(source) <= GRAPH_LOOP_MAX_SENTENCES and "greedy_search" in self._graph_files:
             return self._greedy_in_graph(mask, cross, limits)
+        if GREEDY_BATCH_GRAPH and "greedy_batch_search" in self._graph_files:
+            return self._greedy_in_graph(mask, cross, limits, "greedy_batch_search")
         state = {
             "rows": np.arange(len(source)),  # the sentences still decoded, in cache order
             "feeds": self._search_feeds(mask, cross),
@@ -396,11 +406,11 @@ class OnnxTranslator:
 
         return greedy_loop(step, limits)
 
-    def _greedy_in_graph(self, mask, cross, limits):
-        """The greedy search as one call of the greedy_search graph (same results)."""
+    def _greedy_in_graph(self, mask, cross, limits, graph="greedy_search"):
+        """The greedy search as one call of the `graph` graph (same results)."""
         feeds = self._search_feeds(mask, cross)
         feeds["limits"] = np.asarray(limits, np.int64)
-        tokens, step_scores = self.session("greedy_search").run(None, feeds)
+        tokens, step_scores = self.session(graph).run(None, feeds)
         # A sentence's output stops at its first EOS (ended) or -1 (done before).
         stops = (tokens == EOS_ID) | (tokens < 0)
         lengths = np.where(stops.any(0), stops.argmax(0), len(tokens))
@@ -419,12 +429,13 @@ class OnnxTranslator:
         # first reorder gives its beams copies of its row. The cross keys and
         # values stay one row per sentence (older exports: one per beam).
         _, mask, cross = self.encode(source)
-        if (
-            len(source) <= BEAM_GRAPH_MAX_SENTENCES
-            and "beam_search" in self._graph_files
-            and 2 * beam_size <= self.vocabulary_size
-        ):
-            return self._beam_in_graph(mask, cross, limits, beam_size, length_penalty)
+        if 2 * beam_size <= self.vocabulary_size:
+            if len(source) <= BEAM_GRAPH_MAX_SENTENCES and "beam_search" in self._graph_files:
+                return self._beam_in_graph(mask, cross, limits, beam_size, length_penalty)
+            if BEAM_BATCH_GRAPH and "beam_batch_search" in self._graph_files:
+                return self._beam_in_graph(
+                    mask, cross, limits, beam_size, length_penalty, "beam_batch_search"
+                )
         state = {
             "feeds": self._search_feeds(mask, cross),
             "caches": self.empty_self_caches(len(mask)),
@@ -473,13 +484,13 @@ class OnnxTranslator:
             shared_first_step=True,
         )
 
-    def _beam_in_graph(self, mask, cross, limits, beam_size, length_penalty):
-        """The beam search as one call of the beam_search graph (same results)."""
+    def _beam_in_graph(self, mask, cross, limits, beam_size, length_penalty, graph="beam_search"):
+        """The beam search as one call of the `graph` graph (same results)."""
         feeds = self._search_feeds(mask, cross)
         feeds["limits"] = np.asarray(limits, np.int64)
         feeds["beam_size"] = np.array(beam_size, np.int64)
         feeds["length_penalty"] = np.array(length_penalty, np.float64)
-        tokens, lengths, scores = self.session("beam_search").run(None, feeds)
+        tokens, lengths, scores = self.session(graph).run(None, feeds)
         return [tokens[i, : lengths[i]].tolist() for i in range(len(limits))], scores
 
     def translate(

@@ -48,7 +48,7 @@ from __future__ import annotations
 import numpy as np
 from keras_transformer_runtime.specials import BOS_ID, EOS_ID
 
-from keras_transformer.export.greedy_graph import step_interface
+from keras_transformer.export.greedy_graph import compaction, step_interface
 
 PREFIX = "beam."
 
@@ -78,6 +78,25 @@ def build_beam_search(step):
     """Returns the beam-search `onnx.ModelProto` whose loop body is `step`, a
     decoder-step graph (`keras_transformer.export.step_graph.build_decoder_step`,
     or its float16 or int8 conversion)."""
+    return _build(step, compact=False)
+
+
+def build_beam_batch_search(step):
+    """Returns the beam search for batches of several sentences, with the
+    inputs and outputs of `build_beam_search(step)` and the same results.
+
+    Its loop carries only the sentences still being searched: a sentence that
+    is done leaves the state at that step (its beams, their caches, its
+    source mask, cross keys and values), as in the Python loop, so that later
+    steps compute only the sentences left; each step writes the best
+    hypotheses of its sentences into the outputs. That costs a copy of the
+    state at every step (`compaction`), which one sentence, the last of its
+    batch, never needs: `build_beam_search` serves it.
+    """
+    return _build(step, compact=True)
+
+
+def _build(step, compact):
     from onnx import TensorProto, helper, numpy_helper
 
     graph = step.graph
@@ -284,6 +303,87 @@ def build_beam_search(step):
     def value(name, elem_type, shape=None):
         return helper.make_tensor_value_info(name, elem_type, shape)
 
+    step_nodes = list(graph.node)
+    if compact:
+        # The body reads the live sentences' values (`sentence_ids`: their indices
+        # among the inputs'), where the loop above reads every sentence's.
+        sentence_inputs = ["source_mask", *cross_names]
+        live_name = {name: P + "live_" + name for name in sentence_inputs}
+        live_name.update(
+            {
+                "limits": P + "live_limits",
+                P + "sentences": P + "live_count",
+                P + "sentences_1d": P + "live_count_1d",
+                P + "sentence_index": P + "live_index",
+                P + "limit_penalty": P + "live_limit_penalty",
+                P + "pad_column": P + "live_pad_column",
+            }
+        )
+        renamed = []
+        for node in step_nodes + b.nodes:
+            copy = type(node)()
+            copy.CopyFrom(node)
+            for i, name in enumerate(copy.input):
+                copy.input[i] = live_name.get(name, name)
+            renamed.append(copy)
+        step_nodes, rules = renamed[: len(step_nodes)], renamed[len(step_nodes) :]
+        b.nodes = []
+        b("Gather", ["limits", P + "sentence_ids"], "live_limits", axis=0)
+        b("Gather", [P + "limit_penalty", P + "sentence_ids"], "live_limit_penalty", axis=0)
+        b("Shape", [P + "sentence_ids"], "live_count_1d")
+        b("Squeeze", [P + "live_count_1d", axis0], "live_count")
+        b("Range", [zero_i, P + "live_count", one_i], "live_index")
+        b("Concat", [P + "live_count_1d", axis1], "live_column_shape", axis=0)
+        b(
+            "Expand",
+            [o.const("minus_one_column", [[-1]], np.int64), P + "live_column_shape"],
+            "live_pad_column",
+        )
+        b.nodes += rules
+        # Each step writes its sentences' best hypotheses into the outputs.
+        b(
+            "ScatterElements",
+            [P + "result_score", P + "sentence_ids", P + "best_score_next"],
+            "result_score_next",
+            axis=0,
+        )
+        b(
+            "ScatterElements",
+            [P + "result_length", P + "sentence_ids", P + "best_length_next"],
+            "result_length_next",
+            axis=0,
+        )
+        b("Concat", [P + "result_tokens", P + "pad_column"], "result_tokens_grown", axis=1)
+        b("Unsqueeze", [P + "sentence_ids", axis1], "live_column")
+        b(
+            "ScatterND",
+            [P + "result_tokens_grown", P + "live_column", P + "best_tokens_next"],
+            "result_tokens_next",
+        )
+        # Then the sentences done at this step leave the state, with their beams.
+        b("Not", [P + "done_next"], "keep")
+        b("Concat", [P + "live_count_1d", P + "k_1d"], "live_beams_shape", axis=0)
+        b("Unsqueeze", [P + "keep", axis1], "keep_column")
+        b("Expand", [P + "keep_column", P + "live_beams_shape"], "keep_beams")
+        b("Reshape", [P + "keep_beams", minus_one_1d], "keep_rows")
+        per_sentence = [
+            "sentence_ids",
+            "alive_scores_next",
+            "done_next",
+            "best_score_next",
+            "best_tokens_next",
+            "best_length_next",
+            "count_next",
+        ]
+        per_sentence += [live_name[name][len(P) :] for name in sentence_inputs]
+        per_row = ["token_ids_next", "alive_tokens_next"] + [f"next_{n}" for n in self_names]
+        b.nodes += compaction(
+            P + "keep", [P + n for n in per_sentence], [P + "kept_" + n for n in per_sentence]
+        )
+        b.nodes += compaction(
+            P + "keep_rows", [P + n for n in per_row], [P + "kept_" + n for n in per_row]
+        )
+
     carried = [
         ("token_ids", "token_ids_next", TensorProto.INT32, "first_ids"),
         ("alive_scores", "alive_scores_next", DOUBLE, "first_alive_scores"),
@@ -295,6 +395,41 @@ def build_beam_search(step):
         ("count", "count_next", INT64, "zeros"),
     ]
     carried += [(name, f"next_{name}", cache_type, "empty_cache") for name in self_names]
+    outputs = {"tokens": "best_tokens", "lengths": "best_length", "scores": "best_score"}
+    if compact:
+        # The state starts with the sentences that have room for a token.
+        o("Greater", ["limits", zero_i], "has_room")
+        o("Compress", [P + "sentence_index", P + "has_room"], "first_live", axis=0)
+        sentence_count = {"first_ids", "first_alive_scores", "first_done", "first_best_scores"}
+        sentence_count |= {"no_tokens", "zeros", "empty_cache"}
+        for initial in sorted(sentence_count):
+            o("Gather", [P + initial, P + "first_live"], "live_" + initial, axis=0)
+        for name in sentence_inputs:
+            o("Gather", [name, P + "first_live"], "live_first_" + name, axis=0)
+        carried = [
+            (name, "kept_" + next_name, elem_type, "live_" + initial)
+            for name, next_name, elem_type, initial in carried
+        ]
+        carried += [("sentence_ids", "kept_sentence_ids", INT64, "first_live")]
+        carried += [
+            (
+                live_name[name][len(P) :],
+                "kept_" + live_name[name][len(P) :],
+                t,
+                "live_first_" + name,
+            )
+            for name, t in zip(
+                sentence_inputs,
+                [inputs[n].type.tensor_type.elem_type for n in sentence_inputs],
+                strict=True,
+            )
+        ]
+        carried += [
+            ("result_score", "result_score_next", DOUBLE, "first_best_scores"),
+            ("result_tokens", "result_tokens_next", INT64, "no_tokens"),
+            ("result_length", "result_length_next", INT64, "zeros"),
+        ]
+        outputs = {"tokens": "result_tokens", "lengths": "result_length", "scores": "result_score"}
 
     def body_name(name):
         return name if name == "token_ids" or name in self_names else P + name
@@ -304,7 +439,7 @@ def build_beam_search(step):
     body_outputs = [value(P + "keep_going", TensorProto.BOOL, [])]
     body_outputs += [value(P + name, t) for _, name, t, _ in carried]
     body = helper.make_graph(
-        list(graph.node) + b.nodes,
+        step_nodes + b.nodes,
         "beam_step",
         body_inputs,
         body_outputs,
@@ -318,9 +453,8 @@ def build_beam_search(step):
         body=body,
     )
     named = dict(zip((name for name, *_ in carried), final, strict=True))
-    o.nodes.append(helper.make_node("Identity", [named["best_tokens"]], ["tokens"]))
-    o.nodes.append(helper.make_node("Identity", [named["best_length"]], ["lengths"]))
-    o.nodes.append(helper.make_node("Identity", [named["best_score"]], ["scores"]))
+    for output, state in outputs.items():
+        o.nodes.append(helper.make_node("Identity", [named[state]], [output]))
 
     outer_inputs = [inputs["source_mask"]] + [inputs[name] for name in cross_names]
     outer_inputs += [

@@ -15,6 +15,11 @@ every row is done. Rows are independent, so a finished row changes nothing
 in the others: the tokens and scores are those of the step-by-step search
 (`tests/test_export.py` holds them equal).
 
+Two graphs: `greedy_search` keeps every row to the end, finished ones fed
+EOS, which suits one sentence; `greedy_batch_search` drops a sentence from
+its state at the step it ends, as the Python loop does, so that a batch's
+later steps compute only its unfinished sentences.
+
 Inputs: `source_mask (sentences, source_len) bool` and the cross keys and
 values from encoder.onnx (one row per sentence), and `limits (sentences,)
 int64`, each sentence's maximum output length (EOS included; at least 1).
@@ -169,6 +174,227 @@ def build_greedy_search(step):
     ]
     model = helper.make_model(
         helper.make_graph(outer, "greedy_search", outer_inputs, outer_outputs, outer_constants),
+        producer_name="keras-transformer",
+        opset_imports=list(step.opset_import),
+    )
+    model.ir_version = step.ir_version
+    return model
+
+
+def compaction(keep, states, outputs):
+    """Nodes that keep the rows of `states` (axis 0) where `keep` ((rows,) bool)
+    is True, writing `outputs`.
+
+    They copy every state at every step, even when no row is dropped: an
+    `If` that copies only then measured slower, since ONNX Runtime copies
+    the values that pass through its branches as well.
+    """
+    from onnx import helper
+
+    return [
+        helper.make_node("Compress", [state, keep], [out], axis=0)
+        for state, out in zip(states, outputs, strict=True)
+    ]
+
+
+def build_greedy_batch_search(step):
+    """Returns the greedy search for batches of several sentences, with the
+    inputs and outputs of `build_greedy_search(step)` and the same results.
+
+    Its loop carries only the sentences still being decoded: a sentence that
+    ends (EOS or its length limit) leaves the state at that step, with its
+    source mask, cross keys and values and caches, as in the Python loop, so
+    that later steps compute only the rows left. That costs a copy of the
+    state at every step (`compaction`), which a single sentence, the last
+    row of its batch, never needs: `build_greedy_search` serves it.
+    """
+    from onnx import TensorProto, helper, numpy_helper
+
+    graph = step.graph
+    inputs, self_names, cross_names, heads, head_dim, cache_type = step_interface(step)
+    float_type = {v.name: v for v in graph.output}["top_log_probs"].type.tensor_type.elem_type
+    INT64 = TensorProto.INT64
+    # The body reads the live sentences' mask and cross caches from its state.
+    sentence_inputs = ["source_mask", *cross_names]
+    carried_name = {name: f"greedy.{name}" for name in sentence_inputs}
+
+    def const(name, value, dtype=None):
+        return numpy_helper.from_array(np.asarray(value, dtype), name)
+
+    # ---- the loop body: the step, then greedy_loop's rules, then compaction
+    body_nodes = [
+        helper.make_node("Constant", [], ["top_k"], value=const("greedy.k", [1], np.int64))
+    ]
+    for node in graph.node:
+        copy = type(node)()
+        copy.CopyFrom(node)
+        for i, name in enumerate(copy.input):
+            copy.input[i] = carried_name.get(name, name)
+        body_nodes.append(copy)
+    rules = [
+        ("Squeeze", ["top_ids", "greedy.axes_1"], ["greedy.next_id"]),
+        ("Squeeze", ["top_log_probs", "greedy.axes_1"], ["greedy.chosen"]),
+        (
+            "ScatterElements",
+            ["greedy.no_tokens", "greedy.rows", "greedy.next_id"],
+            ["greedy.step_token"],
+            {"axis": 0},
+        ),
+        (
+            "ScatterElements",
+            ["greedy.zero_scores", "greedy.rows", "greedy.chosen"],
+            ["greedy.step_score"],
+            {"axis": 0},
+        ),
+        ("Equal", ["greedy.next_id", "greedy.eos"], ["greedy.ended"]),
+        ("Add", ["greedy.iteration", "greedy.one"], ["greedy.steps_made"]),
+        ("Gather", ["limits", "greedy.rows"], ["greedy.row_limits"], {"axis": 0}),
+        ("GreaterOrEqual", ["greedy.steps_made", "greedy.row_limits"], ["greedy.at_limit"]),
+        ("Or", ["greedy.ended", "greedy.at_limit"], ["greedy.finished"]),
+        ("Not", ["greedy.finished"], ["greedy.keep"]),
+        ("Cast", ["greedy.next_id"], ["greedy.next_id_int32"], {"to": TensorProto.INT32}),
+        ("Unsqueeze", ["greedy.next_id_int32", "greedy.axes_1"], ["greedy.fed_ids"]),
+        ("Cast", ["greedy.keep"], ["greedy.keep_int32"], {"to": TensorProto.INT32}),
+        ("ReduceMax", ["greedy.keep_int32"], ["greedy.any_live_int32"], {"keepdims": 0}),
+        ("Cast", ["greedy.any_live_int32"], ["greedy.keep_going"], {"to": TensorProto.BOOL}),
+    ]
+    for op, node_inputs, node_outputs, *attributes in rules:
+        body_nodes.append(
+            helper.make_node(op, node_inputs, node_outputs, **(attributes[0] if attributes else {}))
+        )
+    mask_type = inputs["source_mask"].type.tensor_type.elem_type
+    states = [
+        ("greedy.fed_ids", TensorProto.INT32, "greedy.token_ids_next"),
+        ("greedy.rows", INT64, "greedy.rows_next"),
+        (carried_name["source_mask"], mask_type, "greedy.source_mask_next"),
+    ]
+    states += [(carried_name[name], cache_type, f"greedy.{name}_next") for name in cross_names]
+    states += [(f"new_{name}", cache_type, f"greedy.{name}_next") for name in self_names]
+    body_nodes += compaction(
+        "greedy.keep", [name for name, *_ in states], [out for *_, out in states]
+    )
+    body_constants = [
+        const("greedy.axes_1", [1], np.int64),
+        const("greedy.eos", EOS_ID, np.int64),
+        const("greedy.one", 1, np.int64),
+    ]
+
+    def value(name, elem_type, shape=None):
+        return helper.make_tensor_value_info(name, elem_type, shape)
+
+    body_inputs = [
+        value("greedy.iteration", INT64, []),
+        value("greedy.condition", TensorProto.BOOL, []),
+        value("token_ids", TensorProto.INT32, ["rows", 1]),
+        value("greedy.rows", INT64, ["rows"]),
+        value(carried_name["source_mask"], mask_type, None),
+    ]
+    body_inputs += [value(carried_name[name], cache_type, None) for name in cross_names]
+    body_inputs += [value(name, cache_type, None) for name in self_names]
+    body_outputs = [value("greedy.keep_going", TensorProto.BOOL, [])]
+    body_outputs += [value(out, t, None) for _, t, out in states]
+    body_outputs += [
+        value("greedy.step_token", INT64, ["sentences"]),
+        value("greedy.step_score", float_type, ["sentences"]),
+    ]
+    body = helper.make_graph(
+        body_nodes,
+        "greedy_step",
+        body_inputs,
+        body_outputs,
+        list(graph.initializer) + body_constants,
+    )
+
+    # ---- the outer graph: the sentences with room for a token, the loop
+    outer_nodes = [
+        ("Shape", ["limits"], ["greedy.sentences"]),
+        ("Squeeze", ["greedy.sentences", "greedy.axis_0"], ["greedy.sentence_count"]),
+        (
+            "Range",
+            ["greedy.zero", "greedy.sentence_count", "greedy.one_step"],
+            ["greedy.sentence_index"],
+        ),
+        ("Greater", ["limits", "greedy.zero"], ["greedy.has_room"]),
+        (
+            "Compress",
+            ["greedy.sentence_index", "greedy.has_room"],
+            ["greedy.first_rows"],
+            {"axis": 0},
+        ),
+        ("Shape", ["greedy.first_rows"], ["greedy.row_count"]),
+        ("Concat", ["greedy.row_count", "greedy.one_column"], ["greedy.token_shape"], {"axis": 0}),
+        ("Expand", ["greedy.bos", "greedy.token_shape"], ["greedy.first_token_ids"]),
+        ("ReduceMax", ["limits"], ["greedy.max_steps"], {"keepdims": 0}),
+        (
+            "Concat",
+            ["greedy.row_count", "greedy.empty_cache_dims"],
+            ["greedy.empty_cache_shape"],
+            {"axis": 0},
+        ),
+        (
+            "ConstantOfShape",
+            ["greedy.empty_cache_shape"],
+            ["greedy.empty_cache"],
+            {
+                "value": const(
+                    "greedy.zero_cache", np.zeros(1, helper.tensor_dtype_to_np_dtype(cache_type))
+                )
+            },
+        ),
+        (
+            "ConstantOfShape",
+            ["greedy.sentences"],
+            ["greedy.no_tokens"],
+            {"value": const("greedy.minus_one", [-1], np.int64)},
+        ),
+        (
+            "ConstantOfShape",
+            ["greedy.sentences"],
+            ["greedy.zero_scores"],
+            {
+                "value": const(
+                    "greedy.zero_score", np.zeros(1, helper.tensor_dtype_to_np_dtype(float_type))
+                )
+            },
+        ),
+    ]
+    outer_nodes += [
+        ("Gather", [name, "greedy.first_rows"], [f"greedy.first_{name}"], {"axis": 0})
+        for name in sentence_inputs
+    ]
+    outer = [
+        helper.make_node(op, node_inputs, node_outputs, **(attributes[0] if attributes else {}))
+        for op, node_inputs, node_outputs, *attributes in outer_nodes
+    ]
+    outer.append(
+        helper.make_node(
+            "Loop",
+            ["greedy.max_steps", "greedy.true", "greedy.first_token_ids", "greedy.first_rows"]
+            + [f"greedy.first_{name}" for name in sentence_inputs]
+            + ["greedy.empty_cache"] * len(self_names),
+            [f"greedy.last_{out}" for *_, out in states] + ["tokens", "scores"],
+            body=body,
+        )
+    )
+    outer_constants = [
+        const("greedy.axis_0", [0], np.int64),
+        const("greedy.zero", 0, np.int64),
+        const("greedy.one_step", 1, np.int64),
+        const("greedy.one_column", [1], np.int64),
+        const("greedy.bos", [[BOS_ID]], np.int32),
+        const("greedy.empty_cache_dims", [heads, 0, head_dim], np.int64),
+        const("greedy.true", True, np.bool_),
+    ]
+    outer_inputs = [inputs["source_mask"]] + [inputs[name] for name in cross_names]
+    outer_inputs.append(value("limits", INT64, ["sentences"]))
+    outer_outputs = [
+        value("tokens", INT64, ["steps", "sentences"]),
+        value("scores", float_type, ["steps", "sentences"]),
+    ]
+    model = helper.make_model(
+        helper.make_graph(
+            outer, "greedy_batch_search", outer_inputs, outer_outputs, outer_constants
+        ),
         producer_name="keras-transformer",
         opset_imports=list(step.opset_import),
     )

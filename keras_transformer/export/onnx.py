@@ -18,9 +18,10 @@ Three graphs:
   length: the first step gets caches of length 0, so one graph serves every
   step and the two can never disagree.
 - `model.onnx` (tf2onnx): `source_ids`, `target_ids` -> teacher-forced `logits`.
-- `greedy_search.onnx` and `beam_search.onnx`: the whole search, the
-  decoder step inside an ONNX `Loop` (`keras_transformer.export.greedy_graph`,
-  `.beam_graph`).
+- `greedy_search.onnx`, `beam_search.onnx` and their batch versions
+  `greedy_batch_search.onnx`, `beam_batch_search.onnx`: the whole search,
+  the decoder step inside an ONNX `Loop` (`keras_transformer.export.greedy_graph`,
+  `.beam_graph`); a batch graph drops each sentence from its loop when it ends.
 
 The graphs that translate (all but `model.onnx`) keep their weights in one
 file per precision, `weights.bin` (`weights_int8.bin`, ...), each tensor
@@ -54,19 +55,26 @@ import os
 import shutil
 import tempfile
 
-from keras_transformer.export.beam_graph import build_beam_search
+from keras_transformer.export.beam_graph import build_beam_batch_search, build_beam_search
 from keras_transformer.export.encoder_graph import build_encoder
-from keras_transformer.export.greedy_graph import build_greedy_search
+from keras_transformer.export.greedy_graph import build_greedy_batch_search, build_greedy_search
 from keras_transformer.export.step_graph import build_decoder_step
 
 GRAPHS = ("encoder", "decoder_step", "model")
 MANIFEST = "manifest.json"
 # 2: the step graph's top_k input and outputs; 3: the greedy_search graph;
 # 4: the beam_search graph, and the weights of the graphs that translate in
-# one file per precision (`share_weights`).
-FORMAT_VERSION = 4
+# one file per precision (`share_weights`); 5: the batch search graphs.
+FORMAT_VERSION = 5
 # The graphs that translate, whose weights are stored once per precision.
-SHARED_WEIGHT_GRAPHS = ("encoder", "decoder_step", "greedy_search", "beam_search")
+SHARED_WEIGHT_GRAPHS = (
+    "encoder",
+    "decoder_step",
+    "greedy_search",
+    "greedy_batch_search",
+    "beam_search",
+    "beam_batch_search",
+)
 # Weights of at least this many bytes go to the shared file, each at an
 # offset aligned for memory mapping.
 SHARED_MIN_BYTES = 1024
@@ -277,8 +285,8 @@ def _write_graphs(model, folder, opset, precision):
             graphs[name][precision] = extra
         graphs[name]["inputs"] = _describe(proto.graph.input)
         graphs[name]["outputs"] = _describe(proto.graph.output)
-    graphs["greedy_search"] = _write_search(folder, graphs["decoder_step"], "greedy_search")
-    graphs["beam_search"] = _write_search(folder, graphs["decoder_step"], "beam_search")
+    for search in ("greedy_search", "greedy_batch_search", "beam_search", "beam_batch_search"):
+        graphs[search] = _write_search(folder, graphs["decoder_step"], search)
     weights, weight_bytes = {}, {}
     for kind in graphs["decoder_step"]:
         if kind in PRECISIONS:
@@ -312,6 +320,11 @@ def _write_graphs(model, folder, opset, precision):
             "(steps, sentences): a sentence's output is its tokens up to the first EOS or -1, "
             "its score the sum of its scores."
         ),
+        "greedy_batch_search": (
+            "greedy_search's inputs, outputs and results; its loop drops each sentence "
+            "when it ends, so that later steps compute only the unfinished ones: for "
+            "batches of several sentences."
+        ),
         "beam_search": (
             "The whole beam search, the decoder step inside an ONNX Loop: feed source_mask "
             "and the cross keys and values from encoder.onnx, limits (sentences,) int64 "
@@ -321,17 +334,27 @@ def _write_graphs(model, folder, opset, precision):
             "(sentences, steps) and lengths (sentences,): a sentence's output is its first "
             "lengths tokens; and scores (sentences,) double, the length-penalized score."
         ),
+        "beam_batch_search": (
+            "beam_search's inputs, outputs and results; its loop drops each sentence when "
+            "it is done, so that later steps compute only the unfinished ones: for batches "
+            "of several sentences."
+        ),
         "versions": _versions(),
     }
 
 
 def _write_search(folder, step_files, name):
-    """Writes the search graph `name` ("greedy_search" or "beam_search") of every
+    """Writes the search graph `name` (a key of `build` below) of every
     precision, each built from that precision's decoder-step graph; returns its
     manifest entry."""
     import onnx
 
-    build = {"greedy_search": build_greedy_search, "beam_search": build_beam_search}[name]
+    build = {
+        "greedy_search": build_greedy_search,
+        "greedy_batch_search": build_greedy_batch_search,
+        "beam_search": build_beam_search,
+        "beam_batch_search": build_beam_batch_search,
+    }[name]
     entry = {}
     for precision in (p for p in PRECISIONS if p in step_files):
         step = onnx.load(os.path.join(folder, step_files[precision]))
