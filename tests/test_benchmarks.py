@@ -356,3 +356,35 @@ def test_search_loop_benchmark_compares_the_three_loops_on_the_same_sentences(
                     assert cell[f"{way}_identical_sentences"] == 12
     with pytest.raises(SystemExit):
         loop_main(argv + ["--beam-size", "0", "--out", str(tmp_path / "no.json")])
+
+
+def test_search_rows_benchmark_times_the_steps_and_the_products(
+    trained_run, corpus_files, tmp_path
+):
+    """Per-iteration costs of the three searches, counted from the graphs' own
+    outputs, and the output projection at each row count in each kind."""
+    from benchmarks.search_rows import main as rows_main
+    from keras_transformer.export.onnx import export_onnx
+
+    _, paths = corpus_files
+    onnx_dir = tmp_path / "onnx"
+    export_onnx(str(trained_run), str(onnx_dir), precision="int8")
+    out = tmp_path / "rows.json"
+    argv = [str(onnx_dir), "--src", paths["test.src"], "--lines", "4", "--repeats", "1"]
+    report = rows_main(argv + ["--rows", "3", "--out", str(out)])
+    assert json.loads(out.read_text()) == report
+    assert [c["case"] for c in report["steps"]] == ["greedy, 1 row", "greedy, 3 copies", "beam 3"]
+    greedy_one, greedy_copies, _ = report["steps"]
+    # Copies of a sentence take the same greedy steps as the sentence alone.
+    assert greedy_one["iterations"] == greedy_copies["iterations"] >= 4
+    for cell in report["steps"]:
+        assert cell["microseconds_per_iteration"] == pytest.approx(
+            1e6 * cell["seconds"] / cell["iterations"]
+        )
+    kinds = ["float32", "int8", "uint8", "int8 per column"]
+    assert [(c["rows"], c["kind"]) for c in report["products"]] == [
+        (rows, kind) for rows in (1, 4, 8, 32) for kind in kinds
+    ]
+    assert all(c["microseconds_per_call"] > 0 for c in report["products"])
+    with pytest.raises(SystemExit, match="at least 2"):
+        rows_main(argv + ["--rows", "1", "--out", str(tmp_path / "no.json")])

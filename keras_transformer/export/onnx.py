@@ -382,10 +382,10 @@ def share_weights(folder, files, weights_file):
     """Rewrites the graphs `files` (in `folder`) with their weights in `weights_file`,
     each distinct weight tensor once, and checks them.
 
-    The decoder's weights sit in decoder_step.onnx and again in the loop bodies
-    of greedy_search.onnx and beam_search.onnx, and the tied embedding table in
-    the encoder too: stored inside each graph they took 2.6 times the disk
-    (float32 Multi30k `small` export: 102.3 MB against 38.8 MB). ONNX external
+    The decoder's weights sit in decoder_step.onnx and again in the loop body
+    of each search graph, and the tied embedding table in the encoder too:
+    stored inside each graph they took 2.6 times the disk with two search
+    graphs (float32 Multi30k `small` export: 102.3 MB against 38.8 MB). ONNX external
     data lets every graph point at the same bytes. A tensor is shared when its
     type, shape and bytes are equal (names differ between the graphs); tensors
     under `SHARED_MIN_BYTES` stay inside their graph.
