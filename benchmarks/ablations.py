@@ -16,6 +16,11 @@ about TensorFlow's CPU kernels).
                 vocabulary) logits: keras_transformer's (a logsumexp forward,
                 exp(logits - logsumexp) again in the backward pass) and one
                 that keeps the fused softmax for the backward pass
+    rdrop       R-Drop's consistency term (the symmetric KL between the
+                two copies of each sentence) forward and backward over
+                (rows, 8000) logits: keras_transformer's hand-written
+                gradient, and automatic differentiation through two
+                log-softmaxes
     dropout     dropout at rate 0.1 forward and backward over (rows, 512):
                 keras.layers.Dropout and keras_transformer's 16-bit masks
     transpose-b the input gradients of the step's linear layers, g @ kernel.T
@@ -38,6 +43,7 @@ about TensorFlow's CPU kernels).
                 (keras_transformer.ops.set_fused_attention); any backend
 
     python -m benchmarks.ablations column-sum qkv xla-matmul loss dropout transpose-b --rows 25000
+    python -m benchmarks.ablations rdrop --rows 2048
     KERAS_BACKEND=jax python -m benchmarks.ablations gradients --rows 25000 --layers 2
     python -m benchmarks.ablations attention --rows 4000 --layers 2 --rounds 5
 """
@@ -54,6 +60,7 @@ EXPERIMENTS = (
     "qkv",
     "xla-matmul",
     "loss",
+    "rdrop",
     "dropout",
     "transpose-b",
     "gradients",
@@ -202,6 +209,41 @@ def loss_variants(rows, vocabulary=37000, smoothing=0.1):
     for name, (loss, gradient) in results.items():
         assert abs(float(loss) - float(reference_loss)) <= 1e-4 * abs(float(reference_loss)), name
         np.testing.assert_allclose(gradient.numpy(), reference_gradient.numpy(), atol=1e-6)
+    return {name: (lambda fn=fn: fn()[0].numpy()) for name, fn in fns.items()}, None
+
+
+def rdrop_variants(rows, vocabulary=8000):
+    import numpy as np
+    import tensorflow as tf
+
+    from keras_transformer.ops import loss as loss_ops
+
+    rng = np.random.default_rng(0)
+    pairs = max(rows // 40, 1)  # sentences of 20 tokens, each twice
+    logits = tf.Variable(rng.standard_normal((2 * pairs, 20, vocabulary), dtype="float32"))
+
+    def step(divergence):
+        @tf.function
+        def run():
+            with tf.GradientTape() as tape:
+                value = tf.reduce_sum(divergence(logits))
+            return value, tape.gradient(value, logits)
+
+        return run
+
+    fns = {
+        "hand-written gradient (ours)": step(loss_ops._paired_symmetric_kl),
+        "automatic differentiation": step(loss_ops._plain_paired_symmetric_kl),
+    }
+    results = {name: fn() for name, fn in fns.items()}
+    reference_value, reference_gradient = results["hand-written gradient (ours)"]
+    for name, (value, gradient) in results.items():
+        assert abs(float(value) - float(reference_value)) <= 1e-4 * abs(float(reference_value)), (
+            name
+        )
+        np.testing.assert_allclose(
+            gradient.numpy(), reference_gradient.numpy(), atol=1e-6, err_msg=name
+        )
     return {name: (lambda fn=fn: fn()[0].numpy()) for name, fn in fns.items()}, None
 
 
@@ -378,6 +420,7 @@ VARIANTS = {
     "qkv": qkv_variants,
     "xla-matmul": xla_matmul_variants,
     "loss": loss_variants,
+    "rdrop": rdrop_variants,
     "dropout": dropout_variants,
     "transpose-b": transpose_b_variants,
 }  # "gradients" and "attention" take more arguments: called by `main` directly

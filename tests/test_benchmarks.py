@@ -71,11 +71,12 @@ def test_ablations_run_and_agree():
     from benchmarks.ablations import main as ablations_main
 
     # Each experiment checks that its variants compute the same thing before timing.
-    experiments = ["column-sum", "qkv", "xla-matmul", "loss", "dropout", "transpose-b"]
+    experiments = ["column-sum", "qkv", "xla-matmul", "loss", "rdrop", "dropout", "transpose-b"]
     results = ablations_main(experiments + ["--rows", "200", "--rounds", "1"])
     assert set(results) == set(experiments)
     assert len(results["transpose-b"]) == 6
     assert set(results["loss"]) == {"logsumexp, exp again (ours)", "softmax kept"}
+    assert set(results["rdrop"]) == {"hand-written gradient (ours)", "automatic differentiation"}
     assert set(results["qkv"]) == {"separate", "fused, split", "fused, sliced"}
     assert all(s > 0 for medians in results.values() for s in medians.values())
 

@@ -327,6 +327,32 @@ def test_rdrop_consistency_adds_the_pairs_symmetric_kl():
     assert np.isfinite(gradient).all()
 
 
+@pytest.mark.usefixtures("loss_gradient_path")
+def test_rdrop_gradient_pulls_each_copy_towards_the_other():
+    """The R-Drop loss's gradient against its float64 closed form: the plain
+    cross-entropy's, plus for the first copy of a pair `alpha / 2 * (p * (a -
+    E_p[a]) + p - q)` per real token (`a = log p - log q`; the pair's term is
+    in both copies' losses) and the mirror image for the second."""
+    eps, alpha = 0.1, 5.0
+    rng = np.random.default_rng(5)
+    one = np.array([[3, 1, 4, 0], [2, 2, 0, 0], [5, 1, 1, 2]], "int32")
+    labels = np.repeat(one, 2, axis=0)
+    logits = rng.normal(scale=2.0, size=(6, 4, 7)).astype("float32")
+    gradient = _loss_gradient(LabelSmoothedCrossEntropy(eps, consistency=alpha), labels, logits)
+    plain = _loss_gradient(LabelSmoothedCrossEntropy(eps), labels, logits)
+    z = logits.astype(np.float64)
+    log_p = z[0::2] - np.log(np.exp(z[0::2]).sum(-1, keepdims=True))
+    log_q = z[1::2] - np.log(np.exp(z[1::2]).sum(-1, keepdims=True))
+    p, q, a = np.exp(log_p), np.exp(log_q), log_p - log_q
+    real = (one != 0)[..., None]
+    scale = alpha / 4 * 2 * real / (2 * real.sum())
+    expected = np.zeros_like(z)
+    expected[0::2] = scale * (p * (a - (p * a).sum(-1, keepdims=True)) + p - q)
+    expected[1::2] = scale * (q * ((q * a).sum(-1, keepdims=True) - a) + q - p)
+    np.testing.assert_allclose(gradient - plain, expected, atol=1e-6)
+    assert np.abs(expected).max() > 1e-2
+
+
 def test_rdrop_consistency_serializes_and_validates():
     loss = LabelSmoothedCrossEntropy(0.1, consistency=2.5)
     restored = keras.saving.deserialize_keras_object(keras.saving.serialize_keras_object(loss))
