@@ -29,9 +29,10 @@ as `beam_loop(shared_first_step=True)` does):
   no live beam beats the best at its current length; the loop stops when
   every sentence is done.
 
-Finished sentences stay in the state until the loop ends (their rows are
-computed and ignored): the graph cannot shrink its batch as the Python
-loop does, so it pays most at small batches.
+In `beam_search`, finished sentences stay in the state until the loop ends
+(their rows are computed and ignored), which suits small batches;
+`beam_batch_search` drops each sentence from its state when it is done, as
+the Python loop does, for larger ones. Both run the same rules (`_build`).
 
 Inputs: `source_mask (sentences, source_len) bool` and the cross keys and
 values from encoder.onnx (one row per sentence), `limits (sentences,)
@@ -400,9 +401,9 @@ def _build(step, compact):
         # The state starts with the sentences that have room for a token.
         o("Greater", ["limits", zero_i], "has_room")
         o("Compress", [P + "sentence_index", P + "has_room"], "first_live", axis=0)
-        sentence_count = {"first_ids", "first_alive_scores", "first_done", "first_best_scores"}
-        sentence_count |= {"no_tokens", "zeros", "empty_cache"}
-        for initial in sorted(sentence_count):
+        per_sentence_initials = {"first_ids", "first_alive_scores", "first_done"}
+        per_sentence_initials |= {"first_best_scores", "no_tokens", "zeros", "empty_cache"}
+        for initial in sorted(per_sentence_initials):
             o("Gather", [P + initial, P + "first_live"], "live_" + initial, axis=0)
         for name in sentence_inputs:
             o("Gather", [name, P + "first_live"], "live_first_" + name, axis=0)
