@@ -49,7 +49,11 @@ from __future__ import annotations
 import numpy as np
 from keras_transformer_runtime.specials import BOS_ID, EOS_ID
 
-from keras_transformer.export.greedy_graph import compaction, step_interface
+from keras_transformer.export.greedy_graph import (
+    compaction,
+    renamed_inputs,
+    step_interface,
+)
 
 PREFIX = "beam."
 
@@ -320,14 +324,10 @@ def _build(step, compact):
                 P + "pad_column": P + "live_pad_column",
             }
         )
-        renamed = []
-        for node in step_nodes + b.nodes:
-            copy = type(node)()
-            copy.CopyFrom(node)
-            for i, name in enumerate(copy.input):
-                copy.input[i] = live_name.get(name, name)
-            renamed.append(copy)
-        step_nodes, rules = renamed[: len(step_nodes)], renamed[len(step_nodes) :]
+        step_nodes, rules = (
+            renamed_inputs(step_nodes, live_name),
+            renamed_inputs(b.nodes, live_name),
+        )
         b.nodes = []
         b("Gather", ["limits", P + "sentence_ids"], "live_limits", axis=0)
         b("Gather", [P + "limit_penalty", P + "sentence_ids"], "live_limit_penalty", axis=0)

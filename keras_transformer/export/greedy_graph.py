@@ -197,6 +197,18 @@ def compaction(keep, states, outputs):
     ]
 
 
+def renamed_inputs(nodes, names):
+    """Copies of `nodes` that read `names[x]` wherever they read a value `x` in `names`."""
+    copies = []
+    for node in nodes:
+        copy = type(node)()
+        copy.CopyFrom(node)
+        for i, name in enumerate(copy.input):
+            copy.input[i] = names.get(name, name)
+        copies.append(copy)
+    return copies
+
+
 def build_greedy_batch_search(step):
     """Returns the greedy search for batches of several sentences, with the
     inputs and outputs of `build_greedy_search(step)` and the same results.
@@ -225,12 +237,7 @@ def build_greedy_batch_search(step):
     body_nodes = [
         helper.make_node("Constant", [], ["top_k"], value=const("greedy.k", [1], np.int64))
     ]
-    for node in graph.node:
-        copy = type(node)()
-        copy.CopyFrom(node)
-        for i, name in enumerate(copy.input):
-            copy.input[i] = carried_name.get(name, name)
-        body_nodes.append(copy)
+    body_nodes += renamed_inputs(graph.node, carried_name)
     rules = [
         ("Squeeze", ["top_ids", "greedy.axes_1"], ["greedy.next_id"]),
         ("Squeeze", ["top_log_probs", "greedy.axes_1"], ["greedy.chosen"]),
