@@ -53,7 +53,7 @@ WIDTHS = (56, 128)
 
 # Each setting: TransformerConfig overrides ("model") and training settings.
 BASE = dict(preset="small", epochs=20, dropout=0.1, attention_dropout=None, label_smoothing=0.1,
-            lr_mult=1.0, seed=0, tokens=TOKENS_PER_BATCH, model={})  # fmt: skip
+            lr_mult=1.0, seed=0, tokens=TOKENS_PER_BATCH, rdrop=0.0, model={})  # fmt: skip
 CONFIGS = {
     "small": {},
     "small-seed1": dict(seed=1),
@@ -82,6 +82,11 @@ CONFIGS = {
     "deep4-prenorm": dict(model=dict(num_layers=4, normalize_first=True)),
     "deep6-prenorm": dict(model=dict(num_layers=6, normalize_first=True)),
     "ls005": dict(label_smoothing=0.05),
+    # R-Drop (`train --rdrop-alpha 5`): every sentence twice per batch.
+    "rdrop5": dict(rdrop=5.0),
+    "rdrop5-seed1": dict(rdrop=5.0, seed=1),
+    "rdrop5-seed2": dict(rdrop=5.0, seed=2),
+    "rdrop5-drop02-att0": dict(rdrop=5.0, dropout=0.2, attention_dropout=0.0),
 }
 
 
@@ -121,7 +126,7 @@ def prepare(args) -> None:
 class Batches:
     """`keras-transformer train`'s length-bucketed batches, padded to `WIDTHS` shapes."""
 
-    def __init__(self, source_ids, target_ids, tokens, max_length, seed):
+    def __init__(self, source_ids, target_ids, tokens, max_length, seed, twice=False):
         from keras_transformer.data.pipeline import _batch_sizes, bucket_boundaries
 
         self.source_ids, self.target_ids = source_ids, target_ids
@@ -132,6 +137,8 @@ class Batches:
         self.rng = np.random.default_rng(seed)
         # Rows of every padded batch: the most sentences any bucket batches.
         self.rows = max(self.sizes)
+        # R-Drop: each sentence in two adjacent rows, as `duplicate_rows` makes them.
+        self.twice = twice
 
     @staticmethod
     def width(length):
@@ -169,6 +176,8 @@ class Batches:
             src[r, : len(s) + 1] = [*s, EOS_ID]
             dec[r, : len(t) + 1] = [BOS_ID, *t]
             lab[r, : len(t) + 1] = [*t, EOS_ID]
+        if self.twice:
+            src, dec, lab = (np.repeat(a, 2, axis=0) for a in (src, dec, lab))
         return {"source_ids": src, "target_ids": dec}, lab
 
     def count(self):
@@ -232,7 +241,9 @@ def run_one(args) -> None:
         if len(x) + 1 <= config.max_length and len(y) + 1 <= config.max_length:
             src_ids.append(x)
             tgt_ids.append(y)
-    batches = Batches(src_ids, tgt_ids, s["tokens"], config.max_length, s["seed"])
+    batches = Batches(
+        src_ids, tgt_ids, s["tokens"], config.max_length, s["seed"], twice=bool(s["rdrop"])
+    )
     per_epoch = batches.count()
     # `TrainSettings.schedule`'s automatic warm-up and peak, times `lr_mult`.
     warmup = min(PAPER_WARMUP_STEPS, WARMUP_EPOCHS * per_epoch)
@@ -242,7 +253,7 @@ def run_one(args) -> None:
     model = build_transformer(config)
     model.compile(
         optimizer=transformer_optimizer(config.hidden_dim, warmup, scale),
-        loss=LabelSmoothedCrossEntropy(s["label_smoothing"]),
+        loss=LabelSmoothedCrossEntropy(s["label_smoothing"], consistency=s["rdrop"]),
         metrics=[MaskedAccuracy()],
         steps_per_execution=args.steps_per_execution,
     )
@@ -253,7 +264,7 @@ def run_one(args) -> None:
         test = (test[0][: args.max_sentences], test[1][: args.max_sentences])
     val_batches = Batches(
         [tokenizer.encode(t) for t in val[0]], [tokenizer.encode(t) for t in val[1]],
-        2048, config.max_length, 0,
+        2048, config.max_length, 0, twice=bool(s["rdrop"]),
     )  # fmt: skip
 
     def bleu(split, beam=1, alpha=0.6):

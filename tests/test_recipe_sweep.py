@@ -56,3 +56,22 @@ def test_padding_rows_and_columns_leave_the_loss_unchanged():
     padded_loss = float(loss(labels, model(x)))
     trimmed_loss = float(loss(labels[:n, :t_len], model(trimmed)))
     np.testing.assert_allclose(padded_loss, trimmed_loss, rtol=1e-5)
+
+
+def test_rdrop_batches_pair_each_sentence_as_the_pipeline_does():
+    import tensorflow as tf
+
+    from keras_transformer.data.pipeline import duplicate_rows
+
+    source, target = _pairs(60, seed=2)
+    once = Batches(source, target, 256, 64, seed=5)
+    twice = Batches(source, target, 256, 64, seed=5, twice=True)
+    members = once.epoch_members()[0]
+    x, labels = once.pad(members)
+    x2, labels2 = twice.pad(members)
+    dataset = tf.data.Dataset.from_tensors((x, labels))
+    ((expected_x, expected_labels),) = list(duplicate_rows(dataset).as_numpy_iterator())
+    for name in ("source_ids", "target_ids"):
+        np.testing.assert_array_equal(x2[name], expected_x[name])
+    np.testing.assert_array_equal(labels2, expected_labels)
+    assert x2["source_ids"].shape[0] == 2 * x["source_ids"].shape[0]
