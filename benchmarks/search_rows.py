@@ -15,7 +15,16 @@ Two measurements, each the best of `--repeats` interleaved passes:
   product of a step) as a one-node graph, at 1, 4, 8 and 32 rows, in
   float32 and as ONNX Runtime's dynamic int8 quantization makes it (int8
   weights one scale, as the export's; uint8 weights; int8 with one scale
-  per column); microseconds per call.
+  per column); microseconds per call;
+- decoder products: every other product of a decoder step (per layer the
+  self-attention's fused query/key/value and output, the cross-attention's
+  query and output, the two feed-forward ones), chained in one graph, in
+  float32 and int8 as exported, at 1, 4, 8 and 32 rows; microseconds per call.
+
+With `--profile`, also ONNX Runtime's own profile of the three searches and
+of `greedy_batch_search` on batches of `--batch` sentences: microseconds per
+loop iteration spent in each operator type. The profiler adds 2-3 us of its
+own to every node, so small nodes read high; compare a type across cases.
 
 Writes JSON to benchmarks/results/search_rows.json (or --out).
 """
@@ -37,6 +46,8 @@ def build_parser():
     parser.add_argument("--precision", default="int8", help="the graphs' precision (default int8)")
     parser.add_argument("--rows", type=int, default=4, help="rows, and beam size (default 4)")
     parser.add_argument("--repeats", type=int, default=7, help="interleaved passes (default 7)")
+    parser.add_argument("--profile", action="store_true", help="also profile by operator type")
+    parser.add_argument("--batch", type=int, default=32, help="--profile's batch (default 32)")
     parser.add_argument("--out", default=os.path.join("benchmarks", "results", "search_rows.json"))
     return parser
 
@@ -52,18 +63,24 @@ def _best(functions, repeats):
     return best
 
 
-def step_costs(translator, sources, rows, repeats):
+def _search_feeds(translator, source_rows, beam):
+    """The search graphs' feeds for `source_rows` (token ids), greedy or beam `beam`."""
     import numpy as np
 
+    source, limits = translator._prepare(source_rows, None)
+    _, mask, cross = translator.encode(source)
+    feeds = translator._search_feeds(mask, cross)
+    feeds["limits"] = np.asarray(limits, np.int64)
+    if beam > 1:
+        feeds["beam_size"] = np.array(beam, np.int64)
+        feeds["length_penalty"] = np.array(0.6, np.float64)
+    return feeds
+
+
+def step_costs(translator, sources, rows, repeats):
+
     def feeds(source_rows, beam):
-        source, limits = translator._prepare(source_rows, None)
-        _, mask, cross = translator.encode(source)
-        f = translator._search_feeds(mask, cross)
-        f["limits"] = np.asarray(limits, np.int64)
-        if beam > 1:
-            f["beam_size"] = np.array(beam, np.int64)
-            f["length_penalty"] = np.array(0.6, np.float64)
-        return f
+        return _search_feeds(translator, source_rows, beam)
 
     greedy, beam = translator.session("greedy_search"), translator.session("beam_search")
     cases = {
@@ -149,6 +166,138 @@ def product_costs(hidden, vocabulary, repeats):
     return cells
 
 
+def _quantized_sessions(model):
+    """ONNX Runtime sessions (one thread) of `model` in float32 and int8 as exported."""
+    import onnx
+    import onnxruntime as ort
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    with tempfile.TemporaryDirectory() as folder:
+        paths = {"float32": os.path.join(folder, "float32.onnx")}
+        onnx.save(model, paths["float32"])
+        paths["int8"] = os.path.join(folder, "int8.onnx")
+        quantize_dynamic(
+            paths["float32"],
+            paths["int8"],
+            weight_type=QuantType.QInt8,
+            extra_options={"MatMulConstBOnly": True},
+        )
+        return {
+            name: ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+            for name, path in paths.items()
+        }
+
+
+def decoder_products(config, repeats):
+    """Every product of a decoder step but the output projection, chained, per call."""
+    import numpy as np
+    from onnx import TensorProto, helper, numpy_helper
+
+    d, ff = config["hidden_dim"], config["intermediate_dim"]
+    rng = np.random.default_rng(0)
+    shapes = [(d, 3 * d), (d, d), (d, d), (d, d), (d, ff)]
+    nodes, weights, x = [], [], "x"
+    for layer in range(config["num_layers"]):
+        # Each product reads the layer's input, as the step's do; the last
+        # feed-forward product reads the first's output and feeds the next layer.
+        for j, (rows_in, cols) in enumerate(shapes + [(ff, d)]):
+            w = f"w{layer}_{j}"
+            weights.append(
+                numpy_helper.from_array(
+                    (rng.standard_normal((rows_in, cols)) * 0.05).astype(np.float32), w
+                )
+            )
+            nodes.append(
+                helper.make_node("MatMul", [f"p{layer}_4" if j == 5 else x, w], [f"p{layer}_{j}"])
+            )
+        x = f"p{layer}_5"
+    outputs = [f"p{layer}_{j}" for layer in range(config["num_layers"]) for j in range(5)] + [x]
+    graph = helper.make_graph(
+        nodes,
+        "decoder_products",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["rows", d])],
+        [helper.make_tensor_value_info(name, TensorProto.FLOAT, None) for name in outputs],
+        weights,
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 9
+    sessions = _quantized_sessions(model)
+    cells, calls = [], 50
+    for rows in (1, 4, 8, 32):
+        x_value = rng.standard_normal((rows, d)).astype(np.float32)
+
+        def runner(session, x_value=x_value):
+            return lambda: [session.run(None, {"x": x_value}) for _ in range(calls)]
+
+        best = _best({name: runner(s) for name, s in sessions.items()}, repeats)
+        cells += [
+            {
+                "rows": rows,
+                "kind": name,
+                "products": len(nodes),
+                "microseconds_per_call": 1e6 * best[name] / calls,
+            }
+            for name in sessions
+        ]
+    return cells
+
+
+def operator_profiles(translator, sources, rows, batch):
+    """Microseconds per loop iteration in each operator type, from ONNX Runtime's
+    profiler, for the three searches of `step_costs` and `greedy_batch_search`."""
+    import collections
+    import json
+
+    import onnxruntime as ort
+
+    def feeds(source_rows, beam):
+        return _search_feeds(translator, source_rows, beam)
+
+    cases = {
+        "greedy, 1 row": ("greedy_search", [feeds([s], 1) for s in sources]),
+        f"greedy, {rows} copies": ("greedy_search", [feeds([s] * rows, 1) for s in sources]),
+        f"beam {rows}": ("beam_search", [feeds([s], rows) for s in sources]),
+    }
+    if "greedy_batch_search" in translator._graph_files:
+        batches = [sources[i : i + batch] for i in range(0, len(sources), batch)]
+        cases[f"greedy batch graph, {batch} sentences"] = (
+            "greedy_batch_search",
+            [feeds(b, 1) for b in batches],
+        )
+    profiles = {}
+    with tempfile.TemporaryDirectory() as folder:
+        for name, (graph, all_feeds) in cases.items():
+            options = ort.SessionOptions()
+            options.intra_op_num_threads = 1
+            options.enable_profiling = True
+            options.profile_file_prefix = os.path.join(folder, "profile")
+            options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+            path = os.path.join(translator.onnx_dir, translator._graph_files[graph])
+            session = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+            axis = 0 if graph.startswith("greedy") else 1
+            iterations = sum(session.run(None, f)[0].shape[axis] for f in all_feeds)
+            with open(session.end_profiling()) as f:
+                events = json.load(f)
+            spent, count = collections.Counter(), collections.Counter()
+            for event in events:
+                if event.get("cat") == "Node" and event["name"].endswith("_kernel_time"):
+                    spent[event["args"]["op_name"]] += event["dur"]
+                    count[event["args"]["op_name"]] += 1
+            profiles[name] = {
+                "iterations": iterations,
+                "operators": {
+                    op: {
+                        "microseconds_per_iteration": spent[op] / iterations,
+                        "nodes_per_iteration": count[op] / iterations,
+                    }
+                    for op, _ in spent.most_common()
+                },
+            }
+    return profiles
+
+
 def run(args):
     import logging
 
@@ -179,6 +328,7 @@ def run(args):
             translator.vocabulary_size,
             args.repeats,
         )
+        layers = decoder_products(translator.manifest["config"], args.repeats)
     finally:
         logging.getLogger().removeFilter(hush)
     for cell in products:
@@ -186,7 +336,23 @@ def run(args):
             f"output projection, {cell['kind']}, {cell['rows']} rows: "
             f"{cell['microseconds_per_call']:.1f} us"
         )
-    return write_report("search_rows", args, steps=steps, products=products)
+    for cell in layers:
+        print(
+            f"decoder's other {cell['products']} products, {cell['kind']}, {cell['rows']} rows: "
+            f"{cell['microseconds_per_call']:.1f} us"
+        )
+    extra = {}
+    if args.profile:
+        extra["profiles"] = operator_profiles(translator, sources, args.rows, args.batch)
+        for case, profile in extra["profiles"].items():
+            top = list(profile["operators"].items())[:8]
+            print(
+                f"profile, {case}, us per iteration: "
+                + ", ".join(f"{op} {v['microseconds_per_iteration']:.0f}" for op, v in top)
+            )
+    return write_report(
+        "search_rows", args, steps=steps, products=products, decoder_products=layers, **extra
+    )
 
 
 def main(argv=None):

@@ -372,7 +372,7 @@ def test_search_rows_benchmark_times_the_steps_and_the_products(
     export_onnx(str(trained_run), str(onnx_dir), precision="int8")
     out = tmp_path / "rows.json"
     argv = [str(onnx_dir), "--src", paths["test.src"], "--lines", "4", "--repeats", "1"]
-    report = rows_main(argv + ["--rows", "3", "--out", str(out)])
+    report = rows_main(argv + ["--rows", "3", "--batch", "2", "--profile", "--out", str(out)])
     assert json.loads(out.read_text()) == report
     assert [c["case"] for c in report["steps"]] == ["greedy, 1 row", "greedy, 3 copies", "beam 3"]
     greedy_one, greedy_copies, _ = report["steps"]
@@ -387,5 +387,22 @@ def test_search_rows_benchmark_times_the_steps_and_the_products(
         (rows, kind) for rows in (1, 4, 8, 32) for kind in kinds
     ]
     assert all(c["microseconds_per_call"] > 0 for c in report["products"])
+    assert [(c["rows"], c["kind"]) for c in report["decoder_products"]] == [
+        (rows, kind) for rows in (1, 4, 8, 32) for kind in ("float32", "int8")
+    ]
+    layers = json.loads((onnx_dir / "manifest.json").read_text())["config"]["num_layers"]
+    assert {c["products"] for c in report["decoder_products"]} == {6 * layers}
+    profiles = report["profiles"]
+    assert list(profiles) == [
+        "greedy, 1 row", "greedy, 3 copies", "beam 3", "greedy batch graph, 2 sentences"
+    ]  # fmt: skip
+    # The profiled searches count the same iterations as the timed ones.
+    for cell in report["steps"]:
+        assert profiles[cell["case"]]["iterations"] == cell["iterations"]
+    for profile in profiles.values():
+        operators = profile["operators"]
+        assert operators["DynamicQuantizeMatMul"]["nodes_per_iteration"] >= 6 * layers
+        assert all(v["microseconds_per_iteration"] > 0 for v in operators.values())
+    assert "Compress" in profiles["greedy batch graph, 2 sentences"]["operators"]
     with pytest.raises(SystemExit, match="at least 2"):
         rows_main(argv + ["--rows", "1", "--out", str(tmp_path / "no.json")])
