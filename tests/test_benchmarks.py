@@ -406,3 +406,30 @@ def test_search_rows_benchmark_times_the_steps_and_the_products(
     assert "Compress" in profiles["greedy batch graph, 2 sentences"]["operators"]
     with pytest.raises(SystemExit, match="at least 2"):
         rows_main(argv + ["--rows", "1", "--out", str(tmp_path / "no.json")])
+
+
+def test_batch_steps_benchmark_compares_steps_per_iteration(trained_run, corpus_files, tmp_path):
+    """The greedy batch graph built at each steps-per-iteration count from the
+    export's own step graph, in float32 and int8, on the same batches."""
+    from benchmarks.batch_steps import main as steps_main
+    from keras_transformer.export.onnx import export_onnx
+
+    _, paths = corpus_files
+    onnx_dir = tmp_path / "onnx"
+    export_onnx(str(trained_run), str(onnx_dir), precision="int8")
+    out = tmp_path / "steps.json"
+    argv = [str(onnx_dir), "--src", paths["test.src"], "--lines", "10", "--repeats", "1"]
+    report = steps_main(argv + ["--batch-size", "4", "--steps", "1", "2", "3", "--out", str(out)])
+    assert json.loads(out.read_text()) == report
+    cells = report["cells"]
+    assert [(c["precision"], c["steps_per_iteration"]) for c in cells] == [
+        (p, k) for p in ("float32", "int8") for k in (1, 2, 3)
+    ]
+    for cell in cells:
+        assert cell["sentences"] == 10
+        assert cell["sentences_per_second"] == pytest.approx(10 / cell["seconds"])
+        if cell["precision"] == "float32" or cell["steps_per_iteration"] == 1:
+            assert cell["identical_sentences"] == 10
+    assert [c["ratio"] for c in cells if c["steps_per_iteration"] == 1] == [1.0, 1.0]
+    with pytest.raises(SystemExit, match="at least 1"):
+        steps_main(argv + ["--steps", "0", "--out", str(tmp_path / "no.json")])

@@ -28,7 +28,12 @@ from keras_transformer_runtime.specials import BOS_ID, PAD_ID  # noqa: E402
 from keras_transformer import cli  # noqa: E402
 from keras_transformer.data.toy import generate_toy_corpus  # noqa: E402
 from keras_transformer.decoding import beam_search, greedy_search  # noqa: E402
-from keras_transformer.export.onnx import ExportError, export_onnx, float32_copy  # noqa: E402
+from keras_transformer.export.onnx import (  # noqa: E402
+    BATCH_STEPS_PER_ITERATION,
+    ExportError,
+    export_onnx,
+    float32_copy,
+)
 from keras_transformer.model import transformer_parts  # noqa: E402
 from keras_transformer.translation import load_run, translate_lines  # noqa: E402
 
@@ -349,6 +354,49 @@ def test_the_greedy_loop_in_the_graph_finds_what_the_step_by_step_search_finds(
         assert tokens[2] == keras_tokens[1]
 
 
+def test_the_greedy_batch_graph_finds_the_same_at_any_steps_per_iteration(exported, tmp_path):
+    """The float32 greedy_batch_search makes one decoder step per loop
+    iteration (int8's make two, `BATCH_STEPS_PER_ITERATION`); built with 2 or 3
+    steps and one compaction after them it gives the same tokens and scores,
+    a batch's steps after its last sentence ended dropped."""
+    import shutil
+
+    import onnxruntime as ort
+
+    from keras_transformer.export.greedy_graph import build_greedy_batch_search
+
+    _, tokenizer, _, out = exported("float32")
+    translator = OnnxTranslator(out)
+    sources = _sources(tokenizer, held_out_lines(24, seed=73))
+    step = onnx.load(os.path.join(out, "decoder_step.onnx"), load_external_data=False)
+    shutil.copyfile(os.path.join(out, "weights.bin"), tmp_path / "weights.bin")
+    sessions = {"exported": translator.session("greedy_batch_search")}
+    for k in (2, 3):
+        path = str(tmp_path / f"greedy_batch_k{k}.onnx")  # beside its weights
+        onnx.save(build_greedy_batch_search(step, k), path)
+        sessions[k] = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+    batches = [
+        (sources, None),
+        (sources, 3),
+        (sources[:5], 4),
+        ([sources[0], [], sources[1]], None),
+    ]
+    for rows, max_length in batches:
+        source, limits = translator._prepare(rows, max_length)
+        _, mask, cross = translator.encode(source)
+        feeds = translator._search_feeds(mask, cross)
+        feeds["limits"] = np.asarray(limits, np.int64)
+        tokens, scores = sessions["exported"].run(None, feeds)
+        # As many steps as the longest output, EOS included.
+        assert len(tokens) == max(int((column >= 0).sum()) for column in tokens.T)
+        for k in (2, 3):
+            k_tokens, k_scores = sessions[k].run(None, feeds)
+            np.testing.assert_array_equal(k_tokens, tokens)
+            np.testing.assert_allclose(k_scores, scores, rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match="at least 1"):
+        build_greedy_batch_search(step, 0)
+
+
 @pytest.mark.parametrize("precision", ["float32", "float16"])
 def test_the_beam_loop_in_the_graph_finds_what_the_step_by_step_search_finds(
     precision, exported, monkeypatch
@@ -454,6 +502,16 @@ def test_int8_graphs_are_smaller_and_translate_no_worse_than_float32(toy_run, tm
             if len(t.dims) == 2 and t.dims[0] == vocabulary and t.dims[1] > 1  # not the scales
         ]
         assert onnx.TensorProto.INT8 in tables and onnx.TensorProto.FLOAT not in tables, name
+
+    def products(name):
+        graph = onnx.load(os.path.join(out, manifest["graphs"][name]["int8"])).graph
+        kinds = ("MatMulInteger", "DynamicQuantizeMatMul")
+        return sum(n.op_type in kinds for g in _subgraphs(graph) for n in g.node)
+
+    # The int8 greedy batch graph makes its decoder steps two per loop iteration.
+    assert BATCH_STEPS_PER_ITERATION["int8"] == 2
+    assert products("greedy_batch_search") == 2 * products("decoder_step") > 0
+    assert products("greedy_search") == products("decoder_step")
     for full_file, int8_file in (
         ("model.onnx", "model_int8.onnx"),
         ("weights.bin", "weights_int8.bin"),
