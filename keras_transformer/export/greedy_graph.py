@@ -200,14 +200,7 @@ def compaction(keep, states, outputs):
 
 def renamed_inputs(nodes, names):
     """Copies of `nodes` that read `names[x]` wherever they read a value `x` in `names`."""
-    copies = []
-    for node in nodes:
-        copy = type(node)()
-        copy.CopyFrom(node)
-        for i, name in enumerate(copy.input):
-            copy.input[i] = names.get(name, name)
-        copies.append(copy)
-    return copies
+    return _step_copy(nodes, "", names, ())
 
 
 def _step_copy(nodes, prefix, names, keep):
