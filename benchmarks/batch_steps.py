@@ -27,7 +27,6 @@ import os
 import shutil
 import sys
 import tempfile
-import time
 
 
 def build_parser():
@@ -49,7 +48,7 @@ def run(args):
     from keras_transformer_runtime import OnnxTranslator
 
     from benchmarks.machine import write_report
-    from benchmarks.search_rows import _search_feeds
+    from benchmarks.search_rows import _best, _search_feeds
     from keras_transformer.data.pipeline import read_lines
     from keras_transformer.export.greedy_graph import build_greedy_batch_search
 
@@ -90,13 +89,11 @@ def run(args):
                     path, options, providers=["CPUExecutionProvider"]
                 )
         outputs = {k: [s.run(None, f)[0] for f in batches] for k, s in sessions.items()}
-        best = {k: float("inf") for k in sessions}
-        for _ in range(args.repeats):
-            for k, session in sessions.items():
-                start = time.perf_counter()
-                for feeds in batches:
-                    session.run(None, feeds)
-                best[k] = min(best[k], time.perf_counter() - start)
+
+        def runner(session, batches=batches):
+            return lambda: [session.run(None, feeds) for feeds in batches]
+
+        best = _best({k: runner(s) for k, s in sessions.items()}, args.repeats)
         base = args.steps[0]
         for k in sessions:
             same = sum(

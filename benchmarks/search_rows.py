@@ -150,10 +150,17 @@ def product_costs(hidden, vocabulary, repeats):
             )
         for name, p in paths.items():
             sessions[name] = ort.InferenceSession(p, options, providers=["CPUExecutionProvider"])
+    return _per_call(sessions, hidden, repeats, rng)
+
+
+def _per_call(sessions, width, repeats, rng, rows_list=(1, 4, 8, 32), calls=50):
+    """Microseconds per call of each one-input (`x`, rows x `width`) session, the
+    best of `repeats` interleaved passes, at each row count."""
+    import numpy as np
+
     cells = []
-    calls = 50
-    for rows in (1, 4, 8, 32):
-        x = rng.standard_normal((rows, hidden)).astype(np.float32)
+    for rows in rows_list:
+        x = rng.standard_normal((rows, width)).astype(np.float32)
 
         def runner(session, x=x):
             return lambda: [session.run(None, {"x": x}) for _ in range(calls)]
@@ -224,24 +231,8 @@ def decoder_products(config, repeats):
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 9
     sessions = _quantized_sessions(model)
-    cells, calls = [], 50
-    for rows in (1, 4, 8, 32):
-        x_value = rng.standard_normal((rows, d)).astype(np.float32)
-
-        def runner(session, x_value=x_value):
-            return lambda: [session.run(None, {"x": x_value}) for _ in range(calls)]
-
-        best = _best({name: runner(s) for name, s in sessions.items()}, repeats)
-        cells += [
-            {
-                "rows": rows,
-                "kind": name,
-                "products": len(nodes),
-                "microseconds_per_call": 1e6 * best[name] / calls,
-            }
-            for name in sessions
-        ]
-    return cells
+    cells = _per_call(sessions, d, repeats, rng)
+    return [dict(cell, products=len(nodes)) for cell in cells]
 
 
 def operator_profiles(translator, sources, rows, batch):
