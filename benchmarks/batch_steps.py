@@ -36,6 +36,14 @@ def build_parser():
     parser.add_argument("--lines", type=int, default=192, help="first N sentences (default 192)")
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--steps", type=int, nargs="+", default=[1, 2, 3])
+    parser.add_argument(
+        "--selections",
+        nargs="+",
+        choices=["blocked", "topk"],
+        default=["blocked"],
+        help="how each step finds its best token: block by block (the export's) "
+        "or one TopK over the vocabulary (default: blocked)",
+    )
     parser.add_argument("--repeats", type=int, default=7, help="interleaved passes (default 7)")
     parser.add_argument("--out", default=os.path.join("benchmarks", "results", "batch_steps.json"))
     return parser
@@ -83,39 +91,44 @@ def run(args):
             if weights:  # the graphs read the export's weights file beside them
                 shutil.copyfile(os.path.join(args.onnx_dir, weights), os.path.join(folder, weights))
             for k in args.steps:
-                path = os.path.join(folder, f"greedy_batch_search_{k}.onnx")
-                onnx.save(build_greedy_batch_search(step, k), path)
-                sessions[k] = ort.InferenceSession(
-                    path, options, providers=["CPUExecutionProvider"]
-                )
+                for selection in args.selections:
+                    path = os.path.join(folder, f"greedy_batch_search_{k}_{selection}.onnx")
+                    graph = build_greedy_batch_search(step, k, selection == "blocked")
+                    onnx.save(graph, path)
+                    sessions[k, selection] = ort.InferenceSession(
+                        path, options, providers=["CPUExecutionProvider"]
+                    )
         outputs = {k: [s.run(None, f)[0] for f in batches] for k, s in sessions.items()}
 
         def runner(session, batches=batches):
             return lambda: [session.run(None, feeds) for feeds in batches]
 
         best = _best({k: runner(s) for k, s in sessions.items()}, args.repeats)
-        base = args.steps[0]
-        for k in sessions:
+        base = args.steps[0], args.selections[0]
+        for k, selection in sessions:
+            key = k, selection
             same = sum(
                 int(np.array_equal(a, b))
-                for tokens, base_tokens in zip(outputs[k], outputs[base], strict=True)
+                for tokens, base_tokens in zip(outputs[key], outputs[base], strict=True)
                 for a, b in zip(_columns(tokens), _columns(base_tokens), strict=True)
             )
             cells.append(
                 {
                     "precision": precision,
                     "steps_per_iteration": k,
+                    "selection": selection,
                     "batch_size": args.batch_size,
                     "sentences": len(sources),
-                    "seconds": best[k],
-                    "sentences_per_second": len(sources) / best[k],
-                    "ratio": best[base] / best[k],
+                    "seconds": best[key],
+                    "sentences_per_second": len(sources) / best[key],
+                    "ratio": best[base] / best[key],
                     "identical_sentences": same,
                 }
             )
             cell = cells[-1]
             print(
-                f"{precision}, {k} steps per iteration: {cell['sentences_per_second']:.1f} "
+                f"{precision}, {k} steps per iteration, {selection} selection: "
+                f"{cell['sentences_per_second']:.1f} "
                 f"sentences/s ({cell['ratio']:.3f}x), {same}/{len(sources)} identical"
             )
     return write_report("batch_steps", args, cells=cells)

@@ -419,17 +419,21 @@ def test_batch_steps_benchmark_compares_steps_per_iteration(trained_run, corpus_
     export_onnx(str(trained_run), str(onnx_dir), precision="int8")
     out = tmp_path / "steps.json"
     argv = [str(onnx_dir), "--src", paths["test.src"], "--lines", "10", "--repeats", "1"]
-    report = steps_main(argv + ["--batch-size", "4", "--steps", "1", "2", "3", "--out", str(out)])
+    selections = ["--selections", "topk", "blocked"]
+    report = steps_main(
+        argv + ["--batch-size", "4", "--steps", "1", "2", "3", *selections, "--out", str(out)]
+    )
     assert json.loads(out.read_text()) == report
     cells = report["cells"]
-    assert [(c["precision"], c["steps_per_iteration"]) for c in cells] == [
-        (p, k) for p in ("float32", "int8") for k in (1, 2, 3)
+    assert [(c["precision"], c["steps_per_iteration"], c["selection"]) for c in cells] == [
+        (p, k, s) for p in ("float32", "int8") for k in (1, 2, 3) for s in ("topk", "blocked")
     ]
     for cell in cells:
         assert cell["sentences"] == 10
         assert cell["sentences_per_second"] == pytest.approx(10 / cell["seconds"])
         if cell["precision"] == "float32" or cell["steps_per_iteration"] == 1:
             assert cell["identical_sentences"] == 10
-    assert [c["ratio"] for c in cells if c["steps_per_iteration"] == 1] == [1.0, 1.0]
+    first = [c["ratio"] for c in cells if (c["steps_per_iteration"], c["selection"]) == (1, "topk")]
+    assert first == [1.0, 1.0]
     with pytest.raises(SystemExit, match="at least 1"):
         steps_main(argv + ["--steps", "0", "--out", str(tmp_path / "no.json")])

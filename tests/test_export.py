@@ -397,6 +397,135 @@ def test_the_greedy_batch_graph_finds_the_same_at_any_steps_per_iteration(export
         build_greedy_batch_search(step, 0)
 
 
+def _selection_step(vocabulary_size, opset):
+    """The tail of a decoder step on its own: logits in; `log_probs` and the
+    `top_k` best tokens other than padding and BOS out, as `build_decoder_step`
+    writes them."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    never = np.zeros(vocabulary_size, np.float32)
+    never[[PAD_ID, BOS_ID]] = -np.inf
+    nodes = [
+        helper.make_node("LogSoftmax", ["logits"], ["log_probs"], axis=-1),
+        helper.make_node("Add", ["log_probs", "banned_ids_bias"], ["allowed"]),
+        helper.make_node("TopK", ["allowed", "top_k"], ["top_log_probs", "top_ids"], axis=-1),
+    ]
+    f32 = TensorProto.FLOAT
+    graph = helper.make_graph(
+        nodes,
+        "step",
+        [
+            helper.make_tensor_value_info("logits", f32, ["batch", vocabulary_size]),
+            helper.make_tensor_value_info("top_k", TensorProto.INT64, [1]),
+        ],
+        [
+            helper.make_tensor_value_info("log_probs", f32, ["batch", vocabulary_size]),
+            helper.make_tensor_value_info("top_log_probs", f32, ["batch", "top_k"]),
+            helper.make_tensor_value_info("top_ids", TensorProto.INT64, ["batch", "top_k"]),
+        ],
+        [numpy_helper.from_array(never, "banned_ids_bias")],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    model.ir_version = 9
+    return model
+
+
+@pytest.mark.parametrize("opset", [17, 18])
+def test_the_blocked_best_token_is_the_one_topk_picks(opset):
+    """`best_token_step` finds each row's best token block by block: the same
+    token and log-probability as one `TopK` over the vocabulary, ties to the
+    lower id across and within blocks, padding and BOS never chosen."""
+    import onnxruntime as ort
+
+    from keras_transformer.export.greedy_graph import _block_size, best_token_step
+
+    vocabulary_size = 2000
+    block = _block_size(vocabulary_size)
+    assert block == 40  # the divisor nearest sqrt(2000)
+    step = _selection_step(vocabulary_size, opset)
+    blocked = best_token_step(step)
+    onnx.checker.check_model(blocked, full_check=True)
+    assert "TopK" in _op_types(blocked.graph)
+    assert not any(list(n.input) == ["log_probs", "banned_ids_bias"] for n in blocked.graph.node)
+
+    rng = np.random.default_rng(5)
+    logits = rng.normal(size=(12, vocabulary_size)).astype(np.float32)
+    logits[1, [PAD_ID, BOS_ID]] = 50.0  # the best two are banned
+    logits[2] = 0.0  # all equal: the first allowed id, 2
+    logits[3, [700, 1900, 5]] = 40.0  # one tie across blocks, one in the first block
+    logits[4, [719, 701]] = 40.0  # a tie inside one block
+    logits[5, :] = -np.inf
+    logits[5, [PAD_ID, 1999]] = 1.0  # only padding and the last id finite
+    logits[6, [PAD_ID, 39]] = 30.0  # the first block's best is banned, id 39 is not
+    logits[7] = np.round(logits[7])  # many ties
+    logits[8, [40, 80]] = 30.0  # the first ids of two blocks
+    logits[9, [PAD_ID, BOS_ID, 2]] = [60.0, 60.0, 59.0]
+    logits[10] = np.round(rng.normal(size=vocabulary_size) * 0.3).astype(np.float32)
+
+    def run(model, rows):
+        session = ort.InferenceSession(
+            model.SerializeToString(), providers=["CPUExecutionProvider"]
+        )
+        return session.run(None, {"logits": rows, "top_k": np.array([1], np.int64)})
+
+    for rows in (logits, logits[:1], logits[2:3]):
+        expected, found = run(step, rows), run(blocked, rows)
+        np.testing.assert_array_equal(found[0], expected[0])  # log_probs untouched
+        np.testing.assert_array_equal(found[2], expected[2])
+        np.testing.assert_array_equal(found[1], expected[1])
+    tokens = run(blocked, logits)[2][:, 0]
+    assert list(tokens[1:7]) == [int(np.argsort(-logits[1][2:])[0]) + 2, 2, 5, 701, 1999, 39]
+    assert tokens[8] == 40 and tokens[9] == 2
+
+    # No block width: vocabularies under 1024, or with no divisor in 16..512.
+    for size in (1000, 1031):
+        assert _block_size(size) is None
+        small = _selection_step(size, opset)
+        assert best_token_step(small) is small
+
+
+def test_the_greedy_batch_graph_with_blocked_selection_finds_what_greedy_search_finds():
+    """A random `tiny` model with a 1200-token vocabulary (block width 30): its
+    greedy_batch_search, at 1 and 2 steps per iteration, gives greedy_search's
+    tokens and scores (greedy_search keeps the full `TopK`). Random weights give
+    nearly flat log-probabilities, many close calls."""
+    import onnxruntime as ort
+
+    from keras_transformer.config import TransformerConfig
+    from keras_transformer.export.encoder_graph import build_encoder
+    from keras_transformer.export.greedy_graph import (
+        build_greedy_batch_search,
+        build_greedy_search,
+    )
+    from keras_transformer.export.step_graph import build_decoder_step
+    from keras_transformer.model import build_transformer
+
+    keras.utils.set_random_seed(3)
+    model = build_transformer(TransformerConfig.from_preset("tiny", vocabulary_size=1200))
+    parts = transformer_parts(model)
+    step = build_decoder_step(parts)
+    assert "ArgMax" in _op_types(build_greedy_batch_search(step).graph)
+
+    def session(proto):
+        return ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+
+    encoder = session(build_encoder(parts))
+    rng = np.random.default_rng(8)
+    lengths = rng.integers(1, 12, size=20)
+    source = np.zeros((20, 12), np.int32)
+    for i, n in enumerate(lengths):
+        source[i, :n] = rng.integers(4, 1200, size=n)
+    _, mask, *cross = encoder.run(None, {"source_ids": source})
+    feeds = {"source_mask": mask}
+    feeds.update({v.name: c for v, c in zip(encoder.get_outputs()[2:], cross, strict=True)})
+    feeds["limits"] = (lengths + 6).astype(np.int64)
+    tokens, scores = session(build_greedy_search(step)).run(None, feeds)
+    for k in (1, 2):
+        k_tokens, k_scores = session(build_greedy_batch_search(step, k)).run(None, feeds)
+        np.testing.assert_array_equal(k_tokens, tokens)
+        np.testing.assert_allclose(k_scores, scores, rtol=0, atol=1e-6)
+
+
 @pytest.mark.parametrize("precision", ["float32", "float16"])
 def test_the_beam_loop_in_the_graph_finds_what_the_step_by_step_search_finds(
     precision, exported, monkeypatch
