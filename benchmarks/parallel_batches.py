@@ -2,11 +2,15 @@
 
     python -m benchmarks.parallel_batches ONNX_DIR --src test.de.gz [--layouts 2x1 1x2]
     python -m benchmarks.parallel_batches ONNX_DIR --src test.de.gz --layouts 2x1:none 2x1 2x1:all
+    python -m benchmarks.parallel_batches ONNX_DIR --src test.de.gz --layouts 1x2:own 1x2:shared
 
 A layout `TxP` runs P batches at once (`translate(..., parallel_batches=P)`),
 each search on T intra-op threads; `2x1` and `1x2` both use 2 cores. A
 suffix sets which graphs' idle worker threads spin (`OnnxTranslator`'s
-`spinning`): `:auto` (the default, the search graphs'), `:none` or `:all`. For
+`spinning`): `:auto` (the default, the search graphs'), `:none` or `:all`;
+`:shared` runs the P searches on one translator's sessions and `:own` on one
+translator (and sessions) each, where `translate` gives beam searches their own
+and greedy searches shared ones. For
 each precision of the export and each cell (greedy and beam 4, batch 1 and
 32), every layout translates the same sentences, repetitions interleaved,
 and the median is kept. Reported: sentences/s, the speed relative to the
@@ -30,8 +34,16 @@ SPINNING = {"auto": None, "none": False, "all": True}
 
 
 def layout(text):
-    """ "TxP[:spinning]" -> (name, threads, parallel_batches, spinning); T and P positive."""
-    cores, _, policy = text.lower().partition(":")
+    """ "TxP[:spinning][:shared|:own]" -> (name, threads, parallel_batches, spinning,
+    sessions); T and P positive, sessions None, "shared" or "own"."""
+    cores, *suffixes = text.lower().split(":")
+    sessions = [part for part in suffixes if part in ("shared", "own")]
+    suffixes = [part for part in suffixes if part not in sessions]
+    if len(sessions) > 1:
+        raise argparse.ArgumentTypeError(f"shared or own sessions, not both; got {text!r}")
+    if len(suffixes) > 1:
+        raise argparse.ArgumentTypeError(f"one spinning policy at most; got {text!r}")
+    policy = suffixes[0] if suffixes else ""
     try:
         threads, parallel = (int(part) for part in cores.split("x"))
     except ValueError:
@@ -45,7 +57,8 @@ def layout(text):
             f"spinning is one of {', '.join(SPINNING)}; got {policy!r} in {text!r}"
         )
     name = f"{threads}x{parallel}" + (f":{policy}" if policy and policy != "auto" else "")
-    return name, threads, parallel, SPINNING[policy or "auto"]
+    name += f":{sessions[0]}" if sessions else ""
+    return name, threads, parallel, SPINNING[policy or "auto"], (sessions or [None])[0]
 
 
 def build_parser():
@@ -58,9 +71,10 @@ def build_parser():
         type=layout,
         nargs="+",
         default=[layout("2x1"), layout("1x2")],
-        help="THREADSxBATCHES[:SPINNING] each: intra-op threads per search x batches at "
-        "once, and whose worker threads spin: auto (the search graphs'), none or all "
-        "(default: 2x1 1x2)",
+        help="THREADSxBATCHES[:SPINNING][:shared|:own] each: intra-op threads per search "
+        "x batches at once, whose worker threads spin: auto (the search graphs'), none or "
+        "all, and the batches on one translator's sessions or on their own (default: "
+        "2x1 1x2)",
     )
     parser.add_argument("--repeats", type=int, default=3, help="interleaved repetitions")
     parser.add_argument(
@@ -83,19 +97,17 @@ def run(args):
         raise SystemExit(f"--layouts names a layout twice: {' '.join(names)}")
     results = []
     for precision in precisions:
-        translators = {
-            name: (
-                OnnxTranslator(
-                    args.onnx_dir,
-                    providers=["CPUExecutionProvider"],
-                    num_threads=threads,
-                    precision=precision,
-                    spinning=spinning,
-                ),
-                parallel,
+        translators = {}
+        for name, threads, parallel, spinning, sessions in args.layouts:
+            translator = OnnxTranslator(
+                args.onnx_dir,
+                providers=["CPUExecutionProvider"],
+                num_threads=threads,
+                precision=precision,
+                spinning=spinning,
             )
-            for name, threads, parallel, spinning in args.layouts
-        }
+            translator._parallel_sessions = sessions  # None: translate's own choice
+            translators[name] = translator, parallel
         for label, beam, batch in CELLS:
             times = {name: [] for name in names}
             outputs = {}

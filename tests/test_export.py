@@ -790,9 +790,10 @@ def test_search_graphs_spin_and_the_encoder_sleeps_unless_told(exported):
 
 
 def test_parallel_batches_translate_as_one_batch_at_a_time(exported):
-    """Several batches searched at once, on threads sharing one session: every line
-    gets the translation it gets alone, in input order, through the Python API
-    and the command; a count below 1 is refused by name."""
+    """Several batches searched at once (beam searches each on a translator copy
+    with sessions of its own, made once and kept; greedy ones on shared sessions):
+    every line gets the translation it gets alone, in input order, through the
+    Python API and the command; a count below 1 is refused by name."""
     _, _, translator, out = exported("mixed_bfloat16")
     lines = held_out_lines(90, seed=53)
     one_thread = OnnxTranslator(out, providers=["CPUExecutionProvider"], num_threads=1)
@@ -801,6 +802,16 @@ def test_parallel_batches_translate_as_one_batch_at_a_time(exported):
         assert (
             one_thread.translate(lines, beam_size=beam, batch_size=8, parallel_batches=3) == alone
         )
+    copies = one_thread._parallel_translators(3, beam_size=3)
+    assert copies[0] is one_thread and len(copies) == 3 and one_thread._copies == copies[1:]
+    encoders = {id(t.session("encoder")) for t in copies}
+    assert len(encoders) == 3  # no session shared between two beam searches
+    assert one_thread._parallel_translators(3, beam_size=2) == copies  # kept, not made again
+    assert one_thread._parallel_translators(3, beam_size=1) == [one_thread] * 3
+    one_thread._parallel_sessions = "shared"
+    assert one_thread._parallel_translators(2, beam_size=4) == [one_thread] * 2
+    one_thread._parallel_sessions = "own"
+    assert one_thread._parallel_translators(2, beam_size=1) == copies[:2]
     with pytest.raises(ValueError, match="parallel_batches must be a positive integer"):
         translator.translate(lines, parallel_batches=0)
 

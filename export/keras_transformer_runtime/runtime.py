@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 
 import numpy as np
 
@@ -186,6 +187,8 @@ class OnnxTranslator:
         self._spinning = None if spinning is None else bool(spinning)
         self._graph_files = {name: entry[precision] for name, entry in graphs.items()}
         self._sessions = {}
+        self._copies = []  # for parallel beam searches: `_parallel_translators`
+        self._parallel_sessions = None
         self._self_names = self.cache_names("self")
         self._new_self_names = ["new_" + name for name in self._self_names]
         self.encoder_session = self.session("encoder")
@@ -227,6 +230,34 @@ class OnnxTranslator:
                 spinning = name in SPINNING_GRAPHS
             self._sessions[name] = _session(path, self._providers, self._num_threads, spinning)
         return self._sessions[name]
+
+    def _parallel_translators(self, count, beam_size):
+        """The translators of `count` searches run at once.
+
+        Beam searches get one each: this translator and `count - 1` copies of
+        it (made once, then kept), each with ONNX Runtime sessions of its own.
+        Greedy searches share this one's sessions. Sessions of their own kept
+        parallel int8 beam searches at one sentence from holding each other up,
+        while greedy searches at one sentence ran faster on shared sessions,
+        whose weights (read at every step) both searches find in the same
+        cache lines (`python -m benchmarks.parallel_batches --layouts 1x2:own
+        1x2:shared`). `_parallel_sessions` ("own" or "shared") overrides the
+        choice for benchmarks.
+        """
+        own = {"own": True, "shared": False}.get(self._parallel_sessions, beam_size > 1)
+        if not own:
+            return [self] * count
+        while len(self._copies) < count - 1:
+            self._copies.append(
+                OnnxTranslator(
+                    self.onnx_dir,
+                    providers=self._providers,
+                    num_threads=self._num_threads,
+                    precision=self.precision,
+                    spinning=self._spinning,
+                )
+            )
+        return [self, *self._copies[: count - 1]]
 
     # ----------------------------------------------------------------------- graphs
 
@@ -529,12 +560,29 @@ class OnnxTranslator:
             if not isinstance(text, str):
                 raise TypeError(f"Sentence {i} is a {type(text).__name__}, not a string.")
 
-        def search(batch):
+        def one_search(translator, batch):
             if beam_size == 1:
-                return self.greedy_search(batch, max_length=max_length)[0]
-            return self.beam_search(
+                return translator.greedy_search(batch, max_length=max_length)[0]
+            return translator.beam_search(
                 batch, beam_size=beam_size, length_penalty=length_penalty, max_length=max_length
             )[0]
+
+        if parallel_batches > 1:
+            # Each search running holds one translator (`_parallel_translators`).
+            free = queue.SimpleQueue()
+            for translator in self._parallel_translators(parallel_batches, beam_size):
+                free.put(translator)
+
+            def search(batch):
+                translator = free.get()
+                try:
+                    return one_search(translator, batch)
+                finally:
+                    free.put(translator)
+        else:
+
+            def search(batch):
+                return one_search(self, batch)
 
         return translate_texts(
             sentences,
