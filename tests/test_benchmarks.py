@@ -289,6 +289,22 @@ def test_onnx_vs_ctranslate2_runs_every_system_and_writes_json(trained_run, corp
             )
 
 
+def test_beam_selection_benchmark_refuses_a_vocabulary_without_blocks(
+    trained_run, corpus_files, tmp_path
+):
+    """The toy export's vocabulary is under 1024 tokens: no blocked selection to
+    compare, said by name (the graphs themselves: tests/test_export.py)."""
+    from benchmarks.beam_selection import main as selection_main
+    from keras_transformer.export.onnx import export_onnx
+
+    _, paths = corpus_files
+    onnx_dir = tmp_path / "onnx"
+    export_onnx(str(trained_run), str(onnx_dir))
+    with pytest.raises(SystemExit, match="no blocked selection for a beam of 4"):
+        selection_main([str(onnx_dir), "--src", paths["test.src"], "--out", str(tmp_path / "x")])
+    assert not (tmp_path / "x").exists()
+
+
 def test_parallel_batches_benchmark_compares_layouts_on_the_same_outputs(
     trained_run, corpus_files, tmp_path
 ):

@@ -431,27 +431,31 @@ def _selection_step(vocabulary_size, opset):
 
 
 @pytest.mark.parametrize("opset", [17, 18])
-def test_the_blocked_best_token_is_the_one_topk_picks(opset):
-    """`best_token_step` finds each row's best token block by block: the same
-    token and log-probability as one `TopK` over the vocabulary, ties to the
-    lower id across and within blocks, padding and BOS never chosen."""
+def test_the_blocked_selection_picks_the_tokens_topk_picks(opset):
+    """`blocked_selection` finds each row's k best tokens block by block: the
+    same tokens, in the same order, and log-probabilities as one `TopK` over
+    the vocabulary, ties to the lower id across and within blocks, padding and
+    BOS never chosen, for k from 1 to the number of blocks."""
     import onnxruntime as ort
 
-    from keras_transformer.export.greedy_graph import _block_size, best_token_step
+    from keras_transformer.export.step_graph import (
+        blocked_selection,
+        selection_block_size,
+        selection_top_k_limit,
+    )
 
     vocabulary_size = 2000
-    block = _block_size(vocabulary_size)
-    assert block == 40  # the divisor nearest sqrt(2000)
+    assert selection_block_size(vocabulary_size) == 40  # the divisor nearest sqrt(2000)
+    assert selection_top_k_limit(vocabulary_size) == 50
     step = _selection_step(vocabulary_size, opset)
-    blocked = best_token_step(step)
+    blocked = blocked_selection(step)
     onnx.checker.check_model(blocked, full_check=True)
-    assert "TopK" in _op_types(blocked.graph)
     assert not any(list(n.input) == ["log_probs", "banned_ids_bias"] for n in blocked.graph.node)
 
     rng = np.random.default_rng(5)
     logits = rng.normal(size=(12, vocabulary_size)).astype(np.float32)
     logits[1, [PAD_ID, BOS_ID]] = 50.0  # the best two are banned
-    logits[2] = 0.0  # all equal: the first allowed id, 2
+    logits[2] = 0.0  # all equal: the first allowed ids, 2, 3, ...
     logits[3, [700, 1900, 5]] = 40.0  # one tie across blocks, one in the first block
     logits[4, [719, 701]] = 40.0  # a tie inside one block
     logits[5, :] = -np.inf
@@ -461,37 +465,43 @@ def test_the_blocked_best_token_is_the_one_topk_picks(opset):
     logits[8, [40, 80]] = 30.0  # the first ids of two blocks
     logits[9, [PAD_ID, BOS_ID, 2]] = [60.0, 60.0, 59.0]
     logits[10] = np.round(rng.normal(size=vocabulary_size) * 0.3).astype(np.float32)
+    logits[11, 80:120] = 20.0  # one whole block ahead of the rest, all tied
 
-    def run(model, rows):
+    def run(model, rows, k):
         session = ort.InferenceSession(
             model.SerializeToString(), providers=["CPUExecutionProvider"]
         )
-        return session.run(None, {"logits": rows, "top_k": np.array([1], np.int64)})
+        return session.run(None, {"logits": rows, "top_k": np.array([k], np.int64)})
 
-    for rows in (logits, logits[:1], logits[2:3]):
-        expected, found = run(step, rows), run(blocked, rows)
-        np.testing.assert_array_equal(found[0], expected[0])  # log_probs untouched
-        np.testing.assert_array_equal(found[2], expected[2])
-        np.testing.assert_array_equal(found[1], expected[1])
-    tokens = run(blocked, logits)[2][:, 0]
+    for k in (1, 2, 8, 41, 50):
+        for rows in (logits, logits[:1], logits[2:3]):
+            expected, found = run(step, rows, k), run(blocked, rows, k)
+            np.testing.assert_array_equal(found[0], expected[0])  # log_probs untouched
+            np.testing.assert_array_equal(found[2], expected[2])
+            np.testing.assert_array_equal(found[1], expected[1])
+    tokens = run(blocked, logits, 1)[2][:, 0]
     assert list(tokens[1:7]) == [int(np.argsort(-logits[1][2:])[0]) + 2, 2, 5, 701, 1999, 39]
     assert tokens[8] == 40 and tokens[9] == 2
+    assert list(run(blocked, logits, 3)[2][2]) == [2, 3, 4]
+    assert list(run(blocked, logits, 41)[2][11][:40]) == list(range(80, 120))
 
     # No block width: vocabularies under 1024, or with no divisor in 16..512.
     for size in (1000, 1031):
-        assert _block_size(size) is None
-        small = _selection_step(size, opset)
-        assert best_token_step(small) is small
+        assert selection_block_size(size) is None and selection_top_k_limit(size) is None
+        assert blocked_selection(_selection_step(size, opset)) is None
 
 
-def test_the_greedy_batch_graph_with_blocked_selection_finds_what_greedy_search_finds():
-    """A random `tiny` model with a 1200-token vocabulary (block width 30): its
-    greedy_batch_search, at 1 and 2 steps per iteration, gives greedy_search's
-    tokens and scores (greedy_search keeps the full `TopK`). Random weights give
-    nearly flat log-probabilities, many close calls."""
+def test_the_search_graphs_with_blocked_selection_find_what_the_full_topk_finds():
+    """A random `tiny` model with a 1200-token vocabulary (block width 30, 40
+    blocks): its greedy_batch_search (1 and 2 steps per iteration) gives
+    greedy_search's tokens and scores (greedy_search keeps the full `TopK`),
+    and beam_search and beam_batch_search give what they give built with the
+    full `TopK`, for beams of 1, 4 and 20 (2 x 20 = every block). Random
+    weights give nearly flat log-probabilities, many close calls."""
     import onnxruntime as ort
 
     from keras_transformer.config import TransformerConfig
+    from keras_transformer.export.beam_graph import build_beam_batch_search, build_beam_search
     from keras_transformer.export.encoder_graph import build_encoder
     from keras_transformer.export.greedy_graph import (
         build_greedy_batch_search,
@@ -504,10 +514,12 @@ def test_the_greedy_batch_graph_with_blocked_selection_finds_what_greedy_search_
     model = build_transformer(TransformerConfig.from_preset("tiny", vocabulary_size=1200))
     parts = transformer_parts(model)
     step = build_decoder_step(parts)
-    assert "ArgMax" in _op_types(build_greedy_batch_search(step).graph)
 
     def session(proto):
         return ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+
+    def selects_by_blocks(proto):
+        return any(n.output[0] == "best.blocks" for g in _subgraphs(proto.graph) for n in g.node)
 
     encoder = session(build_encoder(parts))
     rng = np.random.default_rng(8)
@@ -521,9 +533,23 @@ def test_the_greedy_batch_graph_with_blocked_selection_finds_what_greedy_search_
     feeds["limits"] = (lengths + 6).astype(np.int64)
     tokens, scores = session(build_greedy_search(step)).run(None, feeds)
     for k in (1, 2):
-        k_tokens, k_scores = session(build_greedy_batch_search(step, k)).run(None, feeds)
+        graph = build_greedy_batch_search(step, k)
+        assert selects_by_blocks(graph)
+        k_tokens, k_scores = session(graph).run(None, feeds)
         np.testing.assert_array_equal(k_tokens, tokens)
         np.testing.assert_allclose(k_scores, scores, rtol=0, atol=1e-6)
+
+    for build in (build_beam_search, build_beam_batch_search):
+        blocked, full = build(step), build(step, blocked=False)
+        assert selects_by_blocks(blocked) and not selects_by_blocks(full)
+        blocked, full = session(blocked), session(full)
+        for beam in (1, 4, 20):
+            beam_feeds = dict(feeds, beam_size=np.array(beam, np.int64))
+            beam_feeds["length_penalty"] = np.array(0.6, np.float64)
+            expected, found = full.run(None, beam_feeds), blocked.run(None, beam_feeds)
+            np.testing.assert_array_equal(found[0], expected[0])
+            np.testing.assert_array_equal(found[1], expected[1])
+            np.testing.assert_allclose(found[2], expected[2], rtol=0, atol=1e-9)
 
 
 @pytest.mark.parametrize("precision", ["float32", "float16"])
@@ -787,6 +813,28 @@ def test_search_graphs_spin_and_the_encoder_sleeps_unless_told(exported):
             for batch in (2, 6)
         ]
     assert translations[True] == translations[None] == translations[False]
+
+
+def test_a_beam_too_wide_for_the_blocked_graphs_searches_in_python(exported, monkeypatch):
+    """Beam graphs that select block by block take `2 * beam_size` up to their
+    manifest's `max_top_k`; a wider beam runs the Python loop over the decoder
+    step (its full `TopK`), with the same results."""
+    _, tokenizer, _, out = exported("float32")
+    translator = OnnxTranslator(out, providers=["CPUExecutionProvider"])
+    sources = _sources(tokenizer, held_out_lines(6, seed=11))
+    expected = {beam: translator.beam_search(sources, beam_size=beam) for beam in (2, 3)}
+    for graph in ("beam_search", "beam_batch_search"):
+        translator.manifest["graphs"][graph]["max_top_k"] = 4
+    calls = []
+    in_graph = translator._beam_in_graph
+    monkeypatch.setattr(
+        translator, "_beam_in_graph", lambda *a, **k: calls.append(a) or in_graph(*a, **k)
+    )
+    for beam, graph_calls in ((3, 0), (2, 1)):  # 2 x 3 > 4: Python; 2 x 2 = 4: the graph
+        tokens, scores = translator.beam_search(sources, beam_size=beam)
+        assert len(calls) == graph_calls
+        assert tokens == expected[beam][0]
+        np.testing.assert_allclose(scores, expected[beam][1], rtol=0, atol=1e-5)
 
 
 def test_parallel_batches_translate_as_one_batch_at_a_time(exported):

@@ -460,10 +460,18 @@ class OnnxTranslator:
         # first reorder gives its beams copies of its row. The cross keys and
         # values stay one row per sentence (older exports: one per beam).
         _, mask, cross = self.encode(source)
+
+        def graph_takes(graph):
+            # A graph that selects block by block takes 2 * beam_size up to its
+            # number of blocks (`max_top_k`); larger beams search in Python.
+            entry = self.manifest["graphs"].get(graph, {})
+            limit = entry.get("max_top_k", self.vocabulary_size)
+            return graph in self._graph_files and 2 * beam_size <= limit
+
         if 2 * beam_size <= self.vocabulary_size:
-            if len(source) <= BEAM_GRAPH_MAX_SENTENCES and "beam_search" in self._graph_files:
+            if len(source) <= BEAM_GRAPH_MAX_SENTENCES and graph_takes("beam_search"):
                 return self._beam_in_graph(mask, cross, limits, beam_size, length_penalty)
-            if BEAM_BATCH_GRAPH and "beam_batch_search" in self._graph_files:
+            if BEAM_BATCH_GRAPH and graph_takes("beam_batch_search"):
                 return self._beam_in_graph(
                     mask, cross, limits, beam_size, length_penalty, "beam_batch_search"
                 )

@@ -54,6 +54,7 @@ from keras_transformer.export.greedy_graph import (
     renamed_inputs,
     step_interface,
 )
+from keras_transformer.export.step_graph import blocked_selection
 
 PREFIX = "beam."
 
@@ -79,14 +80,16 @@ class _Nodes:
         return PREFIX + name
 
 
-def build_beam_search(step):
+def build_beam_search(step, blocked=True):
     """Returns the beam-search `onnx.ModelProto` whose loop body is `step`, a
     decoder-step graph (`keras_transformer.export.step_graph.build_decoder_step`,
-    or its float16 or int8 conversion)."""
-    return _build(step, compact=False)
+    or its float16 or int8 conversion). With `blocked` (the default), each step
+    finds its rows' best tokens block by block (`blocked_selection`), which
+    bounds `2 * beam_size` by `selection_top_k_limit`."""
+    return _build(step, compact=False, blocked=blocked)
 
 
-def build_beam_batch_search(step):
+def build_beam_batch_search(step, blocked=True):
     """Returns the beam search for batches of several sentences, with the
     inputs and outputs of `build_beam_search(step)` and the same results.
 
@@ -96,14 +99,17 @@ def build_beam_batch_search(step):
     steps compute only the sentences left; each step writes the best
     hypotheses of its sentences into the outputs. That costs a copy of the
     state at every step (`compaction`), which one sentence, the last of its
-    batch, never needs: `build_beam_search` serves it.
+    batch, never needs: `build_beam_search` serves it. `blocked`: as in
+    `build_beam_search`.
     """
-    return _build(step, compact=True)
+    return _build(step, compact=True, blocked=blocked)
 
 
-def _build(step, compact):
+def _build(step, compact, blocked):
     from onnx import TensorProto, helper, numpy_helper
 
+    if blocked:
+        step = blocked_selection(step) or step
     graph = step.graph
     inputs, self_names, cross_names, heads, head_dim, cache_type = step_interface(step)
     DOUBLE, INT64 = TensorProto.DOUBLE, TensorProto.INT64

@@ -20,7 +20,7 @@ EOS, which suits one sentence; `greedy_batch_search` drops a sentence from
 its state once it ends, as the Python loop does, so that a batch's later
 steps compute only its unfinished sentences (it may make several steps per
 loop iteration and drop the sentences that ended after them, and it finds
-each row's best token block by block: `best_token_step`).
+each row's best token block by block: `blocked_selection`).
 
 Inputs: `source_mask (sentences, source_len) bool` and the cross keys and
 values from encoder.onnx (one row per sentence), and `limits (sentences,)
@@ -35,8 +35,9 @@ of its scores.
 from __future__ import annotations
 
 import numpy as np
-from keras_transformer_runtime.search import banned_ids
 from keras_transformer_runtime.specials import BOS_ID, EOS_ID
+
+from keras_transformer.export.step_graph import blocked_selection
 
 
 def step_interface(step):
@@ -227,117 +228,7 @@ def _step_copy(nodes, prefix, names, keep):
     return copies
 
 
-def _block_size(vocabulary_size):
-    """The block width of `best_token_step`'s search: the divisor of the vocabulary
-    size between 16 and 512 nearest its square root, or None (no such divisor, or
-    a vocabulary too small to gain)."""
-    if vocabulary_size < 1024:
-        return None
-    divisors = [b for b in range(16, 513) if vocabulary_size % b == 0]
-    return min(divisors, key=lambda b: abs(b * b - vocabulary_size), default=None)
-
-
-def best_token_step(step):
-    """`step` (a decoder-step `onnx.ModelProto`) with its `top_k` selection made
-    for one token: a row's best token other than padding and BOS found block by
-    block instead of by one `TopK` over the vocabulary.
-
-    `TopK` and the `Add` that bans padding and BOS each pass over every row's
-    log-probabilities, and at batches of tens of rows they cost about as much as
-    the `LogSoftmax` before them. Here one `ReduceMax` pass gives each block of
-    `b` tokens its maximum; the first block holding the row's maximum (ties go
-    to the lower block) is gathered, and a `TopK` over its `b` tokens picks the
-    lowest id among its best: the token, log-probability and tie rule of the
-    full `TopK`. The ban touches the first block only (padding and BOS are ids
-    0 and 1). The graph's `top_k` input is then ignored (always 1), so only the
-    greedy graphs use it. Returned unchanged where the vocabulary size has no
-    block width (`_block_size`).
-    """
-    from onnx import helper, numpy_helper
-
-    graph = step.graph
-    outputs = {v.name: v for v in graph.output}
-    vocabulary_size = outputs["log_probs"].type.tensor_type.shape.dim[1].dim_value
-    block = _block_size(vocabulary_size)
-    if block is None:
-        return step
-    float_type = outputs["top_log_probs"].type.tensor_type.elem_type
-    np_float = helper.tensor_dtype_to_np_dtype(float_type)
-    (select,) = [n for n in graph.node if list(n.output) == ["top_log_probs", "top_ids"]]
-    (ban,) = [n for n in graph.node if n.output[0] == select.input[0]]
-    if list(ban.input) != ["log_probs", "banned_ids_bias"]:
-        raise ValueError("The decoder step's selection is not Add(log_probs, ban) -> TopK.")
-    # The ids the step bans (its `banned_ids_bias`, which may sit in an
-    # external weights file), all inside the first block.
-    first_block_ban = np.zeros(block, np.float32)
-    first_block_ban[banned_ids()] = -np.inf
-
-    def const(name, value, dtype):
-        return numpy_helper.from_array(np.asarray(value, dtype), "best." + name)
-
-    constants = [
-        const("blocks_shape", [0, vocabulary_size // block, block], np.int64),
-        const("one", [1], np.int64),
-        const("zero", [0], np.int64),
-        const("zero_id", 0, np.int64),
-        const("block", block, np.int64),
-        const("block_end", [block], np.int64),
-        const("all_blocks_end", [vocabulary_size // block], np.int64),
-        const("first_block_ban", first_block_ban, np_float),
-    ]
-    opset = next(o.version for o in step.opset_import if o.domain in ("", "ai.onnx"))
-
-    def reduce_max(x, out, keepdims):
-        # The axes are an input from opset 18, an attribute before.
-        if opset >= 18:
-            return ("ReduceMax", [x, "best.last_axis"], [out], {"keepdims": keepdims})
-        return ("ReduceMax", [x], [out], {"axes": [-1], "keepdims": keepdims})
-
-    if opset >= 18:
-        constants.append(const("last_axis", [-1], np.int64))
-    rules = [
-        ("Reshape", ["log_probs", "best.blocks_shape"], ["best.blocks"]),
-        reduce_max("best.blocks", "best.block_max", 0),
-        ("Slice", ["log_probs", "best.zero", "best.block_end", "best.one"], ["best.first"]),
-        ("Add", ["best.first", "best.first_block_ban"], ["best.first_allowed"]),
-        reduce_max("best.first_allowed", "best.first_max", 1),
-        (
-            "Slice",
-            ["best.block_max", "best.one", "best.all_blocks_end", "best.one"],
-            ["best.other_max"],
-        ),
-        ("Concat", ["best.first_max", "best.other_max"], ["best.allowed_max"], {"axis": 1}),
-        ("ArgMax", ["best.allowed_max"], ["best.block_at"], {"axis": 1, "keepdims": 1}),
-        ("GatherND", ["best.blocks", "best.block_at"], ["best.row_block"], {"batch_dims": 1}),
-        ("Equal", ["best.block_at", "best.zero_id"], ["best.in_first"]),
-        ("Add", ["best.row_block", "best.first_block_ban"], ["best.row_block_banned"]),
-        (
-            "Where",
-            ["best.in_first", "best.row_block_banned", "best.row_block"],
-            ["best.row_allowed"],
-        ),
-        ("TopK", ["best.row_allowed", "best.one"], ["top_log_probs", "best.at"], {"axis": -1}),
-        ("Mul", ["best.block_at", "best.block"], ["best.block_start"]),
-        ("Add", ["best.block_start", "best.at"], ["top_ids"]),
-    ]
-    nodes = []
-    for node in graph.node:
-        if node is select:
-            nodes += [
-                helper.make_node(op, ins, outs, name=outs[0], **(attrs[0] if attrs else {}))
-                for op, ins, outs, *attrs in rules
-            ]
-        elif node is not ban:
-            nodes.append(node)
-    copy = type(step)()
-    copy.CopyFrom(step)
-    del copy.graph.node[:]
-    copy.graph.node.extend(nodes)
-    copy.graph.initializer.extend(constants)
-    return copy
-
-
-def build_greedy_batch_search(step, steps_per_iteration=1, blocked_selection=True):
+def build_greedy_batch_search(step, steps_per_iteration=1, blocked=True):
     """Returns the greedy search for batches of several sentences, with the
     inputs and outputs of `build_greedy_search(step)` and the same results.
 
@@ -349,15 +240,15 @@ def build_greedy_batch_search(step, steps_per_iteration=1, blocked_selection=Tru
     needs: `build_greedy_search` serves it. Each loop iteration makes
     `steps_per_iteration` decoder steps and then compacts once: a sentence
     that ends at an earlier step of an iteration is computed, and ignored,
-    until the iteration's end. With `blocked_selection` (the default), each
-    step finds its best token block by block (`best_token_step`).
+    until the iteration's end. With `blocked` (the default), each step finds
+    its best token block by block (`blocked_selection`).
     """
     from onnx import TensorProto, helper, numpy_helper
 
     if steps_per_iteration < 1:
         raise ValueError(f"steps_per_iteration must be at least 1, not {steps_per_iteration}")
-    if blocked_selection:
-        step = best_token_step(step)
+    if blocked:
+        step = blocked_selection(step) or step
     graph = step.graph
     inputs, self_names, cross_names, heads, head_dim, cache_type = step_interface(step)
     float_type = {v.name: v for v in graph.output}["top_log_probs"].type.tensor_type.elem_type

@@ -58,7 +58,7 @@ import tempfile
 from keras_transformer.export.beam_graph import build_beam_batch_search, build_beam_search
 from keras_transformer.export.encoder_graph import build_encoder
 from keras_transformer.export.greedy_graph import build_greedy_batch_search, build_greedy_search
-from keras_transformer.export.step_graph import build_decoder_step
+from keras_transformer.export.step_graph import build_decoder_step, selection_top_k_limit
 
 GRAPHS = ("encoder", "decoder_step", "model")
 MANIFEST = "manifest.json"
@@ -374,6 +374,11 @@ def _write_search(folder, step_files, name):
         onnx.save(search, os.path.join(folder, entry[precision]))
     entry["inputs"] = _describe(search.graph.input)
     entry["outputs"] = _describe(search.graph.output)
+    if name.startswith("beam"):
+        vocabulary = {v.name: v for v in step.graph.output}["log_probs"]
+        limit = selection_top_k_limit(vocabulary.type.tensor_type.shape.dim[1].dim_value)
+        if limit is not None:  # 2 * beam_size at most this (`blocked_selection`)
+            entry["max_top_k"] = limit
     return entry
 
 

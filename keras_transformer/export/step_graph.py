@@ -343,3 +343,132 @@ def build_decoder_step(parts, opset=17):
     )
     model.ir_version = min(model.ir_version, 9)
     return model
+
+
+def selection_block_size(vocabulary_size):
+    """The block width of `blocked_selection`: the divisor of the vocabulary size
+    between 16 and 512 nearest its square root, or None (no such divisor, or a
+    vocabulary too small to gain)."""
+    if vocabulary_size < 1024:
+        return None
+    divisors = [b for b in range(16, 513) if vocabulary_size % b == 0]
+    return min(divisors, key=lambda b: abs(b * b - vocabulary_size), default=None)
+
+
+def selection_top_k_limit(vocabulary_size):
+    """The largest `top_k` of a `blocked_selection` step (its number of blocks),
+    or None where the step keeps its full `TopK`."""
+    block = selection_block_size(vocabulary_size)
+    return None if block is None else vocabulary_size // block
+
+
+def blocked_selection(step):
+    """`step` (a decoder-step `onnx.ModelProto`) with its `top_k` selection made
+    block by block, for the search graphs; None where the vocabulary has no
+    block width (`selection_block_size`): the step as it is then serves.
+
+    The step's selection, an `Add` that bans padding and BOS and a `TopK` over
+    every row's log-probabilities, costs about as much as the `LogSoftmax`
+    before it at batches of tens of rows. Here one `ReduceMax` pass gives each
+    block of `b` tokens its maximum; the `k` blocks with the highest maxima
+    (ties to the lower block) hold the row's `k` best tokens, so they are
+    gathered in id order and a `TopK` over their `k * b` tokens picks them:
+    the tokens, log-probabilities and tie rule (the lower id first) of the full
+    `TopK`. The ban touches the first block only (padding and BOS are ids 0
+    and 1). `top_k` may be at most the number of blocks,
+    `selection_top_k_limit(vocabulary_size)`.
+    """
+    from onnx import helper, numpy_helper
+
+    graph = step.graph
+    outputs = {v.name: v for v in graph.output}
+    vocabulary_size = outputs["log_probs"].type.tensor_type.shape.dim[1].dim_value
+    block = selection_block_size(vocabulary_size)
+    if block is None:
+        return None
+    blocks = vocabulary_size // block
+    float_type = outputs["top_log_probs"].type.tensor_type.elem_type
+    (select,) = [n for n in graph.node if list(n.output) == ["top_log_probs", "top_ids"]]
+    (ban,) = [n for n in graph.node if n.output[0] == select.input[0]]
+    if list(ban.input) != ["log_probs", "banned_ids_bias"] or select.input[1] != "top_k":
+        raise ValueError("The decoder step's selection is not Add(log_probs, ban) -> TopK.")
+    # The ids the step bans (its `banned_ids_bias`, which may sit in an
+    # external weights file), all inside the first block.
+    first_block_ban = np.zeros(block, np.float32)
+    first_block_ban[banned_ids()] = -np.inf
+
+    def const(name, value, dtype):
+        return numpy_helper.from_array(np.asarray(value, dtype), "best." + name)
+
+    constants = [
+        const("blocks_shape", [0, blocks, block], np.int64),
+        const("flat_shape", [0, -1], np.int64),
+        const("one", [1], np.int64),
+        const("zero", [0], np.int64),
+        const("zero_id", 0, np.int64),
+        const("block", block, np.int64),
+        const("block_end", [block], np.int64),
+        const("all_blocks_end", [blocks], np.int64),
+        const("first_block_ban", first_block_ban, helper.tensor_dtype_to_np_dtype(float_type)),
+    ]
+    opset = next(o.version for o in step.opset_import if o.domain in ("", "ai.onnx"))
+
+    def reduce_max(x, out, keepdims):
+        # The axes are an input from opset 18, an attribute before.
+        if opset >= 18:
+            return ("ReduceMax", [x, "best.last_axis"], [out], {"keepdims": keepdims})
+        return ("ReduceMax", [x], [out], {"axes": [-1], "keepdims": keepdims})
+
+    constants.append(const("last_axis", [-1], np.int64))
+    rules = [
+        ("Reshape", ["log_probs", "best.blocks_shape"], ["best.blocks"]),
+        reduce_max("best.blocks", "best.block_max", 0),
+        ("Slice", ["log_probs", "best.zero", "best.block_end", "best.one"], ["best.first"]),
+        ("Add", ["best.first", "best.first_block_ban"], ["best.first_allowed"]),
+        reduce_max("best.first_allowed", "best.first_max", 1),
+        (
+            "Slice",
+            ["best.block_max", "best.one", "best.all_blocks_end", "best.one"],
+            ["best.other_max"],
+        ),
+        ("Concat", ["best.first_max", "best.other_max"], ["best.allowed_max"], {"axis": 1}),
+        # The k best blocks, then in id order (TopK's ties go to the lower block).
+        ("TopK", ["best.allowed_max", "top_k"], ["best.best_max", "best.best_blocks"], {"axis": 1}),
+        (
+            "TopK",
+            ["best.best_blocks", "top_k"],
+            ["best.blocks_at", "best.order"],
+            {"axis": 1, "largest": 0},
+        ),
+        ("Unsqueeze", ["best.blocks_at", "best.last_axis"], ["best.blocks_at_3d"]),
+        ("GatherND", ["best.blocks", "best.blocks_at_3d"], ["best.row_blocks"], {"batch_dims": 1}),
+        ("Equal", ["best.blocks_at_3d", "best.zero_id"], ["best.in_first"]),
+        ("Add", ["best.row_blocks", "best.first_block_ban"], ["best.row_blocks_banned"]),
+        (
+            "Where",
+            ["best.in_first", "best.row_blocks_banned", "best.row_blocks"],
+            ["best.row_allowed_3d"],
+        ),
+        ("Reshape", ["best.row_allowed_3d", "best.flat_shape"], ["best.row_allowed"]),
+        ("TopK", ["best.row_allowed", "top_k"], ["top_log_probs", "best.at"], {"axis": 1}),
+        ("Div", ["best.at", "best.block"], ["best.which"]),
+        ("Mod", ["best.at", "best.block"], ["best.within"]),
+        ("GatherElements", ["best.blocks_at", "best.which"], ["best.chosen"], {"axis": 1}),
+        ("Mul", ["best.chosen", "best.block"], ["best.chosen_start"]),
+        ("Add", ["best.chosen_start", "best.within"], ["top_ids"]),
+    ]
+    nodes = []
+    for node in graph.node:
+        if node is select:
+            nodes += [
+                helper.make_node(op, ins, outs, name=outs[0], **(attrs[0] if attrs else {}))
+                for op, ins, outs, *attrs in rules
+            ]
+        elif node is not ban:
+            nodes.append(node)
+    copy = type(step)()
+    copy.CopyFrom(step)
+    del copy.graph.node[:]
+    copy.graph.node.extend(nodes)
+    copy.graph.initializer.extend(constants)
+    return copy
