@@ -235,14 +235,13 @@ class OnnxTranslator:
         """The translators of `count` searches run at once.
 
         Beam searches get one each: this translator and `count - 1` copies of
-        it (made once, then kept), each with ONNX Runtime sessions of its own.
-        Greedy searches share this one's sessions. Sessions of their own kept
-        parallel int8 beam searches at one sentence from holding each other up,
-        while greedy searches at one sentence ran faster on shared sessions,
-        whose weights (read at every step) both searches find in the same
-        cache lines (`python -m benchmarks.parallel_batches --layouts 1x2:own
-        1x2:shared`). `_parallel_sessions` ("own" or "shared") overrides the
-        choice for benchmarks.
+        it (made once, then kept), each with ONNX Runtime sessions of its own,
+        on which parallel beam searches of one sentence ran faster than on
+        shared ones (`python -m benchmarks.parallel_batches --layouts 1x2:own
+        1x2:shared`). Greedy searches share this one's sessions: no gain
+        showed for them, and each copy holds the weights again.
+        `_parallel_sessions` ("own" or "shared") overrides the choice for
+        benchmarks.
         """
         own = {"own": True, "shared": False}.get(self._parallel_sessions, beam_size > 1)
         if not own:
