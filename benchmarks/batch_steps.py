@@ -51,53 +51,28 @@ def build_parser():
 
 def run(args):
     import numpy as np
-    import onnx
-    import onnxruntime as ort
-    from keras_transformer_runtime import OnnxTranslator
 
     from benchmarks.machine import write_report
     from benchmarks.search_rows import _best, _search_feeds
-    from keras_transformer.data.pipeline import read_lines
     from keras_transformer.export.greedy_graph import build_greedy_batch_search
 
     if min(args.steps) < 1:
         raise SystemExit(f"--steps must be at least 1, not {min(args.steps)}.")
     cells = []
-    first = OnnxTranslator(args.onnx_dir, providers=["CPUExecutionProvider"], num_threads=1)
-    for precision in first.manifest["precisions"]:
-        if precision == "float16":  # for GPUs
-            continue
-        translator = OnnxTranslator(
-            args.onnx_dir,
-            providers=["CPUExecutionProvider"],
-            num_threads=1,
-            precision=precision,
-            spinning=False,
-        )
-        sources = [translator.tokenizer.encode(t) for t in read_lines(args.src)[: args.lines]]
-        sources.sort(key=len)
+    for precision, translator, sources, step in cpu_precisions(args.onnx_dir, args.src, args.lines):
         batches = [
             _search_feeds(translator, sources[i : i + args.batch_size], 1)
             for i in range(0, len(sources), args.batch_size)
         ]
-        step_file = translator._graph_files["decoder_step"]
-        step = onnx.load(os.path.join(args.onnx_dir, step_file), load_external_data=False)
-        weights = translator.manifest.get("weights", {}).get(precision)
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = 1
-        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        sessions = {}
-        with tempfile.TemporaryDirectory() as folder:
-            if weights:  # the graphs read the export's weights file beside them
-                shutil.copyfile(os.path.join(args.onnx_dir, weights), os.path.join(folder, weights))
-            for k in args.steps:
-                for selection in args.selections:
-                    path = os.path.join(folder, f"greedy_batch_search_{k}_{selection}.onnx")
-                    graph = build_greedy_batch_search(step, k, selection == "blocked")
-                    onnx.save(graph, path)
-                    sessions[k, selection] = ort.InferenceSession(
-                        path, options, providers=["CPUExecutionProvider"]
-                    )
+        sessions = graph_sessions(
+            args.onnx_dir,
+            translator,
+            {
+                (k, selection): build_greedy_batch_search(step, k, selection == "blocked")
+                for k in args.steps
+                for selection in args.selections
+            },
+        )
         outputs = {k: [s.run(None, f)[0] for f in batches] for k, s in sessions.items()}
 
         def runner(session, batches=batches):
@@ -132,6 +107,55 @@ def run(args):
                 f"sentences/s ({cell['ratio']:.3f}x), {same}/{len(sources)} identical"
             )
     return write_report("batch_steps", args, cells=cells)
+
+
+def cpu_precisions(onnx_dir, src, lines):
+    """For each CPU precision of the export (float32, int8): `(precision, its
+    translator on one intra-op thread with idle threads not spinning, the first
+    `lines` sentences of `src` as token ids sorted by length, its decoder-step
+    graph without its external weights)`."""
+    import onnx
+    from keras_transformer_runtime import OnnxTranslator
+
+    from keras_transformer.data.pipeline import read_lines
+
+    first = OnnxTranslator(onnx_dir, providers=["CPUExecutionProvider"], num_threads=1)
+    for precision in first.manifest["precisions"]:
+        if precision == "float16":  # for GPUs
+            continue
+        translator = OnnxTranslator(
+            onnx_dir,
+            providers=["CPUExecutionProvider"],
+            num_threads=1,
+            precision=precision,
+            spinning=False,
+        )
+        sources = [translator.tokenizer.encode(t) for t in read_lines(src)[:lines]]
+        sources.sort(key=len)
+        step_file = translator._graph_files["decoder_step"]
+        step = onnx.load(os.path.join(onnx_dir, step_file), load_external_data=False)
+        yield precision, translator, sources, step
+
+
+def graph_sessions(onnx_dir, translator, graphs):
+    """One-thread, non-spinning sessions of `graphs` (key -> ModelProto built from
+    `translator`'s decoder step), which read the export's weights file."""
+    import onnx
+    import onnxruntime as ort
+
+    weights = translator.manifest.get("weights", {}).get(translator.precision)
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    sessions = {}
+    with tempfile.TemporaryDirectory() as folder:
+        if weights:  # the graphs read the export's weights file beside them
+            shutil.copyfile(os.path.join(onnx_dir, weights), os.path.join(folder, weights))
+        for i, (key, graph) in enumerate(graphs.items()):
+            path = os.path.join(folder, f"graph_{i}.onnx")
+            onnx.save(graph, path)
+            sessions[key] = ort.InferenceSession(path, options, providers=["CPUExecutionProvider"])
+    return sessions
 
 
 def _columns(tokens):

@@ -23,9 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import sys
-import tempfile
 
 
 def build_parser():
@@ -44,13 +42,11 @@ def build_parser():
 
 def run(args):
     import numpy as np
-    import onnx
-    import onnxruntime as ort
     from keras_transformer_runtime import OnnxTranslator
 
+    from benchmarks.batch_steps import cpu_precisions, graph_sessions
     from benchmarks.machine import write_report
     from benchmarks.search_rows import _best, _search_feeds
-    from keras_transformer.data.pipeline import read_lines
     from keras_transformer.export.beam_graph import build_beam_batch_search, build_beam_search
     from keras_transformer.export.step_graph import selection_top_k_limit
 
@@ -66,41 +62,17 @@ def run(args):
         "beam_search": (build_beam_search, 1),
         "beam_batch_search": (build_beam_batch_search, args.batch_size),
     }
-    for precision in first.manifest["precisions"]:
-        if precision == "float16":  # for GPUs
-            continue
-        translator = OnnxTranslator(
-            args.onnx_dir,
-            providers=["CPUExecutionProvider"],
-            num_threads=1,
-            precision=precision,
-            spinning=False,
-        )
-        sources = [translator.tokenizer.encode(t) for t in read_lines(args.src)[: args.lines]]
-        sources.sort(key=len)
-        step_file = translator._graph_files["decoder_step"]
-        step = onnx.load(os.path.join(args.onnx_dir, step_file), load_external_data=False)
-        weights = translator.manifest.get("weights", {}).get(precision)
-        options = ort.SessionOptions()
-        options.intra_op_num_threads = 1
-        options.add_session_config_entry("session.intra_op.allow_spinning", "0")
+    for precision, translator, sources, step in cpu_precisions(args.onnx_dir, args.src, args.lines):
         for graph, (build, batch_size) in graphs.items():
             batches = [
                 _search_feeds(translator, sources[i : i + batch_size], args.beam)
                 for i in range(0, len(sources), batch_size)
             ]
-            sessions = {}
-            with tempfile.TemporaryDirectory() as folder:
-                if weights:  # the graphs read the export's weights file beside them
-                    shutil.copyfile(
-                        os.path.join(args.onnx_dir, weights), os.path.join(folder, weights)
-                    )
-                for selection in ("topk", "blocked"):
-                    path = os.path.join(folder, f"{graph}_{selection}.onnx")
-                    onnx.save(build(step, blocked=selection == "blocked"), path)
-                    sessions[selection] = ort.InferenceSession(
-                        path, options, providers=["CPUExecutionProvider"]
-                    )
+            sessions = graph_sessions(
+                args.onnx_dir,
+                translator,
+                {s: build(step, blocked=s == "blocked") for s in ("topk", "blocked")},
+            )
             outputs = {
                 name: [session.run(None, feeds) for feeds in batches]
                 for name, session in sessions.items()
