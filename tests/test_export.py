@@ -781,18 +781,20 @@ def _runtime_command(out, lines, *flags):
 
 def test_search_graphs_spin_and_the_encoder_sleeps_unless_told(exported):
     """By default the sessions of the graphs that run decoder steps let their idle
-    worker threads spin and the encoder's sleep; `spinning=True` or `False`
-    sets every session; the translations are the same under each policy."""
-    from keras_transformer_runtime.runtime import SPINNING_GRAPHS
+    worker threads spin and the encoder's sleep, and in float32 the greedy batch
+    graph's sleep too; `spinning=True` or `False` sets every session; the
+    translations are the same under each policy."""
+    from keras_transformer_runtime.runtime import SLEEPING_FLOAT32_GRAPHS, SPINNING_GRAPHS
 
     _, _, _, out = exported("float32")
     lines = held_out_lines(10, seed=59)
     graphs = ("encoder", "decoder_step", "greedy_search", "greedy_batch_search", "beam_search")
     graphs += ("beam_batch_search",)
     assert set(SPINNING_GRAPHS) == set(graphs) - {"encoder"}
+    assert set(SLEEPING_FLOAT32_GRAPHS) == {"greedy_batch_search"}
     translations = {}
     for spinning, expected in (
-        (None, {**dict.fromkeys(graphs, "1"), "encoder": "0"}),
+        (None, {**dict.fromkeys(graphs, "1"), "encoder": "0", "greedy_batch_search": "0"}),
         (True, dict.fromkeys(graphs, "1")),
         (False, dict.fromkeys(graphs, "0")),
     ):
@@ -813,6 +815,10 @@ def test_search_graphs_spin_and_the_encoder_sleeps_unless_told(exported):
             for batch in (2, 6)
         ]
     assert translations[True] == translations[None] == translations[False]
+    # Only the float32 greedy batch graph sleeps: the float16 one spins.
+    half = OnnxTranslator(out, providers=["CPUExecutionProvider"], precision="float16")
+    options = half.session("greedy_batch_search").get_session_options()
+    assert options.get_session_config_entry("session.intra_op.allow_spinning") == "1"
 
 
 def test_a_beam_too_wide_for_the_blocked_graphs_searches_in_python(exported, monkeypatch):
