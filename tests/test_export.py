@@ -566,6 +566,10 @@ def test_the_beam_loop_in_the_graph_finds_what_the_step_by_step_search_finds(
     translator = OnnxTranslator(out, precision=precision)
     sources = _sources(tokenizer, held_out_lines(40, seed=73))
     graphs = ("beam_search", "beam_batch_search")
+    # float16 log-probabilities may round one unit apart between the graph's
+    # and the step's kernels (2**-11 near 0.5-1 on an AVX2 CPU); the tokens
+    # must still be the same.
+    tolerance = dict(rtol=0, atol=1e-5) if precision == "float32" else dict(rtol=1e-3, atol=1e-3)
 
     def search(batch, graph, **kwargs):
         """`graph`: the search graph that must run, or None for the Python loop."""
@@ -597,7 +601,7 @@ def test_the_beam_loop_in_the_graph_finds_what_the_step_by_step_search_finds(
             for graph in graphs:
                 graph_tokens, graph_scores = search(batch, graph, **kwargs)
                 assert graph_tokens == step_tokens, (graph, kwargs)
-                np.testing.assert_allclose(graph_scores, step_scores, rtol=0, atol=1e-5)
+                np.testing.assert_allclose(graph_scores, step_scores, **tolerance)
             assert all(len(t) <= kwargs.get("max_length", 99) for t in step_tokens)
             if precision == "float32" and kwargs == settings[0]:
                 keras_tokens, keras_scores = beam_search(model, batch, beam_size=4)
