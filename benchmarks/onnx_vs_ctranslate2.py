@@ -15,6 +15,9 @@ benchmarks/results/onnx_vs_ctranslate2.json (or --out).
 `--threads T --parallel-batches P` gives both systems the same cores: P
 batches at once (ONNX Runtime's `parallel_batches`, CTranslate2's
 `inter_threads`), each on T threads. The default is one search on 2 threads.
+With T > 1, ONNX Runtime float32 searches a batch of 32 as T parts at once,
+one thread each (`OnnxTranslator`'s `split_batches`); `--whole-batches`
+keeps each batch one search on T threads, as CTranslate2 does.
 """
 
 from __future__ import annotations
@@ -47,6 +50,12 @@ def build_parser():
         help="batches searched at once, both systems (ORT: parallel_batches; CT2: "
         "inter_threads); the cores used are --threads x --parallel-batches (default 1)",
     )
+    parser.add_argument(
+        "--whole-batches",
+        action="store_true",
+        help="ONNX Runtime searches each batch whole on --threads threads "
+        "(split_batches=False), not one part per thread",
+    )
     parser.add_argument("--repeats", type=int, default=3, help="interleaved repetitions")
     parser.add_argument(
         "--out", default=os.path.join("benchmarks", "results", "onnx_vs_ctranslate2.json")
@@ -54,7 +63,7 @@ def build_parser():
     return parser
 
 
-def _systems(run_dir, tokenizer, model, threads, parallel_batches):
+def _systems(run_dir, tokenizer, model, threads, parallel_batches, split_batches=None):
     from keras_transformer_runtime import OnnxTranslator
 
     from benchmarks.ctranslate2_peer import CTranslate2Translator, ctranslate2_model
@@ -68,7 +77,11 @@ def _systems(run_dir, tokenizer, model, threads, parallel_batches):
     for precision in ("float32", "int8"):
         name = f"ort-{precision}"
         systems[name] = OnnxTranslator(
-            onnx_dir, providers=["CPUExecutionProvider"], num_threads=threads, precision=precision
+            onnx_dir,
+            providers=["CPUExecutionProvider"],
+            num_threads=threads,
+            precision=precision,
+            split_batches=split_batches,
         )
         manifest = systems[name].manifest
         files = [
@@ -100,7 +113,12 @@ def run(args):
     references = read_lines(args.ref)[: args.lines] if args.ref else None
     model, tokenizer = load_run(args.run_dir)
     systems, sizes = _systems(
-        args.run_dir, tokenizer, float32_copy(model), args.threads, args.parallel_batches
+        args.run_dir,
+        tokenizer,
+        float32_copy(model),
+        args.threads,
+        args.parallel_batches,
+        False if args.whole_batches else None,
     )
     results = []
     for label, beam, batch in CELLS:
@@ -125,6 +143,8 @@ def run(args):
             if references is not None:
                 scores = score_translations(outputs[name], references)
                 entry.update({k: scores[k] for k in ("bleu", "bleu_lowercase", "chrf")})
+            if name.startswith("ort"):  # the searches a full batch runs as
+                entry["split_parts"] = systems[name].split_parts(batch, beam)
             cell["systems"][name] = entry
         for name, peer in PEER.items():
             ours, theirs = cell["systems"][name], cell["systems"][peer]

@@ -3,6 +3,7 @@
     python -m benchmarks.parallel_batches ONNX_DIR --src test.de.gz [--layouts 2x1 1x2]
     python -m benchmarks.parallel_batches ONNX_DIR --src test.de.gz --layouts 2x1:none 2x1 2x1:all
     python -m benchmarks.parallel_batches ONNX_DIR --src test.de.gz --layouts 1x2:own 1x2:shared
+    python -m benchmarks.parallel_batches ONNX_DIR --src test.de.gz --layouts 2x1 2x1:whole
 
 A layout `TxP` runs P batches at once (`translate(..., parallel_batches=P)`),
 each search on T intra-op threads; `2x1` and `1x2` both use 2 cores. A
@@ -10,11 +11,13 @@ suffix sets which graphs' idle worker threads spin (`OnnxTranslator`'s
 `spinning`): `:auto` (the default, the search graphs'), `:none` or `:all`;
 `:shared` runs the P searches on one translator's sessions and `:own` on one
 translator (and sessions) each, where `translate` gives beam searches their own
-and greedy searches shared ones. For
+and greedy searches shared ones; `:whole` keeps each batch one search
+(`split_batches=False`), where by default a batch with enough rows runs
+as one search per thread (`OnnxTranslator`'s `split_batches`). For
 each precision of the export and each cell (greedy and beam 4, batch 1 and
 32), every layout translates the same sentences, repetitions interleaved,
 and the median is kept. Reported: sentences/s, the speed relative to the
-first layout, and whether the outputs are the same as the first layout's.
+first layout, and how many outputs are the same as the first layout's.
 Writes JSON to benchmarks/results/parallel_batches.json (or --out).
 """
 
@@ -34,9 +37,12 @@ SPINNING = {"auto": None, "none": False, "all": True}
 
 
 def layout(text):
-    """ "TxP[:spinning][:shared|:own]" -> (name, threads, parallel_batches, spinning,
-    sessions); T and P positive, sessions None, "shared" or "own"."""
+    """ "TxP[:spinning][:shared|:own][:whole]" -> (name, threads, parallel_batches,
+    spinning, sessions, split); T and P positive, sessions None, "shared" or "own",
+    split None (the translator's choice) or False (":whole")."""
     cores, *suffixes = text.lower().split(":")
+    whole = "whole" in suffixes
+    suffixes = [part for part in suffixes if part != "whole"]
     sessions = [part for part in suffixes if part in ("shared", "own")]
     suffixes = [part for part in suffixes if part not in sessions]
     if len(sessions) > 1:
@@ -58,7 +64,9 @@ def layout(text):
         )
     name = f"{threads}x{parallel}" + (f":{policy}" if policy and policy != "auto" else "")
     name += f":{sessions[0]}" if sessions else ""
-    return name, threads, parallel, SPINNING[policy or "auto"], (sessions or [None])[0]
+    name += ":whole" if whole else ""
+    split = False if whole else None
+    return name, threads, parallel, SPINNING[policy or "auto"], (sessions or [None])[0], split
 
 
 def build_parser():
@@ -71,10 +79,10 @@ def build_parser():
         type=layout,
         nargs="+",
         default=[layout("2x1"), layout("1x2")],
-        help="THREADSxBATCHES[:SPINNING][:shared|:own] each: intra-op threads per search "
-        "x batches at once, whose worker threads spin: auto (the search graphs'), none or "
-        "all, and the batches on one translator's sessions or on their own (default: "
-        "2x1 1x2)",
+        help="THREADSxBATCHES[:SPINNING][:shared|:own][:whole] each: intra-op threads per "
+        "search x batches at once, whose worker threads spin: auto (the search graphs'), "
+        "none or all, the batches on one translator's sessions or on their own, and each "
+        "batch kept one search (whole) rather than one per thread (default: 2x1 1x2)",
     )
     parser.add_argument("--repeats", type=int, default=3, help="interleaved repetitions")
     parser.add_argument(
@@ -98,13 +106,14 @@ def run(args):
     results = []
     for precision in precisions:
         translators = {}
-        for name, threads, parallel, spinning, sessions in args.layouts:
+        for name, threads, parallel, spinning, sessions, split in args.layouts:
             translator = OnnxTranslator(
                 args.onnx_dir,
                 providers=["CPUExecutionProvider"],
                 num_threads=threads,
                 precision=precision,
                 spinning=spinning,
+                split_batches=split,
             )
             translator._parallel_sessions = sessions  # None: translate's own choice
             translators[name] = translator, parallel
@@ -129,6 +138,9 @@ def run(args):
                         "seconds": times[name],
                         "speedup": speed[name] / speed[names[0]],
                         "same_outputs": outputs[name] == outputs[names[0]],
+                        "identical_lines": sum(
+                            a == b for a, b in zip(outputs[name], outputs[names[0]], strict=True)
+                        ),
                     }
                     for name in names
                 },
@@ -142,9 +154,9 @@ def run(args):
 def _row(cell):
     parts = [f"{cell['precision']}, {cell['search']}, batch {cell['batch_size']}:"]
     for name, entry in cell["layouts"].items():
+        same = "" if entry["same_outputs"] else f", {entry['identical_lines']} identical"
         parts.append(
-            f"{name} {entry['sentences_per_second']:.1f}/s ({entry['speedup']:.2f}x"
-            f"{'' if entry['same_outputs'] else ', outputs differ'})"
+            f"{name} {entry['sentences_per_second']:.1f}/s ({entry['speedup']:.2f}x{same})"
         )
     return " ".join(parts)
 

@@ -318,7 +318,7 @@ def test_parallel_batches_benchmark_compares_layouts_on_the_same_outputs(
     export_onnx(str(trained_run), str(onnx_dir), precision="int8")
     out = tmp_path / "layouts.json"
     argv = [str(onnx_dir), "--src", paths["test.src"], "--lines", "12", "--repeats", "1"]
-    layouts = ["2x1", "1x3", "2x1:none", "2x1:all", "1x3:shared", "1x2:none:own"]
+    layouts = ["2x1", "1x3", "2x1:none", "2x1:all", "1x3:shared", "1x2:none:own", "2x1:whole"]
     argv += ["--layouts", *layouts, "--out", str(out)]
     layouts_main(argv)
     report = json.loads(out.read_text())
@@ -329,6 +329,7 @@ def test_parallel_batches_benchmark_compares_layouts_on_the_same_outputs(
         assert list(cell["layouts"]) == layouts
         assert cell["layouts"]["2x1"]["speedup"] == 1.0
         assert all(entry["same_outputs"] for entry in cell["layouts"].values())
+        assert all(entry["identical_lines"] == 12 for entry in cell["layouts"].values())
     for bad in ("0x2", "2x1:sometimes", "2x1:none:all", "1x2:own:shared"):
         with pytest.raises(SystemExit):
             layouts_main([str(onnx_dir), "--src", paths["test.src"], "--layouts", bad])

@@ -6,6 +6,7 @@ mixed_bfloat16 and mixed_float16, which are compared with their float32
 rebuild. Sentences come from a corpus drawn with a seed no training run uses.
 """
 
+import io
 import json
 import logging
 import os
@@ -160,16 +161,20 @@ def test_export_folder_is_complete_and_valid(exported):
         names = [f"{g}{suffix}.onnx" for g in ("encoder", "decoder_step", "greedy_search")]
         names += [f"{g}{suffix}.onnx" for g in ("beam_search", "greedy_batch_search")]
         names.append(f"beam_batch_search{suffix}.onnx")
-        spans = {}  # graph -> the (offset, length) of its external tensors
+        spans = {}  # graph -> {tensor: (offset, length)} of its external tensors
         for n in names:
             graph = onnx.load(os.path.join(out, n), load_external_data=False).graph
-            entries = [
-                dict((e.key, e.value) for e in tensor.external_data)
+            entries = {
+                tensor.name: dict((e.key, e.value) for e in tensor.external_data)
                 for g in _subgraphs(graph)
                 for tensor in g.initializer
                 if tensor.data_location == onnx.TensorProto.EXTERNAL
-            ]
-            assert {e["location"] for e in entries} == {weights}
+            }
+            assert {e["location"] for e in entries.values()} == {weights}
+            # Every constant is read (ONNX Runtime warns of the others on load).
+            read = {i for g in _subgraphs(graph) for node in g.node for i in node.input}
+            held = [t.name for g in _subgraphs(graph) for t in g.initializer]
+            assert set(held) <= read, (n, set(held) - read)
             inline = [
                 t.name
                 for g in _subgraphs(graph)
@@ -178,12 +183,18 @@ def test_export_folder_is_complete_and_valid(exported):
                 and onnx.numpy_helper.to_array(t).nbytes >= 1024
             ]
             assert not inline, (n, inline)
-            spans[n] = {(int(e["offset"]), int(e["length"])) for e in entries}
-        # The loops' bodies read the step graph's very bytes.
-        assert all(spans[names[1]] <= spans[n] for n in names[2:])
+            spans[n] = {k: (int(e["offset"]), int(e["length"])) for k, e in entries.items()}
+        # The loops' bodies read the step graph's very bytes (all but the ban
+        # of its own selection, which the search graphs replace).
+        step = spans[names[1]]
+        for n in names[2:]:
+            assert set(step) - set(spans[n]) <= {"banned_ids_bias"}, n
+            assert all(step[k] == span for k, span in spans[n].items() if k in step), n
         with open(os.path.join(out, weights), "rb") as f:
             blob = f.read()
-        stored = [blob[o : o + n] for o, n in set().union(*spans.values())]
+        stored = [
+            blob[o : o + n] for o, n in set().union(*(set(s.values()) for s in spans.values()))
+        ]
         assert len(set(stored)) == len(stored)  # no tensor stored twice
     assert {"tensorflow", "tf2onnx", "onnx", "onnxruntime", "keras"} <= set(manifest["versions"])
     assert translator.provider == "CPUExecutionProvider" or "CUDA" in translator.provider
@@ -314,7 +325,8 @@ def test_the_greedy_loop_in_the_graph_finds_what_the_step_by_step_search_finds(
     from keras_transformer_runtime import runtime
 
     model, tokenizer, _, out = exported("float32")
-    translator = OnnxTranslator(out, precision=precision)
+    # Whole batches: the test follows which graph searches (no split, `split_parts`).
+    translator = OnnxTranslator(out, precision=precision, split_batches=False)
     sources = _sources(tokenizer, held_out_lines(40, seed=71))
     keras_tokens, _ = greedy_search(model, sources)
 
@@ -563,7 +575,8 @@ def test_the_beam_loop_in_the_graph_finds_what_the_step_by_step_search_finds(
     from keras_transformer_runtime import runtime
 
     model, tokenizer, _, out = exported("float32")
-    translator = OnnxTranslator(out, precision=precision)
+    # Whole batches: the test follows which graph searches (no split, `split_parts`).
+    translator = OnnxTranslator(out, precision=precision, split_batches=False)
     sources = _sources(tokenizer, held_out_lines(40, seed=73))
     graphs = ("beam_search", "beam_batch_search")
     # float16 log-probabilities may round one unit apart between the graph's
@@ -688,6 +701,13 @@ def test_int8_graphs_are_smaller_and_translate_no_worse_than_float32(toy_run, tm
     # What int8 may not do is lose accuracy; rounding differences that help
     # a few sentences (on 200, one point is two sentences) are no defect.
     assert scores["int8"] >= scores["float32"] - 1.0, scores
+    # A step's activations share one int8 scale per batch: whole batches
+    # unless told, so that the translations do not depend on the threads.
+    cpu = ["CPUExecutionProvider"]
+    assert OnnxTranslator(out, cpu, num_threads=2, precision="int8").split_parts(64, 4) == 1
+    told = OnnxTranslator(out, cpu, num_threads=2, precision="int8", split_batches=True)
+    assert told.split_parts(64, 4) == 2
+    assert OnnxTranslator(out, cpu, num_threads=2).split_parts(64, 4) == 2
     with pytest.raises(ValueError, match="no 'float16' graphs"):
         OnnxTranslator(out, precision="float16")
 
@@ -830,7 +850,7 @@ def test_a_beam_too_wide_for_the_blocked_graphs_searches_in_python(exported, mon
     manifest's `max_top_k`; a wider beam runs the Python loop over the decoder
     step (its full `TopK`), with the same results."""
     _, tokenizer, _, out = exported("float32")
-    translator = OnnxTranslator(out, providers=["CPUExecutionProvider"])
+    translator = OnnxTranslator(out, providers=["CPUExecutionProvider"], split_batches=False)
     sources = _sources(tokenizer, held_out_lines(6, seed=11))
     expected = {beam: translator.beam_search(sources, beam_size=beam) for beam in (2, 3)}
     for graph in ("beam_search", "beam_batch_search"):
@@ -845,6 +865,81 @@ def test_a_beam_too_wide_for_the_blocked_graphs_searches_in_python(exported, mon
         assert len(calls) == graph_calls
         assert tokens == expected[beam][0]
         np.testing.assert_allclose(scores, expected[beam][1], rtol=0, atol=1e-5)
+
+
+def test_a_batch_searches_as_one_part_per_thread(exported, monkeypatch, capsys):
+    """On the CPU with several threads, a batch with enough decoder rows runs as
+    one search per thread, each part on a one-thread translator of its own, the
+    parts at once: the same tokens and scores as the whole batch, in input order.
+    How many parts: at most one per thread and per sentence, each of at least
+    `SPLIT_MIN_ROWS` rows unless `split_batches=True`; never with `False` (int8:
+    `test_int8_graphs_are_smaller_and_translate_no_worse_than_float32`)."""
+    import threading
+
+    from keras_transformer_runtime.runtime import SPLIT_MIN_ROWS
+
+    _, tokenizer, _, out = exported("float32")
+    assert SPLIT_MIN_ROWS == 8
+    cpu = ["CPUExecutionProvider"]
+    two = OnnxTranslator(out, providers=cpu, num_threads=2)
+    four = OnnxTranslator(out, providers=cpu, num_threads=4)
+    assert [two.split_parts(n) for n in (1, 8, 15, 16, 40)] == [1, 1, 1, 2, 2]
+    assert [two.split_parts(n, beam_size=4) for n in (1, 2, 3, 4)] == [1, 1, 1, 2]
+    assert [four.split_parts(n) for n in (16, 24, 32, 64)] == [2, 3, 4, 4]
+    forced = OnnxTranslator(out, providers=cpu, num_threads=2, split_batches=True)
+    assert [forced.split_parts(n) for n in (1, 2, 3)] == [1, 2, 2]
+    whole = OnnxTranslator(out, providers=cpu, num_threads=2, split_batches=False)
+    assert whole.split_parts(64, beam_size=4) == 1
+    assert OnnxTranslator(out, providers=cpu, num_threads=1).split_parts(64, beam_size=4) == 1
+
+    lines = held_out_lines(19, seed=61)
+    lines[4] = ""  # an empty source in one part
+    sources = _sources(tokenizer, lines)
+    sources[4] = []
+    calls = []
+    for search, beam in (("greedy_search", 1), ("beam_search", 3)):
+        kwargs = {} if beam == 1 else {"beam_size": beam}
+        expected_tokens, expected_scores = getattr(whole, search)(sources, **kwargs)
+        for translator in (two, forced):
+            tokens, scores = getattr(translator, search)(sources, **kwargs)
+            assert tokens == expected_tokens, (search, translator._split)
+            np.testing.assert_allclose(scores, expected_scores, rtol=0, atol=1e-5)
+        workers = two._split_workers[2]
+        assert all(w.threads() == 1 and w.split_parts(64, 4) == 1 for w in workers)
+        for worker in workers:
+            options = worker.session("encoder").get_session_options()
+            assert options.intra_op_num_threads == 1
+            method = getattr(worker, search)
+
+            def record(rows, *args, _method=method, _search=search, **kw):
+                calls.append((_search, len(rows), threading.current_thread()))
+                return _method(rows, *args, **kw)
+
+            setattr(worker, search, record)
+        assert getattr(two, search)(sources, **kwargs)[0] == expected_tokens
+    # Each search: two parts (10 and 9 sentences), one on another thread.
+    for search in ("greedy_search", "beam_search"):
+        parts = [(rows, thread) for name, rows, thread in calls if name == search]
+        assert sorted(rows for rows, _ in parts) == [9, 10]
+        assert {thread is threading.current_thread() for _, thread in parts} == {True, False}
+
+    # The runtime command: `--whole-batches` keeps batches whole, the same lines.
+    from keras_transformer_runtime import translate as runtime_command
+
+    made = []
+
+    class Recording(OnnxTranslator):
+        def __init__(self, *args, **kwargs):
+            made.append(kwargs.get("split_batches"))
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(runtime_command, "OnnxTranslator", Recording)
+    expected = two.translate(lines, beam_size=3)
+    for flags, split in (([], None), (["--whole-batches"], False)):
+        monkeypatch.setattr(sys, "stdin", io.StringIO("".join(line + "\n" for line in lines)))
+        assert runtime_command.main([out, "--cpu", "--threads", "2", "--beam", "3", *flags]) == 0
+        assert capsys.readouterr().out.splitlines() == expected
+        assert made[-1] is split
 
 
 def test_parallel_batches_translate_as_one_batch_at_a_time(exported):

@@ -15,6 +15,8 @@ from __future__ import annotations
 import json
 import os
 import queue
+import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -27,7 +29,7 @@ from keras_transformer_runtime.search import (
     source_array,
     translate_texts,
 )
-from keras_transformer_runtime.specials import EOS_ID
+from keras_transformer_runtime.specials import EOS_ID, PAD_ID
 
 MANIFEST = "manifest.json"
 # Greedy batches of at most this many sentences run as one call of the
@@ -64,6 +66,18 @@ SPINNING_GRAPHS = (
 # and batch 32, the one cell where it was so on both CPUs measured (the same
 # command, `2x1:none` against `2x1`); in int8 its threads spin.
 SLEEPING_FLOAT32_GRAPHS = ("greedy_batch_search",)
+# On a CPU, a search of several sentences on N > 1 intra-op threads runs as
+# up to N searches of part of the batch at once, each on one thread, where
+# every part holds at least this many decoder rows (sentences x beam size).
+# The operators of a decoder step are small: threads that share each one
+# wait on each other at every one of them, while searches of part of the
+# batch each never wait. Float32 and float16 translations are
+# the same either way; int8 graphs quantize a step's activations with one
+# scale per batch, so a part's translations may differ from the whole
+# batch's, and by default they keep whole batches (their outputs then do
+# not depend on the thread count). `python -m benchmarks.parallel_batches
+# ONNX_DIR --layouts 2x1 2x1:whole` measures it (benchmarks/README.md).
+SPLIT_MIN_ROWS = 8
 _CUDA = "CUDAExecutionProvider"
 _CPU = "CPUExecutionProvider"
 
@@ -152,10 +166,23 @@ class OnnxTranslator:
             search graphs' threads spin and the encoder's sleep
             (`SPINNING_GRAPHS`), as do the float32 greedy batch graph's
             (`SLEEPING_FLOAT32_GRAPHS`).
+        split_batches: on the CPU with more than one thread (`num_threads`,
+            or every core the process may use), search a batch as one part
+            per thread, the parts at once, each on one thread of sessions of
+            its own (`SPLIT_MIN_ROWS`). None (the default): float32 and
+            float16 graphs, where each part has at least `SPLIT_MIN_ROWS`
+            rows; True: any batch of several sentences, int8 too; False:
+            never.
     """
 
     def __init__(
-        self, onnx_dir, providers=None, num_threads=None, precision="float32", spinning=None
+        self,
+        onnx_dir,
+        providers=None,
+        num_threads=None,
+        precision="float32",
+        spinning=None,
+        split_batches=None,
     ):
         self.onnx_dir = os.fspath(onnx_dir)
         if not os.path.isdir(self.onnx_dir):
@@ -195,6 +222,10 @@ class OnnxTranslator:
         self._sessions = {}
         self._copies = []  # for parallel beam searches: `_parallel_translators`
         self._parallel_sessions = None
+        self._split = None if split_batches is None else bool(split_batches)
+        self._split_workers = {}  # parts -> the translators of a split search
+        self._split_pool = None  # (threads, ThreadPoolExecutor)
+        self._split_lock = threading.Lock()
         self._self_names = self.cache_names("self")
         self._new_self_names = ["new_" + name for name in self._self_names]
         self.encoder_session = self.session("encoder")
@@ -265,6 +296,65 @@ class OnnxTranslator:
                 )
             )
         return [self, *self._copies[: count - 1]]
+
+    def threads(self):
+        """The intra-op threads of a search: `num_threads`, or the cores this process may use."""
+        if self._num_threads is not None:
+            return int(self._num_threads)
+        try:
+            return len(os.sched_getaffinity(0))
+        except AttributeError:  # not on Linux
+            return os.cpu_count() or 1
+
+    def split_parts(self, sentences, beam_size=1):
+        """Into how many parts a search of `sentences` runs (1: whole; see `split_batches`)."""
+        if self._split is False or self.provider != _CPU or sentences < 2:
+            return 1
+        parts = min(self.threads(), sentences)
+        if self._split is None:
+            if self.precision == "int8":
+                return 1
+            parts = min(parts, sentences * beam_size // SPLIT_MIN_ROWS)
+        return max(parts, 1)
+
+    def _split_search(self, source, lengths, parts, search):
+        """`search(translator, rows)` on `parts` parts of `source` at once; results in order.
+
+        The sentences are dealt to the parts in order of length, so that
+        every part has sentences of every length and the parts end together.
+        Each part runs on a translator of its own with a thread share each.
+        """
+        with self._split_lock:
+            if parts not in self._split_workers:
+                self._split_workers[parts] = [
+                    OnnxTranslator(
+                        self.onnx_dir,
+                        providers=self._providers,
+                        num_threads=max(1, self.threads() // parts),
+                        precision=self.precision,
+                        spinning=self._spinning,
+                        split_batches=False,
+                    )
+                    for _ in range(parts)
+                ]
+            if self._split_pool is None or self._split_pool[0] < parts - 1:
+                self._split_pool = (parts - 1, ThreadPoolExecutor(parts - 1, "split-search"))
+            workers, pool = self._split_workers[parts], self._split_pool[1]
+        order = np.argsort(lengths, kind="stable")
+        groups = [order[j::parts] for j in range(parts)]
+        # The first part runs on this thread; the pool's threads only search.
+        futures = [
+            pool.submit(search, worker, source[group])
+            for worker, group in zip(workers[1:], groups[1:], strict=True)
+        ]
+        results = [search(workers[0], source[groups[0]])]
+        results += [future.result() for future in futures]
+        tokens = [None] * len(source)
+        scores = np.zeros(len(source), np.float64)
+        for group, (part_tokens, part_scores) in zip(groups, results, strict=True):
+            for row, output, score in zip(group, part_tokens, part_scores, strict=True):
+                tokens[row], scores[row] = output, score
+        return tokens, scores
 
     # ----------------------------------------------------------------------- graphs
 
@@ -409,6 +499,14 @@ class OnnxTranslator:
         source, limits = self._prepare(source_ids, max_length)
         if (limits == 0).all():
             return greedy_loop(None, limits)
+        parts = self.split_parts(len(source))
+        if parts > 1:
+            return self._split_search(
+                source,
+                (source != PAD_ID).sum(1),
+                parts,
+                lambda worker, rows: worker.greedy_search(rows, max_length=max_length),
+            )
         _, mask, cross = self.encode(source)
         if len(source) <= GRAPH_LOOP_MAX_SENTENCES and "greedy_search" in self._graph_files:
             return self._greedy_in_graph(mask, cross, limits)
@@ -463,6 +561,16 @@ class OnnxTranslator:
         source, limits = self._prepare(source_ids, max_length)
         if (limits == 0).all():
             return beam_loop(None, None, limits, beam_size, length_penalty)
+        parts = self.split_parts(len(source), beam_size)
+        if parts > 1:
+            return self._split_search(
+                source,
+                (source != PAD_ID).sum(1),
+                parts,
+                lambda worker, rows: worker.beam_search(
+                    rows, beam_size=beam_size, length_penalty=length_penalty, max_length=max_length
+                ),
+            )
         # Each sentence is encoded once, and its first step runs once: the
         # first reorder gives its beams copies of its row. The cross keys and
         # values stay one row per sentence (older exports: one per beam).

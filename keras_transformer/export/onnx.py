@@ -369,6 +369,7 @@ def _write_search(folder, step_files, name):
             search = build(step, BATCH_STEPS_PER_ITERATION.get(precision, 1))
         else:
             search = build(step)
+        _drop_unused_initializers(search.graph)
         onnx.checker.check_model(search, full_check=True)
         entry[precision] = f"{name}{SUFFIXES.get(precision, '')}.onnx"
         onnx.save(search, os.path.join(folder, entry[precision]))
@@ -380,6 +381,19 @@ def _write_search(folder, step_files, name):
         if limit is not None:  # 2 * beam_size at most this (`blocked_selection`)
             entry["max_top_k"] = limit
     return entry
+
+
+def _drop_unused_initializers(graph):
+    """Removes the constants that no node of `graph` (or of a graph inside it) reads:
+    the step's own selection constants, which a search graph replaces, would
+    otherwise stay in its file and make ONNX Runtime warn on every load."""
+    read = {name for g in _subgraphs(graph) for node in g.node for name in node.input}
+    read |= {output.name for g in _subgraphs(graph) for output in g.output}
+    for g in _subgraphs(graph):
+        kept = [tensor for tensor in g.initializer if tensor.name in read]
+        if len(kept) < len(g.initializer):
+            del g.initializer[:]
+            g.initializer.extend(kept)
 
 
 def _subgraphs(graph):
