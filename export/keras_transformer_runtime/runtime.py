@@ -666,7 +666,9 @@ class OnnxTranslator:
         Give each search its share of the cores through `num_threads`. On
         a CPU, one thread per batch (`num_threads=1`, `parallel_batches` =
         the cores) keeps every core busy while a search runs its Python
-        steps between the runtime's calls.
+        steps between the runtime's calls. One search on several threads
+        splits a large float32 or float16 batch into one part per thread
+        itself (`split_batches`).
 
         Sentences are sorted by length into batches and put back in order.
         An empty (or whitespace-only) string gives an empty string; a sentence
