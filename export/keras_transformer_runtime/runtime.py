@@ -66,9 +66,9 @@ SPINNING_GRAPHS = (
 # and batch 32, the one cell where it was so on both CPUs measured (the same
 # command, `2x1:none` against `2x1`); in int8 its threads spin.
 SLEEPING_FLOAT32_GRAPHS = ("greedy_batch_search",)
-# On a CPU, a search of several sentences on N > 1 intra-op threads runs as
-# up to N searches of part of the batch at once, each on one thread, where
-# every part holds at least this many decoder rows (sentences x beam size).
+# On a CPU, a search on N > 1 intra-op threads runs as N searches of part of
+# the batch at once, each on one thread, where every part holds at least
+# this many decoder rows (sentences x beam size); a smaller batch runs whole.
 # The operators of a decoder step are small: threads that share each one
 # wait on each other at every one of them, while searches of part of the
 # batch each never wait. Float32 and float16 translations are
@@ -169,9 +169,10 @@ class OnnxTranslator:
         split_batches: on the CPU with more than one thread (`num_threads`,
             or every core the process may use), search a batch as one part
             per thread, the parts at once, each on one thread of sessions of
-            its own (`SPLIT_MIN_ROWS`). None (the default): float32 and
-            float16 graphs, where each part has at least `SPLIT_MIN_ROWS`
-            rows; True: any batch of several sentences, int8 too; False:
+            its own (`SPLIT_MIN_ROWS`; those sessions hold the weights once
+            per thread). None (the default): float32 and float16 graphs,
+            where each part has at least `SPLIT_MIN_ROWS` rows; True: any
+            batch of at least one sentence per thread, int8 too; False:
             never.
     """
 
@@ -223,8 +224,8 @@ class OnnxTranslator:
         self._copies = []  # for parallel beam searches: `_parallel_translators`
         self._parallel_sessions = None
         self._split = None if split_batches is None else bool(split_batches)
-        self._split_workers = {}  # parts -> the translators of a split search
-        self._split_pool = None  # (threads, ThreadPoolExecutor)
+        self._split_workers = []  # one one-thread translator per part of a split search
+        self._split_pool = None  # runs the parts after the first
         self._split_lock = threading.Lock()
         self._self_names = self.cache_names("self")
         self._new_self_names = ["new_" + name for name in self._self_names]
@@ -308,38 +309,39 @@ class OnnxTranslator:
 
     def split_parts(self, sentences, beam_size=1):
         """Into how many parts a search of `sentences` runs (1: whole; see `split_batches`)."""
-        if self._split is False or self.provider != _CPU or sentences < 2:
+        # One part per thread or none: the parts' translators (each with a
+        # copy of the weights) are made once, one per thread.
+        parts = self.threads()
+        if self._split is False or self.provider != _CPU or parts < 2 or sentences < parts:
             return 1
-        parts = min(self.threads(), sentences)
-        if self._split is None:
-            if self.precision == "int8":
-                return 1
-            parts = min(parts, sentences * beam_size // SPLIT_MIN_ROWS)
-        return max(parts, 1)
+        if self._split is None and (
+            self.precision == "int8" or sentences * beam_size < parts * SPLIT_MIN_ROWS
+        ):
+            return 1
+        return parts
 
     def _split_search(self, source, lengths, parts, search):
         """`search(translator, rows)` on `parts` parts of `source` at once; results in order.
 
         The sentences are dealt to the parts in order of length, so that
         every part has sentences of every length and the parts end together.
-        Each part runs on a translator of its own with a thread share each.
+        Each part runs on a one-thread translator of its own.
         """
         with self._split_lock:
-            if parts not in self._split_workers:
-                self._split_workers[parts] = [
+            while len(self._split_workers) < parts:
+                self._split_workers.append(
                     OnnxTranslator(
                         self.onnx_dir,
                         providers=self._providers,
-                        num_threads=max(1, self.threads() // parts),
+                        num_threads=1,
                         precision=self.precision,
                         spinning=self._spinning,
                         split_batches=False,
                     )
-                    for _ in range(parts)
-                ]
-            if self._split_pool is None or self._split_pool[0] < parts - 1:
-                self._split_pool = (parts - 1, ThreadPoolExecutor(parts - 1, "split-search"))
-            workers, pool = self._split_workers[parts], self._split_pool[1]
+                )
+            if self._split_pool is None:
+                self._split_pool = ThreadPoolExecutor(parts - 1, "split-search")
+            workers, pool = self._split_workers[:parts], self._split_pool
         order = np.argsort(lengths, kind="stable")
         groups = [order[j::parts] for j in range(parts)]
         # The first part runs on this thread; the pool's threads only search.
