@@ -86,6 +86,14 @@ class ExportFileError(RuntimeError):
     """A file of an ONNX export folder is missing or unreadable; the message names it."""
 
 
+def available_cores():
+    """The cores this process may run on (its CPU affinity where the OS has one)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
 def load_tokenizer(path):
     """The export's tokenizer; a missing or unreadable file raises `ExportFileError` naming it."""
     if not os.path.isfile(path):
@@ -287,25 +295,23 @@ class OnnxTranslator:
         if not own:
             return [self] * count
         while len(self._copies) < count - 1:
-            self._copies.append(
-                OnnxTranslator(
-                    self.onnx_dir,
-                    providers=self._providers,
-                    num_threads=self._num_threads,
-                    precision=self.precision,
-                    spinning=self._spinning,
-                )
-            )
+            self._copies.append(self._copy())
         return [self, *self._copies[: count - 1]]
+
+    def _copy(self, **changes):
+        """A translator of the same export and settings (but `changes`), with sessions of its own."""
+        settings = {
+            "providers": self._providers,
+            "num_threads": self._num_threads,
+            "precision": self.precision,
+            "spinning": self._spinning,
+            "split_batches": self._split,
+        }
+        return OnnxTranslator(self.onnx_dir, **{**settings, **changes})
 
     def threads(self):
         """The intra-op threads of a search: `num_threads`, or the cores this process may use."""
-        if self._num_threads is not None:
-            return int(self._num_threads)
-        try:
-            return len(os.sched_getaffinity(0))
-        except AttributeError:  # not on Linux
-            return os.cpu_count() or 1
+        return int(self._num_threads) if self._num_threads is not None else available_cores()
 
     def split_parts(self, sentences, beam_size=1):
         """Into how many parts a search of `sentences` runs (1: whole; see `split_batches`)."""
@@ -329,16 +335,7 @@ class OnnxTranslator:
         """
         with self._split_lock:
             while len(self._split_workers) < parts:
-                self._split_workers.append(
-                    OnnxTranslator(
-                        self.onnx_dir,
-                        providers=self._providers,
-                        num_threads=1,
-                        precision=self.precision,
-                        spinning=self._spinning,
-                        split_batches=False,
-                    )
-                )
+                self._split_workers.append(self._copy(num_threads=1, split_batches=False))
             if self._split_pool is None:
                 self._split_pool = ThreadPoolExecutor(parts - 1, "split-search")
             workers, pool = self._split_workers[:parts], self._split_pool

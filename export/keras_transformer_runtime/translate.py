@@ -9,10 +9,9 @@ sentencepiece only (no TensorFlow, no Keras).
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
-from keras_transformer_runtime.runtime import ExportFileError, OnnxTranslator
+from keras_transformer_runtime.runtime import ExportFileError, OnnxTranslator, available_cores
 
 
 def build_parser():
@@ -78,8 +77,7 @@ def main(argv=None):
         )
     threads = args.threads
     if threads is None and args.parallel_batches > 1:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        threads = max(1, (cores or 1) // args.parallel_batches)
+        threads = max(1, available_cores() // args.parallel_batches)
     try:
         translator = OnnxTranslator(
             args.onnx_dir,
