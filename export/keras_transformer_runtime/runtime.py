@@ -326,7 +326,7 @@ class OnnxTranslator:
             return 1
         return parts
 
-    def _split_search(self, source, lengths, parts, search):
+    def _split_search(self, source, parts, search):
         """`search(translator, rows)` on `parts` parts of `source` at once; results in order.
 
         The sentences are dealt to the parts in order of length, so that
@@ -339,7 +339,7 @@ class OnnxTranslator:
             if self._split_pool is None:
                 self._split_pool = ThreadPoolExecutor(parts - 1, "split-search")
             workers, pool = self._split_workers[:parts], self._split_pool
-        order = np.argsort(lengths, kind="stable")
+        order = np.argsort((source != PAD_ID).sum(1), kind="stable")  # by source length
         groups = [order[j::parts] for j in range(parts)]
         # The first part runs on this thread; the pool's threads only search.
         futures = [
@@ -502,7 +502,6 @@ class OnnxTranslator:
         if parts > 1:
             return self._split_search(
                 source,
-                (source != PAD_ID).sum(1),
                 parts,
                 lambda worker, rows: worker.greedy_search(rows, max_length=max_length),
             )
@@ -564,7 +563,6 @@ class OnnxTranslator:
         if parts > 1:
             return self._split_search(
                 source,
-                (source != PAD_ID).sum(1),
                 parts,
                 lambda worker, rows: worker.beam_search(
                     rows, beam_size=beam_size, length_penalty=length_penalty, max_length=max_length
