@@ -16,7 +16,7 @@
 # (--learning-rate-scale; unset: the paper's peak for the width), PRECISION
 # (--precision; unset: auto), AVERAGE (--average: the most epoch checkpoints
 # averaged; unset: 10), SEED (--seed; unset: 0), RDROP (--rdrop-alpha; unset: off),
-# KT (the keras-transformer command).
+# LABEL_SMOOTHING (--label-smoothing; unset: 0.1), KT (the keras-transformer command).
 set -euo pipefail
 SRC=${1:?source language (de, en or fr)}
 TGT=${2:?target language}
@@ -34,7 +34,8 @@ KT=${KT:-.venv/bin/keras-transformer}
   ${SUBWORD_ALPHA:+--subword-alpha "$SUBWORD_ALPHA"} \
   ${LR_SCALE:+--learning-rate-scale "$LR_SCALE"} \
   ${PRECISION:+--precision "$PRECISION"} ${AVERAGE:+--average "$AVERAGE"} \
-  ${SEED:+--seed "$SEED"} ${RDROP:+--rdrop-alpha "$RDROP"}
+  ${SEED:+--seed "$SEED"} ${RDROP:+--rdrop-alpha "$RDROP"} \
+  ${LABEL_SMOOTHING:+--label-smoothing "$LABEL_SMOOTHING"}
 
 for BEAM in 1 5; do
   "$KT" evaluate "$RUN" --beam "$BEAM" \
