@@ -25,6 +25,8 @@ def describe_machine() -> dict:
         pass
     import keras
 
+    from keras_transformer.startup import onednn_enabled
+
     return {
         "cpu": cpu,
         "logical_cores": os.cpu_count(),
@@ -32,6 +34,7 @@ def describe_machine() -> dict:
         "python": platform.python_version(),
         "keras": keras.__version__,
         "backend": keras.backend.backend(),
+        "tensorflow_onednn": onednn_enabled() if keras.backend.backend() == "tensorflow" else None,
         "platform": platform.platform(),
     }
 

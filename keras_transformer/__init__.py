@@ -1,8 +1,9 @@
 """keras-transformer: the Transformer of "Attention Is All You Need" for Keras 3."""
 
-from keras_transformer.startup import quiet_tensorflow_start
+from keras_transformer.startup import prefer_onednn, quiet_tensorflow_start
 
 with quiet_tensorflow_start():  # the command line only; importing keras imports TensorFlow
+    prefer_onednn()  # before TensorFlow loads: it reads the variable once
     import keras  # noqa: F401
 
 from keras_transformer.config import PRESETS, TransformerConfig

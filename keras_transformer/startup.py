@@ -1,4 +1,4 @@
-"""Quiet start-up for the `keras-transformer` command."""
+"""Start-up settings: TensorFlow's oneDNN kernels, and a quiet `keras-transformer` command."""
 
 from __future__ import annotations
 
@@ -6,6 +6,38 @@ import contextlib
 import logging
 import os
 import sys
+
+ONEDNN_VARIABLE = "TF_ENABLE_ONEDNN_OPTS"
+
+
+def prefer_onednn() -> None:
+    """Asks TensorFlow for its oneDNN CPU kernels unless `TF_ENABLE_ONEDNN_OPTS` is set.
+
+    TensorFlow's x86 Linux wheels turn oneDNN on by themselves only on CPUs
+    with AVX512_VNNI, AVX512_BF16 or AMX. On the others (AVX2-only CPUs such
+    as AMD Zen 3, AVX-512 without VNNI) matrix products run on Eigen, which
+    is slower for this model's products, in training and in Keras decoding
+    (`benchmarks/README.md`, "oneDNN on an AVX2 CPU"). TensorFlow reads the
+    variable once, when it loads, so this acts only when `keras_transformer`
+    is imported before TensorFlow; a value the user set, `0` included, is
+    kept. Results differ from Eigen's by float32 round-off.
+    """
+    os.environ.setdefault(ONEDNN_VARIABLE, "1")
+
+
+def onednn_enabled() -> bool | None:
+    """Whether the loaded TensorFlow runs its oneDNN CPU kernels (None: not known).
+
+    Imports TensorFlow. The answer comes from TensorFlow's own check (its
+    build, the variable and the CPU), a private function: None where it is
+    missing.
+    """
+    try:
+        from tensorflow.python.util import _pywrap_util_port
+    except ImportError:
+        return None
+    check = getattr(_pywrap_util_port, "IsMklEnabled", None)
+    return None if check is None else bool(check())
 
 
 def is_quiet_command() -> bool:

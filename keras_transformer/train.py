@@ -68,6 +68,7 @@ from keras_transformer.io_utils import atomic_path, atomic_save_model, atomic_wr
 from keras_transformer.model import build_transformer
 from keras_transformer.precision import CHOICES as PRECISION_CHOICES
 from keras_transformer.precision import resolve_precision
+from keras_transformer.startup import onednn_enabled
 from keras_transformer.training import (
     LabelSmoothedCrossEntropy,
     MaskedAccuracy,
@@ -1035,6 +1036,10 @@ def _validate_and_record(run, settings, model, data, history, recipe, final, gre
         "precision": recipe.precision,
         "precision_setting": settings.precision,
         "precision_reason": recipe.precision_reason,
+        # TensorFlow's oneDNN kernels (keras_transformer.startup.prefer_onednn); None elsewhere.
+        "tensorflow_onednn": (
+            onednn_enabled() if keras.backend.backend() == "tensorflow" else None
+        ),
         "warmup_steps": recipe.warmup_steps,
         "learning_rate_scale": recipe.learning_rate_scale,
         "total_steps": recipe.total_steps,

@@ -2,6 +2,8 @@ import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
+# keras_transformer first: it sets TensorFlow up (oneDNN) as its users get it.
+import keras_transformer  # noqa: E402, F401, I001
 import keras  # noqa: E402
 import pytest  # noqa: E402
 

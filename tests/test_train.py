@@ -3,6 +3,7 @@
 import io
 import json
 import os
+import platform
 import signal
 import subprocess
 import sys
@@ -275,6 +276,8 @@ def test_auto_precision_accumulation_and_cooldown_are_chosen_said_and_recorded(
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["precision"] == "mixed_bfloat16" and metrics["precision_setting"] == "auto"
     assert metrics["precision_reason"] == "auto: CPU with avx512_bf16"
+    # The tests import keras_transformer first, as users do: TensorFlow runs oneDNN on x86.
+    assert metrics["tensorflow_onednn"] is (platform.machine() in ("x86_64", "AMD64"))
     batches = metrics["train_data"]["batches"]
     assert metrics["accumulate_steps"] == 2 and metrics["updates_per_epoch"] == batches // 2
     assert metrics["steps"] == batches // 2  # optimizer updates, not batches
