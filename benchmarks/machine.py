@@ -34,7 +34,7 @@ def describe_machine() -> dict:
         "python": platform.python_version(),
         "keras": keras.__version__,
         "backend": keras.backend.backend(),
-        "tensorflow_onednn": onednn_enabled() if keras.backend.backend() == "tensorflow" else None,
+        "tensorflow_onednn": onednn_enabled(),
         "platform": platform.platform(),
     }
 

@@ -26,12 +26,15 @@ def prefer_onednn() -> None:
 
 
 def onednn_enabled() -> bool | None:
-    """Whether the loaded TensorFlow runs its oneDNN CPU kernels (None: not known).
+    """Whether Keras runs on a TensorFlow that uses its oneDNN CPU kernels.
 
-    Imports TensorFlow. The answer comes from TensorFlow's own check (its
-    build, the variable and the CPU), a private function: None where it is
-    missing.
+    None under another backend, or where TensorFlow's own check (its build,
+    the variable and the CPU; a private function) is missing.
     """
+    import keras
+
+    if keras.backend.backend() != "tensorflow":
+        return None
     try:
         from tensorflow.python.util import _pywrap_util_port
     except ImportError:

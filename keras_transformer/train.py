@@ -1036,10 +1036,7 @@ def _validate_and_record(run, settings, model, data, history, recipe, final, gre
         "precision": recipe.precision,
         "precision_setting": settings.precision,
         "precision_reason": recipe.precision_reason,
-        # TensorFlow's oneDNN kernels (keras_transformer.startup.prefer_onednn); None elsewhere.
-        "tensorflow_onednn": (
-            onednn_enabled() if keras.backend.backend() == "tensorflow" else None
-        ),
+        "tensorflow_onednn": onednn_enabled(),  # keras_transformer.startup.prefer_onednn
         "warmup_steps": recipe.warmup_steps,
         "learning_rate_scale": recipe.learning_rate_scale,
         "total_steps": recipe.total_steps,
