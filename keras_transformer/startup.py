@@ -16,11 +16,13 @@ def prefer_onednn() -> None:
     TensorFlow's x86 Linux wheels turn oneDNN on by themselves only on CPUs
     with AVX512_VNNI, AVX512_BF16 or AMX. On the others (AVX2-only CPUs such
     as AMD Zen 3, AVX-512 without VNNI) matrix products run on Eigen, which
-    is slower for this model's products, in training and in Keras decoding
-    (`benchmarks/README.md`, "oneDNN on an AVX2 CPU"). TensorFlow reads the
-    variable once, when it loads, so this acts only when `keras_transformer`
-    is imported before TensorFlow; a value the user set, `0` included, is
-    kept. Results differ from Eigen's by float32 round-off.
+    is slower for the products of `small` and larger models, in training
+    and in batched Keras decoding; the `tiny` preset's small products are
+    slower on oneDNN (`benchmarks/README.md`, "oneDNN on an AVX2 CPU").
+    TensorFlow reads the variable once, when it loads, so this acts only
+    when `keras_transformer` is imported before TensorFlow; a value the user
+    set, `0` included, is kept. Results differ from Eigen's by float32
+    round-off.
     """
     os.environ.setdefault(ONEDNN_VARIABLE, "1")
 
