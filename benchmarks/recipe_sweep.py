@@ -87,6 +87,9 @@ CONFIGS = {
     "rdrop5-seed1": dict(rdrop=5.0, seed=1),
     "rdrop5-seed2": dict(rdrop=5.0, seed=2),
     "rdrop5-drop02-att0": dict(rdrop=5.0, dropout=0.2, attention_dropout=0.0),
+    "rdrop5-drop03-att0": dict(rdrop=5.0, dropout=0.3, attention_dropout=0.0),
+    "rdrop5-ff2048": dict(rdrop=5.0, model=dict(intermediate_dim=2048)),
+    "rdrop10": dict(rdrop=10.0),
 }
 
 

@@ -16,7 +16,9 @@
 # (--learning-rate-scale; unset: the paper's peak for the width), PRECISION
 # (--precision; unset: auto), AVERAGE (--average: the most epoch checkpoints
 # averaged; unset: 10), SEED (--seed; unset: 0), RDROP (--rdrop-alpha; unset: off),
-# LABEL_SMOOTHING (--label-smoothing; unset: 0.1), KT (the keras-transformer command).
+# LABEL_SMOOTHING (--label-smoothing; unset: 0.1), INTERMEDIATE_DIM
+# (--intermediate-dim: the feed-forward width; unset: the preset's), KT (the
+# keras-transformer command).
 set -euo pipefail
 SRC=${1:?source language (de, en or fr)}
 TGT=${2:?target language}
@@ -35,7 +37,8 @@ KT=${KT:-.venv/bin/keras-transformer}
   ${LR_SCALE:+--learning-rate-scale "$LR_SCALE"} \
   ${PRECISION:+--precision "$PRECISION"} ${AVERAGE:+--average "$AVERAGE"} \
   ${SEED:+--seed "$SEED"} ${RDROP:+--rdrop-alpha "$RDROP"} \
-  ${LABEL_SMOOTHING:+--label-smoothing "$LABEL_SMOOTHING"}
+  ${LABEL_SMOOTHING:+--label-smoothing "$LABEL_SMOOTHING"} \
+  ${INTERMEDIATE_DIM:+--intermediate-dim "$INTERMEDIATE_DIM"}
 
 for BEAM in 1 5; do
   "$KT" evaluate "$RUN" --beam "$BEAM" \
