@@ -27,7 +27,7 @@ demo: $(STAMP)
 # run is single-threaded tracing, so the two share the 2 cores well); the JAX
 # output is printed after the TensorFlow run, and either failing fails it.
 UNIT = not slow and not integration
-PYTEST = TF_CPP_MIN_LOG_LEVEL=2 $(BIN)/python -m pytest -q -p no:cacheprovider
+PYTEST = TF_CPP_MIN_LOG_LEVEL=2 $(BIN)/python -m pytest -q -p no:cacheprovider --durations=15
 
 test: $(STAMP)
 	@KERAS_BACKEND=jax $(PYTEST) --basetemp=.pytest-jax-tmp -m "jax and $(UNIT)" \
