@@ -61,6 +61,7 @@ def run_demo(
         metrics=[MaskedAccuracy()],
         jit_compile=jit_compile,
     )
+    model.optimizer.build(model.trainable_variables)  # not inside the first trace: one trace
     started = time.perf_counter()
     history = model.fit(
         x_train,

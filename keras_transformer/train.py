@@ -630,6 +630,9 @@ def build_and_compile(
             metrics=[MaskedAccuracy()],
             jit_compile=jit_compile,
         )
+        # The optimizer's slots now, not on first use: built inside the first
+        # trace of the training step, they make TensorFlow trace it twice.
+        model.optimizer.build(model.trainable_variables)
     return enable_multi_worker_fit(model, strategy)
 
 

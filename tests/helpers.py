@@ -87,6 +87,7 @@ def run_layer_test(layer_cls, init_kwargs, call_args, expected_output_shape, rto
     assert tuple(symbolic_output.shape[1:]) == tuple(expected_output_shape[1:])
     model = keras.Model(inputs, symbolic_output)
     model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+    model.optimizer.build(model.trainable_variables)  # one trace of the step, not two
     before = [to_numpy(w).copy() for w in model.trainable_weights]
     assert before, "the layer has no trainable weights"
     target = np.random.default_rng(0).normal(size=expected_output_shape).astype("float32")

@@ -90,7 +90,9 @@ def _train_pair(strategy, loss=None, optimizer=None, steps=3):
     if loss is not None or optimizer is not None:
         with strategy.scope():
             mirrored.compile(optimizer=optimizer(), loss=loss or mirrored.loss)
+            mirrored.optimizer.build(mirrored.trainable_variables)
         single.compile(optimizer=optimizer(), loss=loss or single.loss)
+        single.optimizer.build(single.trainable_variables)  # as build_and_compile does
     x, y = _uneven_batches(num_batches=steps)
     return _fit(mirrored, x, y, 4), _fit(single, x, y, 4), mirrored, start
 
