@@ -19,6 +19,9 @@ def _keras_compile(model, config, jit_compile):
         # Keras' "auto": XLA under JAX, none under TensorFlow on a CPU-only machine.
         jit_compile=True if jit_compile else "auto",
     )
+    # Slots built now, as `train` builds them: created inside the first trace,
+    # they make TensorFlow trace the step twice (compile time, not step time).
+    model.optimizer.build(model.trainable_variables)
     return model
 
 
