@@ -1,6 +1,15 @@
 import os
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+if os.environ.get("KERAS_BACKEND") == "jax":
+    # The tests' models are tiny: XLA compiling each operation called eagerly, and
+    # each fit and predict, is most of their time. These flags lighten LLVM's part
+    # of a compile (code generation), which costs more here than the faster code
+    # gains; XLA's graph passes, which choose the fusions, run as before. A user's
+    # XLA_FLAGS are kept.
+    os.environ.setdefault(
+        "XLA_FLAGS", "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+    )
 
 # keras_transformer first: it sets TensorFlow up (oneDNN) as its users get it.
 import keras_transformer  # noqa: E402, F401, I001
@@ -21,6 +30,23 @@ if keras.backend.backend() == "tensorflow" and not os.environ.get("KT_ONE_CPU"):
     tf.config.set_logical_device_configuration(
         _cpus[0], [tf.config.LogicalDeviceConfiguration()] * 2
     )
+
+
+if keras.backend.backend() == "jax":
+    import atexit
+    import shutil
+    import tempfile
+
+    import jax
+
+    # Many tests compile the same program: the same tiny model trained or called on
+    # the same shapes, by a new Keras function each time (a loaded copy, a second
+    # model). JAX's compilation cache, keyed by the program itself, compiles each
+    # once per run. A fresh folder per run: nothing is reused from an earlier one.
+    _cache = tempfile.mkdtemp(prefix="kt-jax-cache-")
+    atexit.register(shutil.rmtree, _cache, True)
+    jax.config.update("jax_compilation_cache_dir", _cache)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
 
 
 @pytest.hookimpl(tryfirst=True)
