@@ -8,7 +8,8 @@ A run directory holds everything a run needs and produces:
   finished another way).
 - `spm.model`: the joint SentencePiece model, trained on the first start.
 - `backup/`: Keras `BackupAndRestore` state (weights and optimizer) of the last
-  completed epoch; rerunning the same command resumes from it.
+  completed epoch; rerunning the same command resumes from it, with data
+  order and dropout masks drawn anew (`stream_seed`), not replayed.
 - `checkpoints/epoch-NNN.weights.h5`: the weights after the last epochs and
   after the best ones on validation, for choosing and averaging.
 - `history.json`: per-epoch losses, validation measures, seconds and steps.
@@ -768,9 +769,41 @@ def automatic_tokens_per_batch(pairs, accumulate_steps=1):
     return AUTO_TOKENS_PER_BATCH[-1]
 
 
+def stream_seed(seed: int, epochs_done: int) -> int:
+    """The seed of one start's random streams: `seed` itself for a new run.
+
+    Every start of `train` seeds the data order (tf.data's shuffles) and the
+    dropout masks (each layer's `SeedGenerator`, whose state no checkpoint
+    keeps) afresh. Seeded with `seed` again, a run resumed after k epochs
+    would replay the first start's epochs 1, 2, ...: the same batches with the
+    same masks, which the model partly memorizes. A resumed start draws
+    instead from a seed derived from `seed` and `epochs_done`: other streams
+    than every earlier start's, and the same ones if that start is repeated.
+
+    >>> stream_seed(0, 0), stream_seed(0, 16) != stream_seed(0, 0)
+    (0, True)
+    """
+    if epochs_done == 0:
+        return seed
+    entropy = [seed % 2**32, seed // 2**32 % 2**32, epochs_done]
+    return int(np.random.SeedSequence(entropy).generate_state(1)[0] >> 1)
+
+
+def _epochs_done(run) -> int:
+    """The epochs in the chief's `history.json` (0 for a new run), the same on every worker."""
+    path = os.path.join(run.out_dir, "history.json")
+    done = 0
+    if run.resume and os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            done = len(json.load(f))
+    return chief_value(run.strategy, done)
+
+
 def _load_data(run, settings, src_train, tgt_train, src_valid, tgt_valid) -> _Data:
     """The tokenizer (trained on the first start), the model config and the datasets."""
-    keras.utils.set_random_seed(settings.seed)
+    epochs_done = _epochs_done(run)
+    seed = stream_seed(settings.seed, epochs_done)
+    keras.utils.set_random_seed(seed)
     tokenizer = _load_or_train_tokenizer(run.out_dir, settings, run.resume, src_train, tgt_train)
     config = settings.model_config(tokenizer.vocabulary_size)
     run.log(
@@ -792,7 +825,7 @@ def _load_data(run, settings, src_train, tgt_train, src_valid, tgt_valid) -> _Da
         train_pairs,
         tokens_per_batch,
         shuffle=True,
-        seed=settings.seed,
+        seed=seed,
         sampling=sampling,
         tokenizer=tokenizer,
     )
@@ -820,6 +853,11 @@ def _load_data(run, settings, src_train, tgt_train, src_valid, tgt_valid) -> _Da
     )
     run.log(train_stats.describe("train"))
     run.log(valid_stats.describe("valid"))
+    if seed != settings.seed:
+        run.log(
+            f"Data order and dropout masks of this start: seed {seed} (from --seed "
+            f"{settings.seed} and the {epochs_done} epochs done), not the first start's again."
+        )
     if settings.rdrop_alpha:
         # The validation batches too: the loss reads its pairs, and without
         # dropout the two copies agree, so the validation loss is unchanged.

@@ -234,6 +234,53 @@ def test_killed_run_resumes_after_the_last_completed_epoch(corpus_files, tmp_pat
     assert metrics["final"]["chosen"] in {c["name"] for c in metrics["final"]["candidates"]}
 
 
+def test_a_resumed_start_does_not_replay_the_first_starts_batches_and_masks(
+    trained_run, corpus_files, tmp_path, capsys
+):
+    """No checkpoint keeps a dropout `SeedGenerator`'s state or tf.data's shuffle
+    order, so each start seeds both anew. Seeded as the first start was, a resumed
+    start would train its epochs on the first start's batches, in the same order,
+    with the same masks."""
+    import shutil
+
+    from keras_transformer import train as run_module
+    from keras_transformer.data.pipeline import read_parallel
+
+    _, paths = corpus_files
+    settings = run_module.TrainSettings(
+        src_train=paths["train.src"], tgt_train=paths["train.tgt"],
+        src_valid=paths["valid.src"], tgt_valid=paths["valid.tgt"],
+        preset="tiny", vocab_size=400, tokens_per_batch=1024, dropout=0.1,
+    )  # fmt: skip
+    texts = (*read_parallel(paths["train.src"], paths["train.tgt"]),
+             *read_parallel(paths["valid.src"], paths["valid.tgt"]))  # fmt: skip
+    # What the first start drew: its SentencePiece model and no epochs done.
+    first_dir = tmp_path / "first"
+    first_dir.mkdir()
+    shutil.copy(trained_run / "spm.model", first_dir / "spm.model")
+    done = len(json.loads((trained_run / "history.json").read_text()))
+
+    def start(out_dir, verbose=0):
+        run = run_module._Run(str(out_dir), True, None, True, verbose)
+        data = run_module._load_data(run, settings, *texts)
+        batches = [b[0]["source_ids"].numpy() for b in data.train.take(3)]
+        model = build_transformer(data.config)
+        masks = [np.asarray(v.value) for v in model.variables if "seed_generator" in v.path]
+        assert masks, "the model has no dropout to seed"
+        return batches, masks
+
+    first = start(first_dir)
+    resumed = start(trained_run, verbose=1)
+    said = capsys.readouterr().out
+    again = start(trained_run)
+    assert not all(map(np.array_equal, first[0], resumed[0]))
+    assert not any(map(np.array_equal, first[1], resumed[1]))
+    # A repeated resume from the same epoch draws the same again.
+    assert all(map(np.array_equal, resumed[0], again[0]))
+    assert all(map(np.array_equal, resumed[1], again[1]))
+    assert f"the {done} epochs done), not the first start's again." in said
+
+
 def test_plot_attention_of_an_output_that_never_ends():
     """A random model that runs to max_length without EOS still gets a plot."""
     from keras_transformer.data.toy import WordVocabulary
