@@ -789,14 +789,18 @@ def stream_seed(seed: int, epochs_done: int) -> int:
     return int(np.random.SeedSequence(entropy).generate_state(1)[0] >> 1)
 
 
+def _read_history(run) -> list:
+    """The epochs recorded in the run's `history.json` (none for a new run)."""
+    path = os.path.join(run.out_dir, "history.json")
+    if not (run.resume and os.path.isfile(path)):
+        return []
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
 def _epochs_done(run) -> int:
     """The epochs in the chief's `history.json` (0 for a new run), the same on every worker."""
-    path = os.path.join(run.out_dir, "history.json")
-    done = 0
-    if run.resume and os.path.isfile(path):
-        with open(path, encoding="utf-8") as f:
-            done = len(json.load(f))
-    return chief_value(run.strategy, done)
+    return chief_value(run.strategy, len(_read_history(run)))
 
 
 def _load_data(run, settings, src_train, tgt_train, src_valid, tgt_valid) -> _Data:
@@ -906,11 +910,7 @@ def _recipe(run, settings, data) -> _Recipe:
 
 def _fit(run, settings, model, data) -> list:
     """`model.fit` with the run's callbacks, unless the budget is spent; returns the history."""
-    history_path = os.path.join(run.out_dir, "history.json")
-    history = []
-    if run.resume and os.path.isfile(history_path):
-        with open(history_path, encoding="utf-8") as f:
-            history = json.load(f)
+    history = _read_history(run)
     recorder = _RunRecorder(
         run.out_dir,
         history,
