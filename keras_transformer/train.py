@@ -857,7 +857,7 @@ def _load_data(run, settings, src_train, tgt_train, src_valid, tgt_valid) -> _Da
     )
     run.log(train_stats.describe("train"))
     run.log(valid_stats.describe("valid"))
-    if seed != settings.seed:
+    if epochs_done:
         run.log(
             f"Data order and dropout masks of this start: seed {seed} (from --seed "
             f"{settings.seed} and the {epochs_done} epochs done), not the first start's again."
