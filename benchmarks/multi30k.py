@@ -95,6 +95,32 @@ def _evaluate(
     return {k: scores[k] for k in ("bleu", "bleu_lowercase", "chrf", "bleu_signature")}
 
 
+def trained_on(history: list) -> list[dict]:
+    """Where the epochs trained, from the device and precision `train` keeps per
+    epoch: `[{"device", "precision", "epochs": [first, last]}]`, one entry per
+    stretch of consecutive epochs on one device at one precision. Epochs
+    trained before `train` kept them have `device` and `precision` None.
+
+    Example:
+
+    >>> history = [{"epoch": 1}] + [
+    ...     {"epoch": e, "device": "CPU A", "precision": "float32"} for e in (2, 3)
+    ... ]
+    >>> for stretch in trained_on(history):
+    ...     print(stretch)
+    {'device': None, 'precision': None, 'epochs': [1, 1]}
+    {'device': 'CPU A', 'precision': 'float32', 'epochs': [2, 3]}
+    """
+    stretches = []
+    for e in history:
+        where = {"device": e.get("device"), "precision": e.get("precision")}
+        if stretches and all(stretches[-1][k] == v for k, v in where.items()):
+            stretches[-1]["epochs"][1] = e["epoch"]
+        else:
+            stretches.append({**where, "epochs": [e["epoch"], e["epoch"]]})
+    return stretches
+
+
 def _read(run_dir, name):
     with open(os.path.join(run_dir, name), encoding="utf-8") as f:
         return json.load(f)
@@ -159,6 +185,8 @@ def record(
         },
         "validation_curve": curve,
         "test_2016_flickr": test,
+        "trained_on": trained_on(metrics["history"]),
+        # Where the record was written and test scored.
         "machine": {**describe_machine(), "cpu_flags": _cpu_flags()},
     }
     os.makedirs(RESULTS, exist_ok=True)
@@ -209,6 +237,27 @@ def _summary(settings: dict, model: dict, tokens_per_batch=None) -> str:
     return ", ".join(parts)
 
 
+def _where(entry: dict) -> str:
+    """The table's CPU cell: where the epochs say they trained (each stretch of
+    epochs where that changed), else the machine that wrote the record."""
+    here = f"{entry['machine']['cpu']} ({', '.join(entry['machine']['cpu_flags'])})"
+    stretches = [s for s in entry.get("trained_on", []) if s["device"]]
+    if not stretches:
+        return here
+    if len(entry["trained_on"]) == 1:  # one machine throughout
+        return f"{stretches[0]['device']}, {stretches[0]['precision']}"
+    cells = []
+    for s in entry["trained_on"]:
+        first, last = s["epochs"]
+        epochs = f"epoch {first}" if first == last else f"epochs {first}-{last}"
+        cells.append(
+            f"{epochs}: {s['device']}, {s['precision']}"
+            if s["device"]
+            else f"{epochs}: not recorded"
+        )
+    return "; ".join(cells)
+
+
 def table() -> str:
     entries = []
     for path in sorted(glob.glob(os.path.join(RESULTS, "*.json"))):
@@ -244,8 +293,7 @@ def table() -> str:
         lines.append(
             f"| {e['name']} | {e['direction']} | {_summary(e['settings'], e['model'], e.get('tokens_per_batch'))} "
             f"| {e.get('warmup_steps')}, {scale if scale is None else round(scale, 3)} "
-            f"| {e['epochs']} | {e['train_minutes']} | {final} | {scores} "
-            f"| {e['machine']['cpu']} ({', '.join(e['machine']['cpu_flags'])}) |"
+            f"| {e['epochs']} | {e['train_minutes']} | {final} | {scores} | {_where(e)} |"
         )
     notes = [f"- **{e['name']}**: {e['note']}" for e in entries if e.get("note")]
     if notes:

@@ -28,8 +28,30 @@ def cpu_flags(path: str = "/proc/cpuinfo") -> set[str]:
     return set()
 
 
-def gpu_compute_capabilities() -> list[tuple[int, int]]:
-    """(major, minor) compute capability of each GPU the Keras backend sees."""
+def cpu_name(path: str = "/proc/cpuinfo") -> str:
+    """The CPU's model name with its family and model numbers, as in
+    "AMD EPYC (family 23, model 1)": vendors reuse one name across
+    generations, the numbers tell them apart. Empty where Linux does not say."""
+    fields = {}
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                key = key.strip()
+                if key in ("model name", "cpu family", "model") and key not in fields:
+                    fields[key] = value.strip()
+                if not line.strip() and fields:
+                    break  # the first processor's block is enough
+    except OSError:
+        return ""
+    name = fields.get("model name", "")
+    if "cpu family" in fields and "model" in fields:
+        name += f" (family {fields['cpu family']}, model {fields['model']})"
+    return name.strip()
+
+
+def visible_gpus() -> list[tuple[str, tuple[int, int]]]:
+    """(name, (major, minor) compute capability) of each GPU the Keras backend sees."""
     import keras
 
     backend = keras.backend.backend()
@@ -38,22 +60,54 @@ def gpu_compute_capabilities() -> list[tuple[int, int]]:
 
         found = []
         for gpu in tf.config.list_physical_devices("GPU"):
-            capability = tf.config.experimental.get_device_details(gpu).get("compute_capability")
-            found.append(tuple(capability) if capability else (0, 0))
+            details = tf.config.experimental.get_device_details(gpu)
+            capability = details.get("compute_capability")
+            found.append(
+                (details.get("device_name", gpu.name), tuple(capability) if capability else (0, 0))
+            )
         return found
     if backend == "jax":
         import jax
 
         return [
-            tuple(int(x) for x in str(getattr(d, "compute_capability", "0.0")).split(".")[:2])
+            (
+                d.device_kind,
+                tuple(int(x) for x in str(getattr(d, "compute_capability", "0.0")).split(".")[:2]),
+            )
             for d in jax.devices()
             if d.platform == "gpu"
         ]
     if backend == "torch":
         import torch
 
-        return [torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())]
+        return [
+            (torch.cuda.get_device_name(i), torch.cuda.get_device_capability(i))
+            for i in range(torch.cuda.device_count())
+        ]
     return []
+
+
+def gpu_compute_capabilities() -> list[tuple[int, int]]:
+    """(major, minor) compute capability of each GPU the Keras backend sees."""
+    return [capability for _, capability in visible_gpus()]
+
+
+def training_device(found_gpus=None, cpu: str | None = None) -> str:
+    """What trains: the GPUs the backend sees ("2 x NVIDIA H100 80GB HBM3"), else the CPU.
+
+    Example:
+
+    >>> training_device([], cpu="AMD EPYC (family 23, model 1)")
+    'AMD EPYC (family 23, model 1)'
+    >>> training_device([("NVIDIA H100", (9, 0))] * 2)
+    '2 x NVIDIA H100'
+    """
+    found_gpus = visible_gpus() if found_gpus is None else list(found_gpus)
+    if found_gpus:
+        names = sorted({name for name, _ in found_gpus})
+        count = len(found_gpus)
+        return (f"{count} x " if count > 1 else "") + " + ".join(names)
+    return (cpu_name() if cpu is None else cpu) or "unknown CPU"
 
 
 def resolve_precision(requested: str, flags=None, gpus=None) -> tuple[str, str]:

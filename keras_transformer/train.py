@@ -12,7 +12,8 @@ A run directory holds everything a run needs and produces:
   order and dropout masks drawn anew (`stream_seed`), not replayed.
 - `checkpoints/epoch-NNN.weights.h5`: the weights after the last epochs and
   after the best ones on validation, for choosing and averaging.
-- `history.json`: per-epoch losses, validation measures, seconds and steps.
+- `history.json`: per-epoch losses, validation measures, seconds and steps,
+  and the precision and device (GPU, or CPU model) each epoch trained on.
 - `model.keras`, `config.json`, `metrics.json`, and TensorBoard logs in `logs/`.
 
 Choosing on validation: every epoch is scored on the validation set by loss
@@ -68,7 +69,7 @@ from keras_transformer.distribute import (
 from keras_transformer.io_utils import atomic_path, atomic_save_model, atomic_write_json
 from keras_transformer.model import build_transformer
 from keras_transformer.precision import CHOICES as PRECISION_CHOICES
-from keras_transformer.precision import resolve_precision
+from keras_transformer.precision import resolve_precision, training_device
 from keras_transformer.startup import onednn_enabled
 from keras_transformer.training import (
     LabelSmoothedCrossEntropy,
@@ -437,7 +438,8 @@ def patience_spent(history, select_by, patience) -> bool:
 class _RunRecorder(keras.callbacks.Callback):
     """Keeps `history.json` (per-epoch metrics and seconds), epoch checkpoints, and stops.
 
-    Keeps the checkpoints of the last `keep` epochs and of the best `keep` by
+    Each epoch's entry adds `epoch_fields` (the precision and device of this
+    start). Keeps the checkpoints of the last `keep` epochs and of the best `keep` by
     `select_by`. Stops at the end of an epoch when `max_minutes` of training
     (summed over restarts) would be exceeded by one more epoch like the last,
     after `max_steps` optimizer updates, and when `patience` epochs passed
@@ -454,8 +456,10 @@ class _RunRecorder(keras.callbacks.Callback):
         strategy=None,
         select_by="loss",
         patience=None,
+        epoch_fields=None,
     ):
         super().__init__()
+        self.epoch_fields = dict(epoch_fields or {})
         self.strategy = strategy
         self.out_dir = out_dir
         self.history = history
@@ -491,6 +495,7 @@ class _RunRecorder(keras.callbacks.Callback):
         entry = {"epoch": epoch + 1, "seconds": round(seconds, 2)}
         entry["steps"] = int(self.model.optimizer.iterations.numpy())
         entry.update({k: float(v) for k, v in (logs or {}).items()})
+        entry.update(self.epoch_fields)
         self.history.append(entry)
         path = os.path.join(self.checkpoint_dir, f"epoch-{epoch + 1:03d}.weights.h5")
         with atomic_path(path, suffix=".weights.h5") as tmp:
@@ -689,6 +694,7 @@ class _Recipe:
     updates_per_epoch: int
     total_steps: int | None = None
     cooldown_steps: int | None = None
+    device: str = ""
 
     def compile_args(self, settings) -> dict:
         return dict(
@@ -722,7 +728,7 @@ def train(settings: TrainSettings, out_dir: str, verbose: int = 1, strategy=None
     data = _load_data(run, settings, *texts)
     recipe = _recipe(run, settings, data)
     model = build_and_compile(data.config, run.strategy, **recipe.compile_args(settings))
-    history = _fit(run, settings, model, data)
+    history = _fit(run, settings, model, data, recipe)
     if not run.chief:
         return {}
     if run.replicas > 1:
@@ -892,9 +898,10 @@ def _recipe(run, settings, data) -> _Recipe:
     updates_per_epoch = max(1, data.train_stats.batches // settings.accumulate_steps)
     warmup, scale = settings.schedule(updates_per_epoch)
     total, cooldown = settings.run_length(updates_per_epoch)
-    recipe = _Recipe(precision, reason, warmup, scale, updates_per_epoch, total, cooldown)
+    device = training_device()
+    recipe = _Recipe(precision, reason, warmup, scale, updates_per_epoch, total, cooldown, device)
     peak = TransformerSchedule(data.config.hidden_dim, warmup, scale).peak()
-    run.log(f"Precision: {precision} ({reason}).")
+    run.log(f"Precision: {precision} ({reason}), on {device}.")
     run.log(
         f"Learning rate: warm-up {warmup} updates ({updates_per_epoch} per epoch"
         + (f", {settings.accumulate_steps} batches each" if settings.accumulate_steps > 1 else "")
@@ -908,7 +915,7 @@ def _recipe(run, settings, data) -> _Recipe:
     return recipe
 
 
-def _fit(run, settings, model, data) -> list:
+def _fit(run, settings, model, data, recipe) -> list:
     """`model.fit` with the run's callbacks, unless the budget is spent; returns the history."""
     history = _read_history(run)
     recorder = _RunRecorder(
@@ -920,6 +927,8 @@ def _fit(run, settings, model, data) -> list:
         strategy=run.strategy,
         select_by=settings.select_by,
         patience=settings.patience,
+        # A resumed run may continue on another machine: each epoch says where it ran.
+        epoch_fields={"precision": recipe.precision, "device": recipe.device},
     )
     callbacks = [
         # The recorder writes its checkpoint before the backup is taken: a
@@ -1077,6 +1086,7 @@ def _validate_and_record(run, settings, model, data, history, recipe, final, gre
         "precision": recipe.precision,
         "precision_setting": settings.precision,
         "precision_reason": recipe.precision_reason,
+        "device": recipe.device,  # of this start; history.json says it per epoch
         "tensorflow_onednn": onednn_enabled(),  # keras_transformer.startup.prefer_onednn
         "warmup_steps": recipe.warmup_steps,
         "learning_rate_scale": recipe.learning_rate_scale,

@@ -186,6 +186,41 @@ def test_multi30k_record_command_names_only_what_differs_from_the_defaults():
     )
 
 
+def test_multi30k_record_says_where_each_stretch_of_epochs_trained():
+    """A run resumed on another machine is recorded as such: the epochs that
+    `train` marks with their device and precision are grouped by where they ran,
+    and the table names every stretch, not the machine that wrote the record."""
+    from benchmarks.multi30k import _where, trained_on
+
+    zen3 = {"device": "AMD EPYC (family 23, model 1)", "precision": "float32"}
+    zen4 = {"device": "AMD EPYC (family 25, model 17)", "precision": "mixed_bfloat16"}
+    history = [{"epoch": 1}, {"epoch": 2}, {"epoch": 3, **zen3}, {"epoch": 4, **zen3}]
+    history += [{"epoch": 5, **zen4}, {"epoch": 6, **zen3}]
+    stretches = trained_on(history)
+    assert stretches == [
+        {"device": None, "precision": None, "epochs": [1, 2]},
+        {**zen3, "epochs": [3, 4]},
+        {**zen4, "epochs": [5, 5]},
+        {**zen3, "epochs": [6, 6]},
+    ]
+    machine = {"cpu": "AMD EPYC", "cpu_flags": ["avx2"]}
+    assert _where({"machine": machine, "trained_on": stretches}) == (
+        "epochs 1-2: not recorded; epochs 3-4: AMD EPYC (family 23, model 1), float32; "
+        "epoch 5: AMD EPYC (family 25, model 17), mixed_bfloat16; "
+        "epoch 6: AMD EPYC (family 23, model 1), float32"
+    )
+    # One machine throughout: its family and model, and the precision.
+    one = trained_on([{"epoch": e, **zen3} for e in (1, 2)])
+    assert _where({"machine": machine, "trained_on": one}) == (
+        "AMD EPYC (family 23, model 1), float32"
+    )
+    # Records from before the per-epoch fields: the recording machine, as before.
+    assert _where({"machine": machine}) == "AMD EPYC (avx2)"
+    assert _where({"machine": machine, "trained_on": trained_on([{"epoch": 1}])}) == (
+        "AMD EPYC (avx2)"
+    )
+
+
 def test_multi30k_record_keeps_one_hypotheses_file_per_search():
     """A beam-5 score at another length penalty never reuses (or overwrites) the
     default's hypotheses; greedy search has no penalty, so one file serves all."""

@@ -2,7 +2,7 @@
 
 import pytest
 
-from keras_transformer.precision import cpu_flags, resolve_precision
+from keras_transformer.precision import cpu_flags, cpu_name, resolve_precision, training_device
 
 
 @pytest.mark.parametrize(
@@ -38,3 +38,24 @@ def test_cpu_flags_read_from_cpuinfo(tmp_path):
     cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu avx2 avx512_bf16\nbugs\t\t: spectre\n")
     assert cpu_flags(str(cpuinfo)) == {"fpu", "avx2", "avx512_bf16"}
     assert cpu_flags(str(tmp_path / "missing")) == set()
+
+
+def test_cpu_name_carries_family_and_model_that_tell_one_name_apart(tmp_path):
+    cpuinfo = tmp_path / "cpuinfo"
+    block = "processor\t: {n}\nvendor_id\t: AuthenticAMD\ncpu family\t: 23\nmodel\t\t: 1\n"
+    block += "model name\t: AMD EPYC\nflags\t\t: fpu avx2\n\n"
+    cpuinfo.write_text(block.format(n=0) + block.format(n=1).replace("EPYC", "other"))
+    assert cpu_name(str(cpuinfo)) == "AMD EPYC (family 23, model 1)"
+    cpuinfo.write_text("processor\t: 0\nmodel name\t: Some CPU\n")  # no family: the name alone
+    assert cpu_name(str(cpuinfo)) == "Some CPU"
+    assert cpu_name(str(tmp_path / "missing")) == ""
+
+
+def test_training_device_names_the_gpus_before_the_cpu():
+    assert training_device([], cpu="AMD EPYC (family 25, model 17)") == (
+        "AMD EPYC (family 25, model 17)"
+    )
+    assert training_device([], cpu="") == "unknown CPU"
+    assert training_device([("NVIDIA H200", (9, 0))], cpu="x") == "NVIDIA H200"
+    two = [("NVIDIA H100", (9, 0)), ("NVIDIA A100", (8, 0))]
+    assert training_device(two, cpu="x") == "2 x NVIDIA A100 + NVIDIA H100"

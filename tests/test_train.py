@@ -297,10 +297,13 @@ def test_plot_attention_of_an_output_that_never_ends():
 def test_auto_precision_accumulation_and_cooldown_are_chosen_said_and_recorded(
     corpus_files, tmp_path, capsys, monkeypatch
 ):
-    """A CPU with bfloat16 units (flags mocked) gets mixed_bfloat16; 2 batches per update;
-    the cool-down is counted in updates."""
+    """A CPU with bfloat16 units (flags mocked) gets mixed_bfloat16, recorded per epoch with
+    the CPU; 2 batches per update; the cool-down is counted in updates."""
     monkeypatch.setattr("keras_transformer.precision.cpu_flags", lambda: {"avx512_bf16"})
-    monkeypatch.setattr("keras_transformer.precision.gpu_compute_capabilities", lambda: [])
+    monkeypatch.setattr("keras_transformer.precision.visible_gpus", lambda: [])
+    monkeypatch.setattr(
+        "keras_transformer.precision.cpu_name", lambda: "Some CPU (family 6, model 143)"
+    )
     _, paths = corpus_files
     out = tmp_path / "run"
     args = _train_args(paths, out, "--epochs", "1", "--accumulate-steps", "2", "--cooldown", "0.5")
@@ -308,9 +311,18 @@ def test_auto_precision_accumulation_and_cooldown_are_chosen_said_and_recorded(
         del args[args.index(flag) : args.index(flag) + 2]
     assert cli.main(args) == 0
     printed = capsys.readouterr().out
-    assert "Precision: mixed_bfloat16 (auto: CPU with avx512_bf16)." in printed
+    assert (
+        "Precision: mixed_bfloat16 (auto: CPU with avx512_bf16), on Some CPU (family 6, model 143)."
+        in printed
+    )
     metrics = json.loads((out / "metrics.json").read_text())
     assert metrics["precision"] == "mixed_bfloat16" and metrics["precision_setting"] == "auto"
+    # Each epoch says where it ran: a resumed run may continue on another machine.
+    assert metrics["device"] == "Some CPU (family 6, model 143)"
+    history = json.loads((out / "history.json").read_text())
+    assert [(e["precision"], e["device"]) for e in history] == [
+        ("mixed_bfloat16", "Some CPU (family 6, model 143)")
+    ]
     assert metrics["precision_reason"] == "auto: CPU with avx512_bf16"
     # The tests import keras_transformer first, as users do: TensorFlow runs oneDNN on x86.
     assert metrics["tensorflow_onednn"] is (platform.machine() in ("x86_64", "AMD64"))
