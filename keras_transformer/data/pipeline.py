@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 import gzip
 import os
+import sys
+import zlib
 
 import numpy as np
 from keras_transformer_runtime.specials import BOS_ID, EOS_ID, PAD_ID
@@ -23,16 +25,59 @@ class DataError(ValueError):
     """Input text that cannot be used: missing files, unequal line counts."""
 
 
-def read_lines(path: str) -> list[str]:
-    """Lines of a UTF-8 text file, gzipped (`.gz`) or not, without their newlines."""
+# A file with more undecodable lines than this share is in another encoding:
+# refused whole. Fewer are single bad lines: replaced, warned about, kept.
+MAX_UNDECODABLE_SHARE = 0.01
+
+
+def _stderr_warning(message: str) -> None:
+    sys.stderr.write(f"warning: {message}\n")
+    sys.stderr.flush()
+
+
+def read_lines(path: str, warn=_stderr_warning) -> list[str]:
+    """Lines of a UTF-8 text file, gzipped (`.gz`) or not, without their newlines.
+
+    A line that is not valid UTF-8 keeps its place, with each undecodable byte
+    replaced by U+FFFD, and `warn` names it: one bad line does not cost the
+    file. A file with more than `MAX_UNDECODABLE_SHARE` of such lines is not
+    UTF-8 at all and raises a `DataError`.
+    """
     if not os.path.isfile(path):
         raise DataError(f"File not found: {path}")
     opener = gzip.open if path.endswith(".gz") else open
     try:
-        with opener(path, "rt", encoding="utf-8", newline="\n") as f:
-            return [line.rstrip("\r\n") for line in f]
-    except (OSError, UnicodeDecodeError, EOFError) as error:
-        raise DataError(f"Cannot read {path} as UTF-8 text: {error}") from error
+        with opener(path, "rb") as f:
+            data = f.read()
+    except (OSError, EOFError, zlib.error) as error:
+        raise DataError(f"Cannot read {path}: {error}") from error
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        text = None
+    raw_lines = (data if text is None else text).split(b"\n" if text is None else "\n")
+    if raw_lines and not raw_lines[-1]:
+        raw_lines.pop()  # the newline that ends the last line (or an empty file)
+    if text is not None:
+        return [line.rstrip("\r") for line in raw_lines]
+    lines, undecodable = [], []
+    for number, raw in enumerate(raw_lines, 1):
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError:
+            line = raw.decode("utf-8", errors="replace")
+            undecodable.append(number)
+        lines.append(line.rstrip("\r"))
+    if undecodable:
+        shown = ", ".join(map(str, undecodable[:10])) + (", ..." if len(undecodable) > 10 else "")
+        counted = f"{len(undecodable)} of its {len(lines)} lines (line {shown})"
+        if len(undecodable) > MAX_UNDECODABLE_SHARE * len(lines):
+            raise DataError(
+                f"Cannot read {path} as UTF-8 text: {counted} are not valid UTF-8. "
+                "Convert it first, e.g. iconv -f latin1 -t utf-8."
+            )
+        warn(f"{path}: {counted} not valid UTF-8; their undecodable bytes read as U+FFFD.")
+    return lines
 
 
 def read_parallel(source_path: str, target_path: str) -> tuple[list[str], list[str]]:

@@ -237,9 +237,35 @@ def test_missing_and_undecodable_files(tmp_path):
     with pytest.raises(DataError, match="not found.*nope.txt"):
         read_lines(str(tmp_path / "nope.txt"))
     binary = tmp_path / "latin1.txt"
-    binary.write_bytes("Müller\n".encode("latin-1"))
-    with pytest.raises(DataError, match="latin1.txt"):
+    binary.write_bytes("Müller\nZwei Hunde\nGrüße\n".encode("latin-1"))
+    with pytest.raises(
+        DataError, match=r"latin1.txt as UTF-8 text: 2 of its 3 lines \(line 1, 3\)"
+    ):
         read_lines(str(binary))
+    broken = tmp_path / "broken.de.gz"
+    broken.write_bytes(gzip.compress(b"Ein Hund.\n")[:-6])  # cut short
+    with pytest.raises(DataError, match="Cannot read .*broken.de.gz"):
+        read_lines(str(broken))
+
+
+def test_one_undecodable_line_keeps_its_place_and_is_named(tmp_path):
+    """One bad line in a UTF-8 file costs neither the file nor the line's place:
+    line N still pairs with line N of the other side."""
+    lines = [f"Ein Hund läuft {i}." for i in range(300)]
+    data = bytearray("\n".join(lines).encode() + b"\n")
+    start = data.index(b"Hund l\xc3\xa4uft 41.")
+    data[start + 6 : start + 8] = "ä".encode("latin-1") + b"!"  # line 42: a latin-1 byte
+    path = tmp_path / "train.de"
+    path.write_bytes(bytes(data))
+    warnings = []
+    read = read_lines(str(path), warn=warnings.append)
+    assert len(read) == 300 and read[:41] == lines[:41] and read[42:] == lines[42:]
+    assert read[41] == "Ein Hund l\ufffd!uft 41."
+    assert warnings == [
+        f"{path}: 1 of its 300 lines (line 42) not valid UTF-8; "
+        "their undecodable bytes read as U+FFFD."
+    ]
+    assert read_lines(str(tmp_path / "train.de"), warn=lambda message: None) == read
 
 
 def test_bucket_boundaries_cover_max_length():
