@@ -7,6 +7,7 @@ import json
 import os
 import sys
 
+from keras_transformer_runtime.text import read_input_lines
 from keras_transformer_runtime.translate import warn
 
 
@@ -102,7 +103,7 @@ def _translate(args):
     beam = _beam_size(args)
     length_penalty = _length_penalty(args)
     model, tokenizer = _load(args.run_dir)
-    lines = [line.rstrip("\n") for line in sys.stdin]
+    lines = read_input_lines(sys.stdin, warn)
     outputs = translate_lines(
         model,
         tokenizer,

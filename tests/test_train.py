@@ -98,6 +98,16 @@ def test_evaluate_and_translate(trained_run, corpus_files, tmp_path, monkeypatch
     assert out[:2] + out[3:] == [hypotheses[i] for i in range(5)]
     assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
+    # A byte that is not UTF-8 costs neither the input nor that line's place.
+    data = "".join(f"{s}\r\n" for s in lines[:3]).encode() + b"ein \xff Hund\n"
+    data += "".join(f"{s}\n" for s in lines[3:]).encode()
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(data), encoding="utf-8"))
+    assert cli.main(["translate", str(trained_run), "--greedy"]) == 0
+    printed = capsys.readouterr()
+    out = printed.out.splitlines()
+    assert len(out) == 6 and out[:3] + out[4:] == [hypotheses[i] for i in range(5)]
+    assert "warning: input: 1 of 6 lines (line 4) not valid UTF-8" in printed.err
+
 
 def test_plot_attention_data(trained_run, corpus_files):
     from keras_transformer.plotting import attention_figure_data

@@ -12,6 +12,7 @@ import argparse
 import sys
 
 from keras_transformer_runtime.runtime import ExportFileError, OnnxTranslator, available_cores
+from keras_transformer_runtime.text import read_input_lines
 
 
 def build_parser():
@@ -86,7 +87,7 @@ def main(argv=None):
             precision=args.precision,
             split_batches=False if args.whole_batches else None,
         )
-        lines = [line.rstrip("\n") for line in sys.stdin]
+        lines = read_input_lines(sys.stdin, warn)
         outputs = translator.translate(
             lines,
             beam_size=args.beam,

@@ -17,6 +17,7 @@ import zlib
 
 import numpy as np
 from keras_transformer_runtime.specials import BOS_ID, EOS_ID, PAD_ID
+from keras_transformer_runtime.text import decode_lines, describe_undecodable
 
 from keras_transformer.validation import check_positive_int
 
@@ -51,26 +52,9 @@ def read_lines(path: str, warn=_stderr_warning) -> list[str]:
             data = f.read()
     except (OSError, EOFError, zlib.error) as error:
         raise DataError(f"Cannot read {path}: {error}") from error
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError:
-        text = None
-    raw_lines = (data if text is None else text).split(b"\n" if text is None else "\n")
-    if raw_lines and not raw_lines[-1]:
-        raw_lines.pop()  # the newline that ends the last line (or an empty file)
-    if text is not None:
-        return [line.rstrip("\r") for line in raw_lines]
-    lines, undecodable = [], []
-    for number, raw in enumerate(raw_lines, 1):
-        try:
-            line = raw.decode("utf-8")
-        except UnicodeDecodeError:
-            line = raw.decode("utf-8", errors="replace")
-            undecodable.append(number)
-        lines.append(line.rstrip("\r"))
+    lines, undecodable = decode_lines(data)
     if undecodable:
-        shown = ", ".join(map(str, undecodable[:10])) + (", ..." if len(undecodable) > 10 else "")
-        counted = f"{len(undecodable)} of its {len(lines)} lines (line {shown})"
+        counted = describe_undecodable(undecodable, len(lines))
         if len(undecodable) > MAX_UNDECODABLE_SHARE * len(lines):
             raise DataError(
                 f"Cannot read {path} as UTF-8 text: {counted} are not valid UTF-8. "

@@ -238,9 +238,7 @@ def test_missing_and_undecodable_files(tmp_path):
         read_lines(str(tmp_path / "nope.txt"))
     binary = tmp_path / "latin1.txt"
     binary.write_bytes("Müller\nZwei Hunde\nGrüße\n".encode("latin-1"))
-    with pytest.raises(
-        DataError, match=r"latin1.txt as UTF-8 text: 2 of its 3 lines \(line 1, 3\)"
-    ):
+    with pytest.raises(DataError, match=r"latin1.txt as UTF-8 text: 2 of 3 lines \(line 1, 3\)"):
         read_lines(str(binary))
     broken = tmp_path / "broken.de.gz"
     broken.write_bytes(gzip.compress(b"Ein Hund.\n")[:-6])  # cut short
@@ -262,8 +260,7 @@ def test_one_undecodable_line_keeps_its_place_and_is_named(tmp_path):
     assert len(read) == 300 and read[:41] == lines[:41] and read[42:] == lines[42:]
     assert read[41] == "Ein Hund l\ufffd!uft 41."
     assert warnings == [
-        f"{path}: 1 of its 300 lines (line 42) not valid UTF-8; "
-        "their undecodable bytes read as U+FFFD."
+        f"{path}: 1 of 300 lines (line 42) not valid UTF-8; their undecodable bytes read as U+FFFD."
     ]
     assert read_lines(str(tmp_path / "train.de"), warn=lambda message: None) == read
 
