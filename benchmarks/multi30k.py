@@ -139,8 +139,8 @@ def record(
 
     `length_penalty` is the beam search's alpha of the beam-5 test scores
     (chosen on val; say how in `note`). `known` fills what an unfinished run
-    did not write yet (`warmup_steps`, `learning_rate_scale`, `precision`),
-    as its log printed them.
+    did not write yet (`warmup_steps`, `learning_rate_scale`, and `precision`
+    where its epochs do not say it), as its log printed them.
     """
     settings = _read(run_dir, "train_config.json")
     src, tgt = _language(settings["src_train"]), _language(settings["tgt_train"])
@@ -148,6 +148,9 @@ def record(
         history = _read(run_dir, "history.json")
         metrics = {"history": history, "epochs": len(history), "steps": history[-1]["steps"]}
         metrics["train_seconds"] = sum(e["seconds"] for e in history)
+        precisions = {e.get("precision") for e in history}
+        if len(precisions) == 1:  # None where train did not record it per epoch yet
+            metrics["precision"] = precisions.pop()
         metrics.update(known)
         test = None
     else:

@@ -221,6 +221,40 @@ def test_multi30k_record_says_where_each_stretch_of_epochs_trained():
     )
 
 
+def test_multi30k_record_of_a_stopped_run_takes_precision_and_machine_from_its_epochs(
+    tmp_path, monkeypatch
+):
+    import benchmarks.multi30k as multi30k
+
+    monkeypatch.setattr(multi30k, "RESULTS", str(tmp_path / "results"))
+    run = tmp_path / "run"
+    run.mkdir()
+    settings = {
+        "src_train": "/data/train.en.gz", "tgt_train": "/data/train.de.gz",
+        "src_valid": "/data/val.en.gz", "tgt_valid": "/data/val.de.gz",
+        "preset": "small", "epochs": 20, "vocab_size": 8000, "label_smoothing": 0.1,
+    }  # fmt: skip
+    (run / "train_config.json").write_text(json.dumps(settings))
+    zen3 = {"device": "AMD EPYC (family 23, model 1)", "precision": "float32"}
+    history = [
+        {"epoch": e, "steps": 507 * e, "seconds": 1300.0, "loss": 6.0 - e, "val_loss": 5.0 - e,
+         **({} if e == 1 else zen3)}
+        for e in (1, 2, 3)
+    ]  # fmt: skip
+    (run / "history.json").write_text(json.dumps(history))
+    entry = multi30k.record(str(run), "stopped-run", "/data", stopped="for a test")
+    # Epoch 1 says nothing: the precision is not known from the epochs alone.
+    assert entry["precision"] is None and entry["train_minutes"] == 65.0
+    assert entry["trained_on"] == [
+        {"device": None, "precision": None, "epochs": [1, 1]},
+        {**zen3, "epochs": [2, 3]},
+    ]
+    (run / "history.json").write_text(json.dumps(history[1:]))
+    entry = multi30k.record(str(run), "stopped-run", "/data", stopped="for a test")
+    assert entry["precision"] == "float32"
+    assert json.loads((tmp_path / "results" / "stopped-run.json").read_text()) == entry
+
+
 def test_multi30k_record_keeps_one_hypotheses_file_per_search():
     """A beam-5 score at another length penalty never reuses (or overwrites) the
     default's hypotheses; greedy search has no penalty, so one file serves all."""
