@@ -7,15 +7,9 @@ import platform
 
 
 def describe_machine() -> dict:
-    cpu = platform.processor() or ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    cpu = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
+    from keras_transformer.precision import cpu_name
+
+    cpu = cpu_name() or platform.processor() or ""
     memory_gib = None
     try:
         with open("/proc/meminfo") as f:
