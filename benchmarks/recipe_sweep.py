@@ -89,6 +89,10 @@ CONFIGS = {
     "rdrop5-drop02-att0": dict(rdrop=5.0, dropout=0.2, attention_dropout=0.0),
     "rdrop5-drop03-att0": dict(rdrop=5.0, dropout=0.3, attention_dropout=0.0),
     "rdrop5-ff2048": dict(rdrop=5.0, model=dict(intermediate_dim=2048)),
+    # The seed spread of the wider layer's lead, and a wider one still.
+    "rdrop5-ff2048-seed1": dict(rdrop=5.0, seed=1, model=dict(intermediate_dim=2048)),
+    "rdrop5-ff2048-seed2": dict(rdrop=5.0, seed=2, model=dict(intermediate_dim=2048)),
+    "rdrop5-ff3072": dict(rdrop=5.0, model=dict(intermediate_dim=3072)),
     "rdrop10": dict(rdrop=10.0),
 }
 
