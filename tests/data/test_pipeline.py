@@ -244,6 +244,11 @@ def test_missing_and_undecodable_files(tmp_path):
     broken.write_bytes(gzip.compress(b"Ein Hund.\n")[:-6])  # cut short
     with pytest.raises(DataError, match="Cannot read .*broken.de.gz"):
         read_lines(str(broken))
+    corrupt = bytearray(gzip.compress("Ein Hund läuft.\n".encode() * 200))
+    corrupt[20:40] = bytes(b ^ 0xFF for b in corrupt[20:40])  # zlib's "invalid ..." errors
+    broken.write_bytes(bytes(corrupt))
+    with pytest.raises(DataError, match="Cannot read .*broken.de.gz"):
+        read_lines(str(broken))
 
 
 def test_one_undecodable_line_keeps_its_place_and_is_named(tmp_path):
