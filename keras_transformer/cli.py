@@ -7,8 +7,7 @@ import json
 import os
 import sys
 
-from keras_transformer_runtime.text import read_input_lines
-from keras_transformer_runtime.translate import warn
+from keras_transformer_runtime.text import read_input_lines, warn
 
 
 def _demo(args):

@@ -9,6 +9,14 @@ they were. Pure Python, so the TensorFlow side and this runtime share it.
 
 from __future__ import annotations
 
+import sys
+
+
+def warn(message: str) -> None:
+    """One warning line on stderr (the work goes on)."""
+    sys.stderr.write(f"warning: {message}\n")
+    sys.stderr.flush()
+
 
 def decode_lines(data: bytes) -> tuple[list[str], list[int]]:
     r"""The lines of `data` without their line ends (\n, and a \r before it),

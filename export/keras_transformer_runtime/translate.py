@@ -12,7 +12,7 @@ import argparse
 import sys
 
 from keras_transformer_runtime.runtime import ExportFileError, OnnxTranslator, available_cores
-from keras_transformer_runtime.text import read_input_lines
+from keras_transformer_runtime.text import read_input_lines, warn
 
 
 def build_parser():
@@ -58,12 +58,6 @@ def build_parser():
     )
     parser.add_argument("--cpu", action="store_true", help="run on CPU even when CUDA is usable")
     return parser
-
-
-def warn(message):
-    """One warning line on stderr (translation goes on)."""
-    sys.stderr.write(f"warning: {message}\n")
-    sys.stderr.flush()
 
 
 def main(argv=None):

@@ -12,12 +12,11 @@ from __future__ import annotations
 import dataclasses
 import gzip
 import os
-import sys
 import zlib
 
 import numpy as np
 from keras_transformer_runtime.specials import BOS_ID, EOS_ID, PAD_ID
-from keras_transformer_runtime.text import decode_lines, describe_undecodable
+from keras_transformer_runtime.text import decode_lines, describe_undecodable, warn
 
 from keras_transformer.validation import check_positive_int
 
@@ -31,12 +30,7 @@ class DataError(ValueError):
 MAX_UNDECODABLE_SHARE = 0.01
 
 
-def _stderr_warning(message: str) -> None:
-    sys.stderr.write(f"warning: {message}\n")
-    sys.stderr.flush()
-
-
-def read_lines(path: str, warn=_stderr_warning) -> list[str]:
+def read_lines(path: str, warn=warn) -> list[str]:
     """Lines of a UTF-8 text file, gzipped (`.gz`) or not, without their newlines.
 
     A line that is not valid UTF-8 keeps its place, with each undecodable byte
