@@ -16,34 +16,34 @@ CHOICES = ("auto", *PRECISIONS)
 BFLOAT16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
 
 
-def cpu_flags(path: str = "/proc/cpuinfo") -> set[str]:
-    """The CPU's feature flags as Linux lists them (empty where there is no such file)."""
+def _first_processor(path: str = "/proc/cpuinfo") -> dict[str, str]:
+    """The fields of the first processor in `path` (/proc/cpuinfo's format), as
+    `{name: value}`; empty where there is no such file."""
+    fields = {}
     try:
         with open(path, encoding="utf-8", errors="replace") as f:
             for line in f:
-                if line.startswith("flags"):
-                    return set(line.partition(":")[2].split())
+                if not line.strip():
+                    if fields:
+                        break  # the first processor's block is enough
+                    continue
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    return set()
+    return fields
+
+
+def cpu_flags(path: str = "/proc/cpuinfo") -> set[str]:
+    """The CPU's feature flags as Linux lists them (empty where there is no such file)."""
+    return set(_first_processor(path).get("flags", "").split())
 
 
 def cpu_name(path: str = "/proc/cpuinfo") -> str:
     """The CPU's model name with its family and model numbers, as in
     "AMD EPYC (family 23, model 1)": vendors reuse one name across
     generations, the numbers tell them apart. Empty where Linux does not say."""
-    fields = {}
-    try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                key = key.strip()
-                if key in ("model name", "cpu family", "model") and key not in fields:
-                    fields[key] = value.strip()
-                if not line.strip() and fields:
-                    break  # the first processor's block is enough
-    except OSError:
-        return ""
+    fields = _first_processor(path)
     name = fields.get("model name", "")
     if "cpu family" in fields and "model" in fields:
         name += f" (family {fields['cpu family']}, model {fields['model']})"
