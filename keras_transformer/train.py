@@ -69,7 +69,7 @@ from keras_transformer.distribute import (
 from keras_transformer.io_utils import atomic_path, atomic_save_model, atomic_write_json
 from keras_transformer.model import build_transformer
 from keras_transformer.precision import CHOICES as PRECISION_CHOICES
-from keras_transformer.precision import resolve_precision, training_device
+from keras_transformer.precision import resolve_precision, training_device, visible_gpus
 from keras_transformer.startup import onednn_enabled
 from keras_transformer.training import (
     LabelSmoothedCrossEntropy,
@@ -893,12 +893,15 @@ def _load_data(run, settings, src_train, tgt_train, src_valid, tgt_valid) -> _Da
 
 def _recipe(run, settings, data) -> _Recipe:
     """Resolves the automatic precision, warm-up and learning-rate scale, and says what they are."""
-    precision, reason = resolve_precision(settings.precision)
+    gpus = visible_gpus()
+    precision, reason = resolve_precision(
+        settings.precision, gpus=[capability for _, capability in gpus]
+    )
     # Every replica takes its share of each global batch: one update per batch.
     updates_per_epoch = max(1, data.train_stats.batches // settings.accumulate_steps)
     warmup, scale = settings.schedule(updates_per_epoch)
     total, cooldown = settings.run_length(updates_per_epoch)
-    device = training_device()
+    device = training_device(gpus)
     recipe = _Recipe(precision, reason, warmup, scale, updates_per_epoch, total, cooldown, device)
     peak = TransformerSchedule(data.config.hidden_dim, warmup, scale).peak()
     run.log(f"Precision: {precision} ({reason}), on {device}.")

@@ -310,7 +310,7 @@ def test_auto_precision_accumulation_and_cooldown_are_chosen_said_and_recorded(
     """A CPU with bfloat16 units (flags mocked) gets mixed_bfloat16, recorded per epoch with
     the CPU; 2 batches per update; the cool-down is counted in updates."""
     monkeypatch.setattr("keras_transformer.precision.cpu_flags", lambda: {"avx512_bf16"})
-    monkeypatch.setattr("keras_transformer.precision.visible_gpus", lambda: [])
+    monkeypatch.setattr("keras_transformer.train.visible_gpus", lambda: [])
     monkeypatch.setattr(
         "keras_transformer.precision.cpu_name", lambda: "Some CPU (family 6, model 143)"
     )
