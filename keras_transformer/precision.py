@@ -87,9 +87,11 @@ def visible_gpus() -> list[tuple[str, tuple[int, int]]]:
     return []
 
 
-def gpu_compute_capabilities() -> list[tuple[int, int]]:
-    """(major, minor) compute capability of each GPU the Keras backend sees."""
-    return [capability for _, capability in visible_gpus()]
+def gpu_compute_capabilities(found_gpus=None) -> list[tuple[int, int]]:
+    """(major, minor) compute capability of each of `found_gpus` (default:
+    `visible_gpus()`, the GPUs the Keras backend sees)."""
+    found_gpus = visible_gpus() if found_gpus is None else found_gpus
+    return [capability for _, capability in found_gpus]
 
 
 def training_device(found_gpus=None, cpu: str | None = None) -> str:

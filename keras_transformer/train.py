@@ -69,7 +69,12 @@ from keras_transformer.distribute import (
 from keras_transformer.io_utils import atomic_path, atomic_save_model, atomic_write_json
 from keras_transformer.model import build_transformer
 from keras_transformer.precision import CHOICES as PRECISION_CHOICES
-from keras_transformer.precision import resolve_precision, training_device, visible_gpus
+from keras_transformer.precision import (
+    gpu_compute_capabilities,
+    resolve_precision,
+    training_device,
+    visible_gpus,
+)
 from keras_transformer.startup import onednn_enabled
 from keras_transformer.training import (
     LabelSmoothedCrossEntropy,
@@ -894,9 +899,7 @@ def _load_data(run, settings, src_train, tgt_train, src_valid, tgt_valid) -> _Da
 def _recipe(run, settings, data) -> _Recipe:
     """Resolves the automatic precision, warm-up and learning-rate scale, and says what they are."""
     gpus = visible_gpus()
-    precision, reason = resolve_precision(
-        settings.precision, gpus=[capability for _, capability in gpus]
-    )
+    precision, reason = resolve_precision(settings.precision, gpus=gpu_compute_capabilities(gpus))
     # Every replica takes its share of each global batch: one update per batch.
     updates_per_epoch = max(1, data.train_stats.batches // settings.accumulate_steps)
     warmup, scale = settings.schedule(updates_per_epoch)
