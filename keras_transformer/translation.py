@@ -15,7 +15,10 @@ def load_run(run_dir: str):
     """Loads `model.keras` and the run's tokenizer from `run_dir`.
 
     Returns `(model, tokenizer)`; the tokenizer has `encode(text) -> ids`,
-    `decode(ids) -> text` and `eos_id`.
+    `decode(ids) -> text` and `eos_id`. The model is loaded uncompiled: its
+    users decode or export, and compiling would rebuild an optimizer that a
+    `mixed_float16` run saved with loss scaling (Keras then warns that it
+    skips the optimizer's variables).
     """
     model_path = os.path.join(run_dir, "model.keras")
     if not os.path.isdir(run_dir):
@@ -28,7 +31,7 @@ def load_run(run_dir: str):
     tokenizer = load_tokenizer(run_dir)
     check_keras_archive(model_path)
     try:
-        model = keras.saving.load_model(model_path)
+        model = keras.saving.load_model(model_path, compile=False)
     except Exception as error:  # a truncated or foreign file
         raise ValueError(f"Cannot load {model_path}: {error}") from error
     return model, tokenizer

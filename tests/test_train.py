@@ -195,14 +195,27 @@ def test_float16_run_with_loss_scaling(float16_run):
     assert metrics["epochs"] == 1 and metrics["steps"] > 5
     assert metrics["precision"] == "mixed_float16"
     assert np.isfinite(metrics["history"][0]["loss"])
-    model = keras.saving.load_model(str(float16_run / "model.keras"))
-    assert model.get_layer("decoder_layer_0").dtype_policy.name == "mixed_float16"
     # The training model had loss scaling (a reloaded functional model reports
     # a float32 policy of its own and is compiled with the plain optimizer).
     from keras_transformer.train import build_and_compile
 
     fresh = build_and_compile(TransformerConfig.from_preset("tiny"), precision="mixed_float16")
     assert isinstance(fresh.optimizer, keras.optimizers.LossScaleOptimizer)
+
+
+def test_load_run_skips_the_optimizer_of_a_float16_run(float16_run):
+    # Compiling on load would build a plain Adam and warn that it skips the
+    # saved LossScaleOptimizer's variables; decoding needs neither.
+    import warnings
+
+    from keras_transformer.translation import load_run
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model, _ = load_run(str(float16_run))
+    assert not [w for w in caught if "Skipping variable loading" in str(w.message)]
+    assert getattr(model, "optimizer", None) is None  # not compiled
+    assert model.get_layer("decoder_layer_0").dtype_policy.name == "mixed_float16"
 
 
 @pytest.mark.slow  # two real processes (~1 min); `make slow`
