@@ -272,7 +272,9 @@ def table() -> str:
         "Every run tried, written by `python -m benchmarks.multi30k record RUN --name NAME`;",
         "each JSON file holds the full settings, the command, the validation curve and the",
         "machine. Settings are chosen on val; test_2016_flickr is reported for every run.",
-        "BLEU: sacreBLEU 13a, `lower` = lowercase=True.",
+        "BLEU: sacreBLEU 13a, `lower` = lowercase=True. A note may quote",
+        "`examples/multi30k.sh` with the defaults it had when the run was made; the",
+        "`command` field is the exact `train` command to rerun.",
         "",
         "| run | dir | settings | warm-up, peak scale | epochs | minutes | final | val BLEU "
         "| test greedy lower | test beam 5 lower / cased / chrF | CPU |",
