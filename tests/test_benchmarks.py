@@ -67,18 +67,21 @@ def test_ceiling_benchmark_runs_and_writes_json(tmp_path):
     assert len(summary["peaks_measured_gflops"]) == 3
 
 
-def test_ablations_run_and_agree():
+def test_attention_ablation_times_both_paths_and_puts_the_switch_back():
+    from benchmarks.ablations import PLAIN_ATTENTION
     from benchmarks.ablations import main as ablations_main
+    from keras_transformer.ops import attention
 
-    # Each experiment checks that its variants compute the same thing before timing.
-    experiments = ["column-sum", "qkv", "xla-matmul", "loss", "rdrop", "dropout", "transpose-b"]
-    results = ablations_main(experiments + ["--rows", "200", "--rounds", "1"])
-    assert set(results) == set(experiments)
-    assert len(results["transpose-b"]) == 6
-    assert set(results["loss"]) == {"logsumexp, exp again (ours)", "softmax kept"}
-    assert set(results["rdrop"]) == {"hand-written gradient (ours)", "automatic differentiation"}
-    assert set(results["qkv"]) == {"separate", "fused, split", "fused, sliced"}
-    assert all(s > 0 for medians in results.values() for s in medians.values())
+    switch = attention.fused_attention_enabled
+    # The experiment asserts that both paths give the same first loss.
+    results = ablations_main(["attention", "--rows", "64", "--layers", "1", "--rounds", "1"])
+    assert set(results["attention"]) == {
+        f"{name}: {part}"
+        for name in (PLAIN_ATTENTION, "fused attention")
+        for part in ("train step", "forward")
+    }
+    assert all(s > 0 for s in results["attention"].values())
+    assert attention.fused_attention_enabled is switch
 
 
 def test_gradients_ablation_variants_agree_and_put_the_switch_back():
@@ -356,171 +359,3 @@ def test_onnx_vs_ctranslate2_runs_every_system_and_writes_json(trained_run, corp
                 system.translate(lines, beam_size=beam, batch_size=4, parallel_batches=2)
                 == one_at_a_time
             )
-
-
-def test_beam_selection_benchmark_refuses_a_vocabulary_without_blocks(
-    trained_run, corpus_files, tmp_path
-):
-    """The toy export's vocabulary is under 1024 tokens: no blocked selection to
-    compare, said by name (the graphs themselves: tests/test_export.py)."""
-    from benchmarks.beam_selection import main as selection_main
-    from keras_transformer.export.onnx import export_onnx
-
-    _, paths = corpus_files
-    onnx_dir = tmp_path / "onnx"
-    export_onnx(str(trained_run), str(onnx_dir))
-    with pytest.raises(SystemExit, match="no blocked selection for a beam of 4"):
-        selection_main([str(onnx_dir), "--src", paths["test.src"], "--out", str(tmp_path / "x")])
-    assert not (tmp_path / "x").exists()
-
-
-def test_parallel_batches_benchmark_compares_layouts_on_the_same_outputs(
-    trained_run, corpus_files, tmp_path
-):
-    """Both precisions of an int8 export, four cells, each layout against the first."""
-    from benchmarks.parallel_batches import CELLS
-    from benchmarks.parallel_batches import main as layouts_main
-    from keras_transformer.export.onnx import export_onnx
-
-    _, paths = corpus_files
-    onnx_dir = tmp_path / "onnx"
-    export_onnx(str(trained_run), str(onnx_dir), precision="int8")
-    out = tmp_path / "layouts.json"
-    argv = [str(onnx_dir), "--src", paths["test.src"], "--lines", "12", "--repeats", "1"]
-    layouts = ["2x1", "1x3", "2x1:none", "2x1:all", "1x3:shared", "1x2:none:own", "2x1:whole"]
-    argv += ["--layouts", *layouts, "--out", str(out)]
-    layouts_main(argv)
-    report = json.loads(out.read_text())
-    assert [(c["precision"], c["search"], c["batch_size"]) for c in report["cells"]] == [
-        (p, s, b) for p in ("float32", "int8") for s, _, b in CELLS
-    ]
-    for cell in report["cells"]:
-        assert list(cell["layouts"]) == layouts
-        assert cell["layouts"]["2x1"]["speedup"] == 1.0
-        assert all(entry["same_outputs"] for entry in cell["layouts"].values())
-        assert all(entry["identical_lines"] == 12 for entry in cell["layouts"].values())
-    for bad in ("0x2", "2x1:sometimes", "2x1:none:all", "1x2:own:shared"):
-        with pytest.raises(SystemExit):
-            layouts_main([str(onnx_dir), "--src", paths["test.src"], "--layouts", bad])
-    with pytest.raises(SystemExit, match="twice"):
-        layouts_main([str(onnx_dir), "--src", paths["test.src"], "--layouts", "2x1", "2x1:auto"])
-
-
-def test_search_loop_benchmark_compares_the_three_loops_on_the_same_sentences(
-    trained_run, corpus_files, tmp_path
-):
-    """Greedy and beam, both precisions, each batch size: both graphs against the
-    Python loop; float32 tokens identical; the switches put back."""
-    from keras_transformer_runtime import runtime
-
-    from benchmarks.search_loop import main as loop_main
-    from keras_transformer.export.onnx import export_onnx
-
-    _, paths = corpus_files
-    onnx_dir = tmp_path / "onnx"
-    export_onnx(str(trained_run), str(onnx_dir), precision="int8")
-    switches = ("GRAPH_LOOP_MAX_SENTENCES", "BEAM_GRAPH_MAX_SENTENCES")
-    switches += ("GREEDY_BATCH_GRAPH", "BEAM_BATCH_GRAPH")
-    defaults = [getattr(runtime, name) for name in switches]
-    argv = [str(onnx_dir), "--src", paths["test.src"], "--lines", "12", "--repeats", "1"]
-    for beam_size in (1, 3):
-        out = tmp_path / f"loop{beam_size}.json"
-        loop_main(
-            argv + ["--batch-sizes", "1", "5", "--beam-size", str(beam_size), "--out", str(out)]
-        )
-        assert [getattr(runtime, name) for name in switches] == defaults
-        report = json.loads(out.read_text())
-        assert [(c["precision"], c["beam_size"], c["batch_size"]) for c in report["cells"]] == [
-            ("float32", beam_size, 1), ("float32", beam_size, 5),
-            ("int8", beam_size, 1), ("int8", beam_size, 5),
-        ]  # fmt: skip
-        for cell in report["cells"]:
-            assert cell["python_sentences_per_second"] > 0
-            for way in ("graph", "batch_graph"):
-                assert cell[f"{way}_ratio"] == pytest.approx(
-                    cell[f"{way}_sentences_per_second"] / cell["python_sentences_per_second"]
-                )
-                if cell["precision"] == "float32" or cell["batch_size"] == 1:
-                    assert cell[f"{way}_identical_sentences"] == 12
-    with pytest.raises(SystemExit):
-        loop_main(argv + ["--beam-size", "0", "--out", str(tmp_path / "no.json")])
-
-
-def test_search_rows_benchmark_times_the_steps_and_the_products(
-    trained_run, corpus_files, tmp_path
-):
-    """Per-iteration costs of the three searches, counted from the graphs' own
-    outputs, and the output projection at each row count in each kind."""
-    from benchmarks.search_rows import main as rows_main
-    from keras_transformer.export.onnx import export_onnx
-
-    _, paths = corpus_files
-    onnx_dir = tmp_path / "onnx"
-    export_onnx(str(trained_run), str(onnx_dir), precision="int8")
-    out = tmp_path / "rows.json"
-    argv = [str(onnx_dir), "--src", paths["test.src"], "--lines", "4", "--repeats", "1"]
-    report = rows_main(argv + ["--rows", "3", "--batch", "2", "--profile", "--out", str(out)])
-    assert json.loads(out.read_text()) == report
-    assert [c["case"] for c in report["steps"]] == ["greedy, 1 row", "greedy, 3 copies", "beam 3"]
-    greedy_one, greedy_copies, _ = report["steps"]
-    # Copies of a sentence take the same greedy steps as the sentence alone.
-    assert greedy_one["iterations"] == greedy_copies["iterations"] >= 4
-    for cell in report["steps"]:
-        assert cell["microseconds_per_iteration"] == pytest.approx(
-            1e6 * cell["seconds"] / cell["iterations"]
-        )
-    kinds = ["float32", "int8", "uint8", "int8 per column"]
-    assert [(c["rows"], c["kind"]) for c in report["products"]] == [
-        (rows, kind) for rows in (1, 4, 8, 32) for kind in kinds
-    ]
-    assert all(c["microseconds_per_call"] > 0 for c in report["products"])
-    assert [(c["rows"], c["kind"]) for c in report["decoder_products"]] == [
-        (rows, kind) for rows in (1, 4, 8, 32) for kind in ("float32", "int8")
-    ]
-    layers = json.loads((onnx_dir / "manifest.json").read_text())["config"]["num_layers"]
-    assert {c["products"] for c in report["decoder_products"]} == {6 * layers}
-    profiles = report["profiles"]
-    assert list(profiles) == [
-        "greedy, 1 row", "greedy, 3 copies", "beam 3", "greedy batch graph, 2 sentences"
-    ]  # fmt: skip
-    # The profiled searches count the same iterations as the timed ones.
-    for cell in report["steps"]:
-        assert profiles[cell["case"]]["iterations"] == cell["iterations"]
-    for profile in profiles.values():
-        operators = profile["operators"]
-        assert operators["DynamicQuantizeMatMul"]["nodes_per_iteration"] >= 6 * layers
-        assert all(v["microseconds_per_iteration"] > 0 for v in operators.values())
-    assert "Compress" in profiles["greedy batch graph, 2 sentences"]["operators"]
-    with pytest.raises(SystemExit, match="at least 2"):
-        rows_main(argv + ["--rows", "1", "--out", str(tmp_path / "no.json")])
-
-
-def test_batch_steps_benchmark_compares_steps_per_iteration(trained_run, corpus_files, tmp_path):
-    """The greedy batch graph built at each steps-per-iteration count from the
-    export's own step graph, in float32 and int8, on the same batches."""
-    from benchmarks.batch_steps import main as steps_main
-    from keras_transformer.export.onnx import export_onnx
-
-    _, paths = corpus_files
-    onnx_dir = tmp_path / "onnx"
-    export_onnx(str(trained_run), str(onnx_dir), precision="int8")
-    out = tmp_path / "steps.json"
-    argv = [str(onnx_dir), "--src", paths["test.src"], "--lines", "10", "--repeats", "1"]
-    selections = ["--selections", "topk", "blocked"]
-    report = steps_main(
-        argv + ["--batch-size", "4", "--steps", "1", "2", "3", *selections, "--out", str(out)]
-    )
-    assert json.loads(out.read_text()) == report
-    cells = report["cells"]
-    assert [(c["precision"], c["steps_per_iteration"], c["selection"]) for c in cells] == [
-        (p, k, s) for p in ("float32", "int8") for k in (1, 2, 3) for s in ("topk", "blocked")
-    ]
-    for cell in cells:
-        assert cell["sentences"] == 10
-        assert cell["sentences_per_second"] == pytest.approx(10 / cell["seconds"])
-        if cell["precision"] == "float32" or cell["steps_per_iteration"] == 1:
-            assert cell["identical_sentences"] == 10
-    first = [c["ratio"] for c in cells if (c["steps_per_iteration"], c["selection"]) == (1, "topk")]
-    assert first == [1.0, 1.0]
-    with pytest.raises(SystemExit, match="at least 1"):
-        steps_main(argv + ["--steps", "0", "--out", str(tmp_path / "no.json")])
