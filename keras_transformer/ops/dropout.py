@@ -29,8 +29,8 @@ def sixteen_bit_dropout(x, levels, seed):
     """TensorFlow dropout of `x` that draws one 32-bit word per two elements.
 
     TensorFlow's own dropout draws one float32 uniform per element, and on a
-    CPU its random generator is most of the cost of the layer (`python -m
-    benchmarks.ablations dropout`). Here each 32-bit word is split into two
+    CPU its random generator is most of the cost of the layer (docs/performance.md,
+    "Findings of retired experiments"). Here each 32-bit word is split into two
     16-bit integers, and an element is dropped when its integer falls below
     `levels` (from `rate_levels`) of the 2**16 values.
 

@@ -22,7 +22,7 @@ def label_smoothed_token_losses(y_true, logits, label_smoothing):
     pass keeps only the logits and one logsumexp per token, where automatic
     differentiation keeps the fused kernel's softmax and scatters the label
     gather's gradient into a zero `(batch, length, vocabulary)` tensor
-    (`python -m benchmarks.ablations loss` and `gradients`).
+    (`python -m benchmarks.ablations gradients`, its "autodiff loss" variant).
 
     Example:
 
