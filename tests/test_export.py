@@ -740,7 +740,7 @@ HEAVY = {"tensorflow", "tensorflow-cpu", "tensorflow-text", "tf2onnx", "keras", 
 
 
 def test_runtime_distribution_alone_translates_without_tensorflow(exported, tmp_path):
-    """A fresh venv that installs only ./export holds no TensorFlow, Keras or JAX and
+    """A fresh venv that installs only ./runtime holds no TensorFlow, Keras or JAX and
     translates an export through its console script, as the in-process runtime does."""
     _, _, translator, out = exported("mixed_bfloat16")
     venv = tmp_path / "runtime-venv"
@@ -749,7 +749,7 @@ def test_runtime_distribution_alone_translates_without_tensorflow(exported, tmp_
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     pip = [sys.executable, "-m", "pip", "--python", python]
     installed = subprocess.run(
-        [*pip, "install", "--quiet", os.path.join(ROOT, "export")],
+        [*pip, "install", "--quiet", os.path.join(ROOT, "runtime")],
         capture_output=True,
         text=True,
         timeout=900,
