@@ -118,19 +118,25 @@ def test_beam_scores_are_length_penalized_model_log_probs(which, alpha, random_m
     np.testing.assert_allclose(scores, log_probs / length_penalty_factor(lengths, alpha), atol=1e-4)
 
 
-def model_log_probs(model, source):
+def model_log_probs(model, source, width=16):
     """`log_probs(prefix)` of the whole (uncached) model for one source: the model
-    as the search specification (`keras_transformer_runtime.spec`) sees it."""
+    as the search specification (`keras_transformer_runtime.spec`) sees it.
+
+    Source and decoder input are padded to `width` (one shape, compiled once
+    on JAX): padding is masked out of the source, and the causal mask keeps
+    the positions after the prefix out of its last one.
+    """
     known = {}
+    source_ids = np.zeros((1, width), np.int32)
+    source_ids[0, : len(source)] = source
 
     def log_probs(prefix):
         if tuple(prefix) not in known:
-            feeds = {
-                "source_ids": np.array([source], np.int32),
-                "target_ids": np.array([[BOS_ID, *prefix]], np.int32),
-            }
-            logits = model(feeds, training=False)[0, -1]
-            known[tuple(prefix)] = np.asarray(ops.convert_to_numpy(ops.log_softmax(logits)))
+            target_ids = np.zeros((1, width), np.int32)
+            target_ids[0, : len(prefix) + 1] = [BOS_ID, *prefix]
+            logits = model({"source_ids": source_ids, "target_ids": target_ids}, training=False)
+            row = ops.log_softmax(logits[0, len(prefix)])
+            known[tuple(prefix)] = np.asarray(ops.convert_to_numpy(row))
         return known[tuple(prefix)]
 
     return log_probs
