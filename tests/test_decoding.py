@@ -151,7 +151,9 @@ def test_keras_decoding_follows_the_search_specification(random_model):
     sources = [*random_sources(5, seed=4), []]
     limit = 8
     views = [model_log_probs(random_model, s) for s in sources]
-    expected = [spec.greedy(view, limit if s else 0) for view, s in zip(views, sources, strict=True)]
+    expected = [
+        spec.greedy(view, limit if s else 0) for view, s in zip(views, sources, strict=True)
+    ]
     for use_cache in (True, False):
         tokens, scores = greedy_search(random_model, sources, max_length=limit, use_cache=use_cache)
         assert tokens == [e[0] for e in expected], use_cache
