@@ -9,9 +9,9 @@ STAMP := $(VENV)/.installed
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
-$(STAMP): $(BIN)/python pyproject.toml export/pyproject.toml
+$(STAMP): $(BIN)/python pyproject.toml runtime/pyproject.toml
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e ./export -e ".[dev]"
+	$(BIN)/python -m pip install --quiet -e ./runtime -e ".[dev]"
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -32,7 +32,7 @@ PYTEST = TF_CPP_MIN_LOG_LEVEL=2 $(BIN)/python -m pytest -q -p no:cacheprovider -
 test: $(STAMP)
 	@KERAS_BACKEND=jax $(PYTEST) --basetemp=.pytest-jax-tmp -m "jax and $(UNIT)" \
 		> .jax-tests.log 2>&1 & jax=$$!; \
-	KERAS_BACKEND=tensorflow $(PYTEST) -m "$(UNIT)" --doctest-modules tests keras_transformer export/keras_transformer_runtime; tf=$$?; \
+	KERAS_BACKEND=tensorflow $(PYTEST) -m "$(UNIT)" --doctest-modules tests keras_transformer runtime/keras_transformer_runtime; tf=$$?; \
 	wait $$jax; jax_status=$$?; \
 	echo "== the tests marked jax, under KERAS_BACKEND=jax"; \
 	cat .jax-tests.log; \

@@ -77,11 +77,6 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--transformer-optimizer", action="store_true")
     parser.add_argument("--threads", type=int, help="ONNX Runtime intra-op threads")
-    parser.add_argument(
-        "--spinning",
-        action="store_true",
-        help="let the worker threads of every graph spin (default: only the search graphs')",
-    )
     parser.add_argument("--out", help="JSON path")
     args = parser.parse_args(argv)
 
@@ -100,7 +95,7 @@ def main(argv=None):
     if not os.path.isfile(os.path.join(onnx_dir, "manifest.json")):
         print(f"exporting {args.run_dir} to {onnx_dir}", flush=True)
         export_onnx(args.run_dir, onnx_dir)
-    translator = OnnxTranslator(onnx_dir, num_threads=args.threads, spinning=args.spinning or None)
+    translator = OnnxTranslator(onnx_dir, num_threads=args.threads)
     config = transformer_parts(model).config
 
     if args.lines:

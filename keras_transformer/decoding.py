@@ -7,7 +7,9 @@ computed once per sentence. The step is compiled (`tf.function` on
 TensorFlow, `jax.jit` on JAX) and traced once per batch shape.
 
 `use_cache=False` re-runs the whole decoder over the growing output at every
-step. It is the reference the cached search is tested against.
+step. It is the reference the cached search is tested against. Both follow
+the search specification, `keras_transformer_runtime.spec`, as the ONNX
+Runtime translator does; the tests check each against it.
 
 Conventions: padding id 0, BOS 1, EOS 2. Returned token ids exclude BOS and
 stop before EOS. A source longer than the model's `max_length` raises a

@@ -134,3 +134,39 @@ def float16_run(corpus_files, tmp_path_factory):
     out = tmp_path_factory.mktemp("runs") / "float16"
     assert cli.main([*train_args(paths, out, "--epochs", "1"), "--precision", "mixed_float16"]) == 0
     return out
+
+
+@pytest.fixture(scope="session")
+def exported(toy_run, trained_run, float16_run, tmp_path_factory):
+    """kind -> (float32 Keras model, tokenizer, OnnxTranslator, export dir).
+
+    Three exports of trained models: the demo's float32 toy model (word
+    vocabulary, through the CLI with the float16 graphs too), and
+    SentencePiece runs trained under mixed_bfloat16 and mixed_float16,
+    exported from their float32 rebuild. Each is made on first use.
+    """
+    from keras_transformer_runtime.runtime import OnnxTranslator
+
+    from keras_transformer import cli
+    from keras_transformer.export.onnx import export_onnx, float32_copy
+    from keras_transformer.translation import load_run
+
+    cache = {}
+
+    def get(kind):
+        if kind not in cache:
+            run_dir = {
+                "float32": toy_run[3]["run_dir"],
+                "mixed_bfloat16": str(trained_run),
+                "mixed_float16": str(float16_run),
+            }[kind]
+            out = str(tmp_path_factory.mktemp("onnx") / kind)
+            if kind == "float32":
+                assert cli.main(["export", run_dir, "--out", out, "--precision", "float16"]) == 0
+            else:
+                export_onnx(run_dir, out)
+            model, tokenizer = load_run(run_dir)
+            cache[kind] = (float32_copy(model), tokenizer, OnnxTranslator(out), out)
+        return cache[kind]
+
+    return get

@@ -4,6 +4,9 @@ import os
 import keras
 import numpy as np
 import pytest
+from keras import ops
+from keras_transformer_runtime import spec
+from keras_transformer_runtime.specials import BOS_ID
 
 from keras_transformer import TransformerConfig, build_transformer, transformer_parts
 from keras_transformer.data.toy import generate_toy_corpus
@@ -113,6 +116,58 @@ def test_beam_scores_are_length_penalized_model_log_probs(which, alpha, random_m
     log_probs = sequence_log_probs(model, sources, tokens, ended=ended)
     lengths = np.array([len(t) + e for t, e in zip(tokens, ended, strict=True)])
     np.testing.assert_allclose(scores, log_probs / length_penalty_factor(lengths, alpha), atol=1e-4)
+
+
+def model_log_probs(model, source, width=16):
+    """`log_probs(prefix)` of the whole (uncached) model for one source: the model
+    as the search specification (`keras_transformer_runtime.spec`) sees it.
+
+    Source and decoder input are padded to `width` (one shape, compiled once
+    on JAX): padding is masked out of the source, and the causal mask keeps
+    the positions after the prefix out of its last one.
+    """
+    known = {}
+    source_ids = np.zeros((1, width), np.int32)
+    source_ids[0, : len(source)] = source
+
+    def log_probs(prefix):
+        if tuple(prefix) not in known:
+            target_ids = np.zeros((1, width), np.int32)
+            target_ids[0, : len(prefix) + 1] = [BOS_ID, *prefix]
+            logits = model({"source_ids": source_ids, "target_ids": target_ids}, training=False)
+            row = ops.log_softmax(logits[0, len(prefix)])
+            known[tuple(prefix)] = np.asarray(ops.convert_to_numpy(row))
+        return known[tuple(prefix)]
+
+    return log_probs
+
+
+# Keras decoding against the specification: float32 round-off between the
+# cached steps and the whole model's pass, summed over a few tokens.
+SPEC_SCORE_TOLERANCE = 1e-4
+
+
+def test_keras_decoding_follows_the_search_specification(random_model):
+    sources = [*random_sources(5, seed=4), []]
+    limit = 8
+    views = [model_log_probs(random_model, s) for s in sources]
+    expected = [
+        spec.greedy(view, limit if s else 0) for view, s in zip(views, sources, strict=True)
+    ]
+    for use_cache in (True, False):
+        tokens, scores = greedy_search(random_model, sources, max_length=limit, use_cache=use_cache)
+        assert tokens == [e[0] for e in expected], use_cache
+        np.testing.assert_allclose(scores, [e[1] for e in expected], atol=SPEC_SCORE_TOLERANCE)
+    for beam_size, alpha in ((3, 0.6), (2, 0.0)):
+        expected = [
+            spec.beam(view, limit if s else 0, beam_size, alpha)
+            for view, s in zip(views, sources, strict=True)
+        ]
+        tokens, scores = beam_search(
+            random_model, sources, beam_size=beam_size, length_penalty=alpha, max_length=limit
+        )
+        assert tokens == [e[0] for e in expected], beam_size
+        np.testing.assert_allclose(scores, [e[1] for e in expected], atol=SPEC_SCORE_TOLERANCE)
 
 
 def test_beam_finds_better_scores_than_greedy_on_average(toy_run):

@@ -16,7 +16,7 @@ layer norms are ONNX `LayerNormalization`, and the cross-attention keys and
 values of all decoder layers come from one `Gemm`.
 
 The numbers are those of the Keras layers up to the order of float32
-rounding; `tests/test_export.py` checks the outputs against Keras to 1e-4.
+rounding; `tests/export/test_onnx.py` checks the outputs against Keras to 1e-4.
 """
 
 from __future__ import annotations

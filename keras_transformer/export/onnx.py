@@ -55,17 +55,19 @@ import os
 import shutil
 import tempfile
 
+from keras_transformer_runtime.runtime import FORMAT_VERSION, MANIFEST
+
 from keras_transformer.export.beam_graph import build_beam_batch_search, build_beam_search
 from keras_transformer.export.encoder_graph import build_encoder
 from keras_transformer.export.greedy_graph import build_greedy_batch_search, build_greedy_search
 from keras_transformer.export.step_graph import build_decoder_step, selection_top_k_limit
 
 GRAPHS = ("encoder", "decoder_step", "model")
-MANIFEST = "manifest.json"
-# 2: the step graph's top_k input and outputs; 3: the greedy_search graph;
-# 4: the beam_search graph, and the weights of the graphs that translate in
-# one file per precision (`share_weights`); 5: the batch search graphs.
-FORMAT_VERSION = 5
+# `format_version` in the manifest is the one the runtime reads: one number,
+# defined beside the reader. 2: the step graph's top_k input and outputs; 3:
+# the greedy_search graph; 4: the beam_search graph, and the weights of the
+# graphs that translate in one file per precision (`share_weights`); 5: the
+# batch search graphs.
 # The graphs that translate, whose weights are stored once per precision.
 SHARED_WEIGHT_GRAPHS = (
     "encoder",
@@ -553,7 +555,7 @@ def _int8(path, out_path, vocabulary_size):
 
     # The quantizer advises, on the root logger and once per graph, an optional
     # pre-processing pass; the int8 graphs are judged by their translations
-    # instead (tests/test_export.py, benchmarks.onnx_vs_ctranslate2).
+    # instead (tests/export/test_onnx.py, benchmarks.onnx_vs_ctranslate2).
     hush = DropMessages("pre-processing before quantization")
     logging.getLogger().addFilter(hush)
     try:

@@ -1,14 +1,15 @@
-"""The numpy search loops of the runtime (`keras_transformer_runtime.search`) on a toy decoder."""
+"""The batched numpy search loops (`keras_transformer_runtime.search`) on a toy decoder,
+checked against the one-sentence specification (`keras_transformer_runtime.spec`)."""
 
 import zlib
 
 import numpy as np
 import pytest
+from keras_transformer_runtime import spec
 from keras_transformer_runtime.search import (
     banned_ids,
     beam_loop,
     greedy_loop,
-    length_penalty_factor,
     source_array,
 )
 from keras_transformer_runtime.specials import BOS_ID, EOS_ID
@@ -162,55 +163,13 @@ def test_wider_beams_never_score_worse_on_the_toy_decoder():
     assert (wide >= narrow - 1e-9).mean() >= 0.9 and (wide > narrow + 1e-6).any()
 
 
-def _one_sentence_beam(log_probs, limit, beam_size, alpha):
-    """The beam rules of `beam_loop` for one sentence, written plainly: the reference.
-
-    `log_probs(prefix)` gives the next-token log-probabilities. Candidates
-    rank by score, then by `beam * VOCAB + token`; of the 2k best, an EOS
-    among the first k finishes a hypothesis and the first k others live on.
-    """
-    if limit == 0:
-        return [], 0.0
-    alive, finished = [([], 0.0)], []  # (tokens, summed log-probability)
-    for t in range(limit):
-        candidates = []
-        for j, (tokens, score) in enumerate(alive):
-            row = log_probs(tokens)
-            for token in range(VOCAB):
-                if token not in banned_ids():
-                    candidates.append((score + float(row[token]), j * VOCAB + token))
-        candidates.sort(key=lambda c: (-c[0], c[1]))
-        grown = []
-        for rank, (score, key) in enumerate(candidates[: 2 * beam_size]):
-            j, token = divmod(key, VOCAB)
-            if token == EOS_ID:
-                if rank < beam_size:
-                    finished.append((score / length_penalty_factor(t + 1, alpha), alive[j][0]))
-            elif len(grown) < beam_size:
-                grown.append((alive[j][0] + [token], score))
-        if t + 1 == limit:
-            finished += [(s / length_penalty_factor(t + 1, alpha), tk) for tk, s in grown]
-            break
-        if not grown:
-            break
-        best = max(s for s, _ in finished) if finished else -np.inf
-        top = max(s for _, s in grown)
-        if top / length_penalty_factor(limit, alpha) <= best or (
-            len(finished) >= beam_size and top / length_penalty_factor(t + 1, alpha) <= best
-        ):
-            break
-        alive = grown
-    score, tokens = max(finished, key=lambda f: f[0])  # the first of equal scores
-    return tokens, score
-
-
 @pytest.mark.parametrize("ties", [False, True])
 @pytest.mark.parametrize("alpha", [0.0, 0.6, 2.0])
 @pytest.mark.parametrize("beam_size", [1, 3, 5])
 def test_the_batched_beam_search_is_the_plain_one_sentence_search(beam_size, alpha, ties):
     limits = np.array([9, 0, 4, 12, 1, 7, 12, 3, 6, 10])
     expected = [
-        _one_sentence_beam(lambda prefix, s=s: _log_probs(s, prefix, ties), limit, beam_size, alpha)
+        spec.beam(lambda prefix, s=s: _log_probs(s, prefix, ties), limit, beam_size, alpha)
         for s, limit in enumerate(limits)
     ]
     for top_k, shared, drop in ((None, False, False), (2 * beam_size, True, True)):
@@ -226,6 +185,49 @@ def test_the_batched_beam_search_is_the_plain_one_sentence_search(beam_size, alp
         )
         assert tokens == [e[0] for e in expected]
         np.testing.assert_allclose(scores, [e[1] for e in expected], rtol=1e-12)
+
+
+@pytest.mark.parametrize("ties", [False, True])
+def test_the_batched_greedy_search_is_the_plain_one_sentence_search(ties):
+    limits = np.array([9, 0, 4, 12, 1, 7, 12, 3, 6, 10])
+    expected = [
+        spec.greedy(lambda prefix, s=s: _log_probs(s, prefix, ties), limit)
+        for s, limit in enumerate(limits)
+    ]
+
+    def step(inputs, t):
+        return np.stack([_log_probs(s, list(row[1:]), ties) for s, row in enumerate(inputs)])
+
+    for chooses in (False, True):  # whole log_probs, or the step's own best token
+        tokens, scores = greedy_loop(
+            (lambda inputs, t: _top(step(inputs, t), 1)) if chooses else step, limits
+        )
+        assert tokens == [e[0] for e in expected]
+        np.testing.assert_allclose(scores, [e[1] for e in expected], rtol=1e-12)
+
+
+def test_the_specification_scores_are_the_toy_log_probs():
+    """The specification itself, on one sentence worked by hand: greedy sums the
+    log-probabilities of what it picks (EOS included); a beam of one is greedy
+    with its score divided by the length penalty."""
+    limit = 10
+    tokens, score = spec.greedy(lambda prefix: _log_probs(0, prefix), limit)
+    prefix, total = [], 0.0
+    for _ in range(limit):
+        row = _log_probs(0, prefix).astype(np.float64)
+        row[banned_ids()] = -np.inf
+        token = int(row.argmax())
+        total += row[token]
+        if token == EOS_ID:
+            break
+        prefix.append(token)
+    assert tokens == prefix and score == total
+    beam_tokens, beam_score = spec.beam(lambda prefix: _log_probs(0, prefix), limit, 1, 0.6)
+    length = min(len(tokens) + 1, limit)
+    assert beam_tokens == tokens
+    assert beam_score == pytest.approx(total / spec.length_penalty_factor(length, 0.6), rel=1e-12)
+    assert spec.greedy(lambda prefix: _log_probs(0, prefix), 0) == ([], 0.0)
+    assert spec.beam(lambda prefix: _log_probs(0, prefix), 0, 4) == ([], 0.0)
 
 
 def test_source_array_pads_to_the_longest_row_rounded_to_the_multiple():

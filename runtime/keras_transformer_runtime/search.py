@@ -1,9 +1,12 @@
-"""Greedy and beam search rules in numpy, shared by the Keras and ONNX Runtime decoders.
+"""Batched greedy and beam search loops in numpy, for the Keras decoder and the runtime.
 
 Both decoders hand these loops a `step` function that returns the
-log-probabilities of the next token; the loops own everything else (which
-tokens may be produced, when a sentence stops, the length penalty, which
-beams survive). Keeping one copy is what makes the two decoders agree.
+log-probabilities (or the best tokens) of the next token; the loops own
+everything else (which tokens may be produced, when a sentence stops, the
+length penalty, which beams survive). The rules themselves are written once,
+plainly, in `keras_transformer_runtime.spec`; these loops apply them to a
+whole batch at once, with a decoder state that shrinks as sentences finish,
+and the tests check them against that specification.
 
 This module needs numpy only: `keras_transformer_runtime.runtime` imports it without
 TensorFlow or Keras.
@@ -20,7 +23,21 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 import numpy as np
 
 from keras_transformer_runtime.progress import Progress
+from keras_transformer_runtime.spec import banned_ids, length_penalty_factor
 from keras_transformer_runtime.specials import BOS_ID, EOS_ID, PAD_ID
+
+__all__ = [
+    "EXTRA_OUTPUT_TOKENS",
+    "banned_ids",
+    "beam_loop",
+    "check_beam_arguments",
+    "check_positive_int",
+    "greedy_loop",
+    "length_penalty_factor",
+    "output_limits",
+    "source_array",
+    "translate_texts",
+]
 
 EXTRA_OUTPUT_TOKENS = 50  # default maximum output length = source length + 50
 # `beam_loop(drop_finished=True)` shrinks the decoder state once more than this
@@ -28,11 +45,6 @@ EXTRA_OUTPUT_TOKENS = 50  # default maximum output length = source length + 50
 # shrinking at every finished sentence cost more than the rows it saved
 # (benchmarks.onnx_vs_ctranslate2, beam 4 at batch 32).
 DROP_FRACTION = 0.25
-
-
-def length_penalty_factor(length, alpha=0.6):
-    """((5 + length) / 6) ** alpha, the length normalisation of Wu et al. (2016)."""
-    return ((5.0 + np.asarray(length, np.float64)) / 6.0) ** alpha
 
 
 def check_positive_int(name, value):
@@ -110,13 +122,8 @@ def output_limits(lengths, max_length, model_max_length):
     return np.where(np.asarray(lengths) == 0, 0, limits)
 
 
-def banned_ids(ignore_eos=False):
-    """Ids never generated: padding and BOS (and EOS with `ignore_eos`)."""
-    return [PAD_ID, BOS_ID] + ([EOS_ID] if ignore_eos else [])
-
-
 def greedy_loop(step, limits, ignore_eos=False):
-    """Greedy search over a step function.
+    """Greedy search over a step function, by the rules of `spec.greedy`.
 
     Args:
         step: `step(inputs, t) -> log_probs`, where `inputs` is the int32
@@ -178,13 +185,8 @@ def beam_loop(
 ):
     """Beam search over a step function; row `p * beam_size + j` is beam j of sentence p.
 
-    A hypothesis is finished when it produces EOS; its score is its summed
-    log-probability (EOS included) divided by the length penalty of its
-    length (EOS included). A sentence is done when no live beam can still
-    beat its best finished hypothesis (bounded with the penalty of the
-    maximum length), or when `beam_size` hypotheses have finished and no
-    live beam beats the best at its current length, or at its maximum length
-    (live beams are then scored as they are).
+    The rules are those of `keras_transformer_runtime.spec.beam`, applied to
+    every sentence of the batch at once.
 
     Args:
         step: `step(last, t) -> log_probs`: `last` is the int32 newest token

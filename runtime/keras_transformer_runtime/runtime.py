@@ -1,8 +1,8 @@
 """Translate with exported ONNX graphs on ONNX Runtime: numpy, onnxruntime and sentencepiece only.
 
-Importing this module imports neither TensorFlow nor Keras. The search rules
-(`keras_transformer_runtime.search`) are the ones the Keras decoder uses, so both give the same
-translations.
+Importing this module imports neither TensorFlow nor Keras. Every search
+follows the rules of `keras_transformer_runtime.spec`, as the Keras decoder
+does (the tests check both against it), so both give the same translations.
 
 Example:
 
@@ -24,7 +24,6 @@ from keras_transformer_runtime import tokenizers
 from keras_transformer_runtime.search import (
     beam_loop,
     check_beam_arguments,
-    greedy_loop,
     output_limits,
     source_array,
     translate_texts,
@@ -32,27 +31,28 @@ from keras_transformer_runtime.search import (
 from keras_transformer_runtime.specials import EOS_ID, PAD_ID
 
 MANIFEST = "manifest.json"
+# The export format this runtime reads: `keras-transformer export` writes it
+# into the manifest as `format_version` (the exporter imports it from here),
+# and an export of any other version is refused. 5: the encoder, the decoder
+# step with its `top_k` selection and cross keys and values once per
+# sentence, the four search graphs, and one weights file per precision.
+FORMAT_VERSION = 5
 # Greedy batches of at most this many sentences run as one call of the
 # greedy_search graph (the loop inside ONNX Runtime, which computes a finished
 # sentence's row to the end); larger ones as one call of greedy_batch_search,
-# whose loop drops each sentence when it ends (format 5 exports), or else step
-# by step from Python, which leaves finished sentences out of each step's
-# batch. `python -m benchmarks.search_loop` measures the three.
+# whose loop drops each sentence when it ends. Measured in docs/performance.md
+# ("Runtime choices").
 GRAPH_LOOP_MAX_SENTENCES = 4
-# False: larger batches step from Python even where the export has the batch
-# graph (for side-by-side measurements and tests).
-GREEDY_BATCH_GRAPH = True
 # The same for beam search: beam_search up to this many sentences (it computes
-# every finished sentence's beams to the end), beam_batch_search above.
+# every finished sentence's beams to the end), beam_batch_search above; a beam
+# too wide for the graphs' selection searches step by step from Python.
 BEAM_GRAPH_MAX_SENTENCES = 4
-BEAM_BATCH_GRAPH = True
 # The graphs whose idle worker threads spin between parallel sections instead
 # of sleeping, so that the many small products of a decoder step do not each
 # wait for a thread to wake. The encoder's threads sleep: each session has
 # its own pool, and the encoder's spinning on while a search runs leaves more
-# busy threads than cores. Measured by `python -m benchmarks.parallel_batches
-# ONNX_DIR --layouts 2x1:none 2x1 2x1:all` (benchmarks/README.md): faster than
-# no spinning in most cells, every graph spinning slower than both. With one
+# busy threads than cores. Faster than no spinning in most cells, every graph
+# spinning slower than both (docs/performance.md, "Runtime choices"). With one
 # thread per search (`num_threads=1`) there is no worker to spin.
 SPINNING_GRAPHS = (
     "decoder_step",
@@ -75,15 +75,17 @@ SLEEPING_FLOAT32_GRAPHS = ("greedy_batch_search",)
 # the same either way; int8 graphs quantize a step's activations with one
 # scale per batch, so a part's translations may differ from the whole
 # batch's, and by default they keep whole batches (their outputs then do
-# not depend on the thread count). `python -m benchmarks.parallel_batches
-# ONNX_DIR --layouts 2x1 2x1:whole` measures it (benchmarks/README.md).
+# not depend on the thread count). `split_batches` chooses otherwise.
 SPLIT_MIN_ROWS = 8
 _CUDA = "CUDAExecutionProvider"
 _CPU = "CPUExecutionProvider"
 
 
 class ExportFileError(RuntimeError):
-    """A file of an ONNX export folder is missing or unreadable; the message names it."""
+    """A file of an ONNX export folder is missing, unreadable or of another format version.
+
+    The message names the file and says what to do.
+    """
 
 
 def available_cores():
@@ -92,6 +94,34 @@ def available_cores():
         return len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         return os.cpu_count() or 1
+
+
+def _check_format_version(manifest, path):
+    """Refuses a manifest of a format version other than `FORMAT_VERSION`, saying to re-export."""
+    version = manifest.get("format_version")
+    redo = "re-export the run with `keras-transformer export RUN_DIR --out OUT_DIR`"
+    if version is None:
+        raise ExportFileError(
+            f"{path} has no format_version (an export older than format versions); this "
+            f"runtime reads format_version {FORMAT_VERSION}: {redo}."
+        )
+    if isinstance(version, bool) or not isinstance(version, int):
+        raise ExportFileError(
+            f"{path} has format_version {version!r}, not a whole number; this runtime reads "
+            f"format_version {FORMAT_VERSION}: {redo}."
+        )
+    if version < FORMAT_VERSION:
+        raise ExportFileError(
+            f"{path} is an export of format_version {version}, older than the "
+            f"format_version {FORMAT_VERSION} this runtime reads: {redo}."
+        )
+    if version > FORMAT_VERSION:
+        raise ExportFileError(
+            f"{path} is an export of format_version {version}, newer than the "
+            f"format_version {FORMAT_VERSION} this runtime reads: install the "
+            f"keras-transformer-runtime of the exporter that wrote it, or {redo} "
+            "using this runtime's version of keras-transformer."
+        )
 
 
 def load_tokenizer(path):
@@ -169,11 +199,6 @@ class OnnxTranslator:
             otherwise CPU. `self.provider` says which one runs.
         num_threads: intra-op threads (default: ONNX Runtime's choice).
         precision: "float32", or "float16" / "int8" for graphs exported with it.
-        spinning: let ONNX Runtime's idle worker threads spin (its default)
-            in every graph (True) or in none (False); by default (None) the
-            search graphs' threads spin and the encoder's sleep
-            (`SPINNING_GRAPHS`), as do the float32 greedy batch graph's
-            (`SLEEPING_FLOAT32_GRAPHS`).
         split_batches: on the CPU with more than one thread (`num_threads`,
             or every core the process may use), search a batch as one part
             per thread, the parts at once, each on one thread of sessions of
@@ -182,6 +207,10 @@ class OnnxTranslator:
             where each part has at least `SPLIT_MIN_ROWS` rows; True: any
             batch of at least one sentence per thread, int8 too; False:
             never.
+
+    The export must be of `FORMAT_VERSION`; any other raises
+    `ExportFileError`, which says to re-export. The search graphs' idle
+    threads spin and the encoder's sleep (`SPINNING_GRAPHS`).
     """
 
     def __init__(
@@ -190,7 +219,6 @@ class OnnxTranslator:
         providers=None,
         num_threads=None,
         precision="float32",
-        spinning=None,
         split_batches=None,
     ):
         self.onnx_dir = os.fspath(onnx_dir)
@@ -200,18 +228,19 @@ class OnnxTranslator:
         try:
             with open(manifest_path, encoding="utf-8") as f:
                 self.manifest = json.load(f)
+            _check_format_version(self.manifest, manifest_path)
             graphs = self.manifest["graphs"]
             config = self.manifest["config"]
+            precisions = self.manifest["precisions"]
         except FileNotFoundError as error:
             raise ExportFileError(f"{MANIFEST} missing: {manifest_path}") from error
-        except (OSError, ValueError, KeyError, TypeError) as error:
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
             raise ExportFileError(
                 f"{manifest_path} is not a valid export manifest: {error}"
             ) from error
-        if precision not in self.manifest.get("precisions", ["float32"]):
+        if precision not in precisions:
             raise ValueError(
-                f"This export has no {precision!r} graphs (it has "
-                f"{', '.join(self.manifest.get('precisions', ['float32']))})."
+                f"This export has no {precision!r} graphs (it has {', '.join(precisions)})."
             )
         self.precision = precision
         self._check_weights(precision)
@@ -226,11 +255,9 @@ class OnnxTranslator:
         )
         self._providers = list(providers) if providers is not None else default_providers()
         self._num_threads = num_threads
-        self._spinning = None if spinning is None else bool(spinning)
         self._graph_files = {name: entry[precision] for name, entry in graphs.items()}
         self._sessions = {}
         self._copies = []  # for parallel beam searches: `_parallel_translators`
-        self._parallel_sessions = None
         self._split = None if split_batches is None else bool(split_batches)
         self._split_workers = []  # one one-thread translator per part of a split search
         self._split_pool = None  # runs the parts after the first
@@ -240,18 +267,16 @@ class OnnxTranslator:
         self.encoder_session = self.session("encoder")
         self.step_session = self.session("decoder_step")
         self.provider = self.step_session.get_providers()[0]
-        # Exports older than the step graph's `top_k` input select in numpy.
-        self._top_k_in_graph = "top_ids" in {o.name for o in self.step_session.get_outputs()}
-        # Current exports hold the cross keys and values once per sentence
-        # (`sentences` rows, each shared by that sentence's beams); older ones per row.
-        cross_rows = {i.name: i.shape[0] for i in self.step_session.get_inputs()}["cross_key_0"]
-        self._cross_per_sentence = cross_rows == "sentences"
 
     def _check_weights(self, precision):
         """The shared weights file of `precision` is there and whole (`weights.bin`...)."""
-        weights = self.manifest.get("weights", {}).get(precision)
-        if weights is None:  # exports before format 4 keep the weights in each graph
-            return
+        try:
+            weights = self.manifest["weights"][precision]
+        except (KeyError, TypeError) as error:
+            raise ExportFileError(
+                f"{MANIFEST} in {self.onnx_dir} lists no {precision} weights file: "
+                "the export is incomplete; export the run again."
+            ) from error
         path = os.path.join(self.onnx_dir, weights)
         if not os.path.isfile(path):
             raise ExportFileError(
@@ -271,11 +296,9 @@ class OnnxTranslator:
             if name not in self._graph_files:
                 raise ExportFileError(f"{MANIFEST} in {self.onnx_dir} lists no {name!r} graph.")
             path = os.path.join(self.onnx_dir, self._graph_files[name])
-            spinning = self._spinning
-            if spinning is None:
-                spinning = name in SPINNING_GRAPHS and not (
-                    self.precision == "float32" and name in SLEEPING_FLOAT32_GRAPHS
-                )
+            spinning = name in SPINNING_GRAPHS and not (
+                self.precision == "float32" and name in SLEEPING_FLOAT32_GRAPHS
+            )
             self._sessions[name] = _session(path, self._providers, self._num_threads, spinning)
         return self._sessions[name]
 
@@ -285,14 +308,11 @@ class OnnxTranslator:
         Beam searches get one each: this translator and `count - 1` copies of
         it (made once, then kept), each with ONNX Runtime sessions of its own,
         on which parallel beam searches of one sentence ran faster than on
-        shared ones (`python -m benchmarks.parallel_batches --layouts 1x2:own
-        1x2:shared`). Greedy searches share this one's sessions: no gain
-        showed for them, and each copy holds the weights again.
-        `_parallel_sessions` ("own" or "shared") overrides the choice for
-        benchmarks.
+        shared ones (docs/performance.md, "Runtime choices"). Greedy searches
+        share this one's sessions: no gain showed for them, and each copy
+        holds the weights again.
         """
-        own = {"own": True, "shared": False}.get(self._parallel_sessions, beam_size > 1)
-        if not own:
+        if beam_size == 1:
             return [self] * count
         while len(self._copies) < count - 1:
             self._copies.append(self._copy())
@@ -304,7 +324,6 @@ class OnnxTranslator:
             "providers": self._providers,
             "num_threads": self._num_threads,
             "precision": self.precision,
-            "spinning": self._spinning,
             "split_batches": self._split,
         }
         return OnnxTranslator(self.onnx_dir, **{**settings, **changes})
@@ -385,8 +404,7 @@ class OnnxTranslator:
             cross_caches: the cross keys and values from `encode`.
                 `batch` may be a multiple of `sentences`: rows `s * G` to
                 `s * G + G - 1` (G = batch / sentences, e.g. the beams of
-                sentence s) all read sentence s. Exports written before this
-                layout need `batch == sentences`.
+                sentence s) all read sentence s.
             self_caches: `[self_key_0, self_value_0, ...]`, float32 `(batch,
                 heads, t, head_dim)`; `empty_self_caches(batch)` at the first step.
 
@@ -403,15 +421,10 @@ class OnnxTranslator:
                 f"{source_mask.dtype} {source_mask.shape}"
             )
         rows, sentences = len(token_ids), len(source_mask)
-        if self._cross_per_sentence and (sentences == 0 or rows % sentences):
+        if sentences == 0 or rows % sentences:
             raise ValueError(
                 f"token_ids has {rows} rows, not a multiple of the {sentences} sentences "
                 "of source_mask (the rows of a sentence, e.g. its beams, are consecutive)."
-            )
-        if not self._cross_per_sentence and rows != sentences:
-            raise ValueError(
-                f"token_ids has {rows} rows and source_mask {sentences}: this export "
-                "needs one source row per token row."
             )
         feeds = {"token_ids": token_ids, "source_mask": source_mask}
         for kind, caches in (("cross", cross_caches), ("self", self_caches)):
@@ -442,8 +455,7 @@ class OnnxTranslator:
 
     def _run_log_probs(self, feeds):
         """The step's whole `log_probs` and new self caches, for complete `feeds`."""
-        if self._top_k_in_graph:
-            feeds["top_k"] = np.array([1], np.int64)  # the selection is not read
+        feeds["top_k"] = np.array([1], np.int64)  # the selection is not read
         log_probs, *new_caches = self.step_session.run(["log_probs", *self._new_self_names], feeds)
         return log_probs, new_caches
 
@@ -465,13 +477,10 @@ class OnnxTranslator:
         """`decoder_step` without the input checks, for the search loops.
 
         Returns `(scores, new_self_caches)`: the graph's `(top_log_probs,
-        top_ids)` of width `top_k` where the export has them, else `log_probs`
-        (the loops accept either).
+        top_ids)` of width `top_k`, as `beam_loop` takes them.
         """
         feeds["token_ids"] = token_ids
         feeds.update(zip(self._self_names, self_caches, strict=True))
-        if not self._top_k_in_graph:
-            return self._run_log_probs(feeds)
         feeds["top_k"] = np.array([min(top_k, self.vocabulary_size)], np.int64)
         values, ids, *new_caches = self.step_session.run(
             ["top_log_probs", "top_ids", *self._new_self_names], feeds
@@ -494,10 +503,14 @@ class OnnxTranslator:
         return source, output_limits(lengths, max_length, self.max_length)
 
     def greedy_search(self, source_ids, max_length=None):
-        """Greedy search; same arguments, rules and results as `keras_transformer.decoding`."""
+        """Greedy search; same arguments, rules and results as `keras_transformer.decoding`.
+
+        One call of a search graph: `greedy_search` for up to
+        `GRAPH_LOOP_MAX_SENTENCES` sentences, `greedy_batch_search` above.
+        """
         source, limits = self._prepare(source_ids, max_length)
         if (limits == 0).all():
-            return greedy_loop(None, limits)
+            return [[] for _ in limits], np.zeros(len(limits), np.float64)
         parts = self.split_parts(len(source))
         if parts > 1:
             return self._split_search(
@@ -506,39 +519,9 @@ class OnnxTranslator:
                 lambda worker, rows: worker.greedy_search(rows, max_length=max_length),
             )
         _, mask, cross = self.encode(source)
-        if len(source) <= GRAPH_LOOP_MAX_SENTENCES and "greedy_search" in self._graph_files:
+        if len(source) <= GRAPH_LOOP_MAX_SENTENCES:
             return self._greedy_in_graph(mask, cross, limits)
-        if GREEDY_BATCH_GRAPH and "greedy_batch_search" in self._graph_files:
-            return self._greedy_in_graph(mask, cross, limits, "greedy_batch_search")
-        state = {
-            "rows": np.arange(len(source)),  # the sentences still decoded, in cache order
-            "feeds": self._search_feeds(mask, cross),
-            "caches": self.empty_self_caches(len(source)),
-        }
-        if self._top_k_in_graph:  # the best token of each row, as the graph chose it
-            chosen = np.zeros((len(source), 1), np.float32), np.zeros((len(source), 1), np.int64)
-        else:
-            chosen = np.zeros((len(source), self.vocabulary_size), np.float32)
-
-        def step(inputs, t):
-            # A finished sentence is fed EOS; drop it from the batch the graph sees.
-            live = np.flatnonzero(inputs[:, -1] != EOS_ID) if t else state["rows"]
-            if len(live) < len(state["rows"]):
-                keep = np.searchsorted(state["rows"], live)
-                state["rows"] = live
-                state["feeds"] = self._kept_feeds(state["feeds"], keep)
-                state["caches"] = [cache[keep] for cache in state["caches"]]
-            rows = state["rows"]
-            out, state["caches"] = self._run_step(
-                np.ascontiguousarray(inputs[rows, -1:]), state["feeds"], state["caches"], 1
-            )
-            if isinstance(out, tuple):
-                chosen[0][rows], chosen[1][rows] = out
-            else:
-                chosen[rows] = out
-            return chosen
-
-        return greedy_loop(step, limits)
+        return self._greedy_in_graph(mask, cross, limits, "greedy_batch_search")
 
     def _greedy_in_graph(self, mask, cross, limits, graph="greedy_search"):
         """The greedy search as one call of the `graph` graph (same results)."""
@@ -549,7 +532,7 @@ class OnnxTranslator:
         stops = (tokens == EOS_ID) | (tokens < 0)
         lengths = np.where(stops.any(0), stops.argmax(0), len(tokens))
         scores = np.zeros(len(limits), np.float64)
-        for row in step_scores:  # summed step by step in float64, as greedy_loop does
+        for row in step_scores:  # summed step by step in float64, as the specification does
             scores += row.astype(np.float64)
         return [tokens[: lengths[i], i].tolist() for i in range(len(limits))], scores
 
@@ -570,7 +553,7 @@ class OnnxTranslator:
             )
         # Each sentence is encoded once, and its first step runs once: the
         # first reorder gives its beams copies of its row. The cross keys and
-        # values stay one row per sentence (older exports: one per beam).
+        # values stay one row per sentence.
         _, mask, cross = self.encode(source)
 
         def graph_takes(graph):
@@ -583,7 +566,7 @@ class OnnxTranslator:
         if 2 * beam_size <= self.vocabulary_size:
             if len(source) <= BEAM_GRAPH_MAX_SENTENCES and graph_takes("beam_search"):
                 return self._beam_in_graph(mask, cross, limits, beam_size, length_penalty)
-            if BEAM_BATCH_GRAPH and graph_takes("beam_batch_search"):
+            if graph_takes("beam_batch_search"):
                 return self._beam_in_graph(
                     mask, cross, limits, beam_size, length_penalty, "beam_batch_search"
                 )
@@ -612,18 +595,12 @@ class OnnxTranslator:
             else:
                 state["caches"] = [cache[rows] for cache in state["caches"]]
             sentences = len(state["feeds"]["source_mask"])
-            if self._cross_per_sentence:
-                # A sentence's beams come from its own rows of the previous
-                # state (`previous // sentences` of them): its first beam
-                # names it. Only finished sentences leaving changes the rows.
-                kept = rows[::beam_size] // (previous // sentences)
-                if len(kept) != sentences:
-                    state["feeds"] = self._kept_feeds(state["feeds"], kept)
-            elif len(rows) != sentences:
-                # The first step's rows became beams, or finished sentences left
-                # the batch: the encoder rows follow (every row of a sentence
-                # holds the same source).
-                state["feeds"] = self._kept_feeds(state["feeds"], rows)
+            # A sentence's beams come from its own rows of the previous
+            # state (`previous // sentences` of them): its first beam
+            # names it. Only finished sentences leaving changes the rows.
+            kept = rows[::beam_size] // (previous // sentences)
+            if len(kept) != sentences:
+                state["feeds"] = self._kept_feeds(state["feeds"], kept)
 
         return beam_loop(
             step,
