@@ -47,37 +47,13 @@ and `scores (sentences,) double`, the length-penalized score.
 from __future__ import annotations
 
 import numpy as np
-from keras_transformer_runtime.specials import BOS_ID, EOS_ID
+from keras_transformer_runtime.specials import EOS_ID
 
-from keras_transformer.export.greedy_graph import (
-    compaction,
-    renamed_inputs,
-    step_interface,
-)
+from keras_transformer.export.graph_builder import GraphBuilder, copied_nodes
+from keras_transformer.export.greedy_graph import empty_cache, first_token_ids, step_interface
 from keras_transformer.export.step_graph import blocked_selection
 
 PREFIX = "beam."
-
-
-class _Nodes:
-    """Nodes whose outputs are named `beam.<name>`: no clash with the step graph's."""
-
-    def __init__(self):
-        self.nodes, self.constants = [], []
-
-    def __call__(self, op, inputs, output, **attributes):
-        from onnx import helper
-
-        outputs = [output] if isinstance(output, str) else list(output)
-        names = [PREFIX + name for name in outputs]
-        self.nodes.append(helper.make_node(op, inputs, names, **attributes))
-        return names[0] if len(names) == 1 else names
-
-    def const(self, name, value, dtype):
-        from onnx import numpy_helper
-
-        self.constants.append(numpy_helper.from_array(np.asarray(value, dtype), PREFIX + name))
-        return PREFIX + name
 
 
 def build_beam_search(step, blocked=True):
@@ -106,7 +82,7 @@ def build_beam_batch_search(step, blocked=True):
 
 
 def _build(step, compact, blocked):
-    from onnx import TensorProto, helper, numpy_helper
+    from onnx import TensorProto
 
     if blocked:
         step = blocked_selection(step) or step
@@ -115,7 +91,7 @@ def _build(step, compact, blocked):
     DOUBLE, INT64 = TensorProto.DOUBLE, TensorProto.INT64
 
     # ---- the outer graph, before the loop: sizes, constants and the first state
-    o = _Nodes()
+    o = GraphBuilder(PREFIX)
     zero_i, one_i = o.const("zero_i", 0, np.int64), o.const("one_i", 1, np.int64)
     two_i = o.const("two_i", 2, np.int64)
     axis0, axis1 = o.const("axis0", [0], np.int64), o.const("axis1", [1], np.int64)
@@ -124,196 +100,161 @@ def _build(step, compact, blocked):
     neg_inf = o.const("neg_inf", -np.inf, np.float64)
     zero_d = o.const("zero_d", 0.0, np.float64)
     eos = o.const("eos", EOS_ID, np.int64)
-    o("Shape", ["limits"], "sentences_1d")
-    o("Squeeze", [PREFIX + "sentences_1d", axis0], "sentences")
-    o("Range", [zero_i, PREFIX + "sentences", one_i], "sentence_index")
-    o("Mul", ["beam_size", two_i], "two_k")
+    o.node("Shape", ["limits"], "sentences_1d")
+    o.node("Squeeze", [PREFIX + "sentences_1d", axis0], "sentences")
+    o.node("Range", [zero_i, PREFIX + "sentences", one_i], "sentence_index")
+    o.node("Mul", ["beam_size", two_i], "two_k")
     # The step graph's own `top_k` input: each row's 2k best tokens.
-    o.nodes.append(helper.make_node("Reshape", [PREFIX + "two_k", axis1], ["top_k"]))
-    o("Reshape", ["beam_size", axis1], "k_1d")
-    o("Range", [zero_i, PREFIX + "two_k", one_i], "positions")  # ranks 0 .. 2k - 1
-    o("Add", [PREFIX + "positions", PREFIX + "two_k"], "positions_after")
-    o("Less", [PREFIX + "positions", "beam_size"], "first_k")
-    o("Cast", ["limits"], "limits_d", to=DOUBLE)
-    o("Add", [PREFIX + "limits_d", five], "limit_penalty_base")
-    o("Div", [PREFIX + "limit_penalty_base", six], "limit_penalty_ratio")
-    o("Pow", [PREFIX + "limit_penalty_ratio", "length_penalty"], "limit_penalty")
+    o.output("Reshape", [PREFIX + "two_k", axis1], "top_k")
+    o.node("Reshape", ["beam_size", axis1], "k_1d")
+    o.node("Range", [zero_i, PREFIX + "two_k", one_i], "positions")  # ranks 0 .. 2k - 1
+    o.node("Add", [PREFIX + "positions", PREFIX + "two_k"], "positions_after")
+    o.node("Less", [PREFIX + "positions", "beam_size"], "first_k")
+    o.node("Cast", ["limits"], "limits_d", to=DOUBLE)
+    o.node("Add", [PREFIX + "limits_d", five], "limit_penalty_base")
+    o.node("Div", [PREFIX + "limit_penalty_base", six], "limit_penalty_ratio")
+    o.node("Pow", [PREFIX + "limit_penalty_ratio", "length_penalty"], "limit_penalty")
     # First state: one row per sentence fed BOS; beam 0 alone is live.
-    o("Concat", [PREFIX + "sentences_1d", axis1], "column_shape", axis=0)
-    o("Expand", [o.const("bos", [[BOS_ID]], np.int32), PREFIX + "column_shape"], "first_ids")
-    o("Range", [zero_i, "beam_size", one_i], "beam_index")
-    o("Equal", [PREFIX + "beam_index", zero_i], "is_first_beam")
-    o("Where", [PREFIX + "is_first_beam", zero_d, neg_inf], "first_beam_scores")
-    o("Concat", [PREFIX + "sentences_1d", PREFIX + "k_1d"], "beam_shape", axis=0)
-    o("Expand", [PREFIX + "first_beam_scores", PREFIX + "beam_shape"], "first_alive_scores")
-    o("Concat", [PREFIX + "sentences_1d", o.const("zero_1d", [0], np.int64)], "empty_shape", axis=0)
-    o(
-        "ConstantOfShape",
-        [PREFIX + "empty_shape"],
-        "no_tokens",
-        value=numpy_helper.from_array(np.zeros(1, np.int64)),
-    )
-    o("Equal", ["limits", zero_i], "first_done")
-    o("Where", [PREFIX + "first_done", zero_d, neg_inf], "first_best_scores")
-    o(
-        "ConstantOfShape",
-        [PREFIX + "sentences_1d"],
-        "zeros",
-        value=numpy_helper.from_array(np.zeros(1, np.int64)),
-    )
-    o(
-        "ConstantOfShape",
-        [PREFIX + "column_shape"],
-        "pad_column",
-        value=numpy_helper.from_array(np.full(1, -1, np.int64)),
-    )
-    o(
-        "Concat",
-        [PREFIX + "sentences_1d", o.const("cache_dims", [heads, 0, head_dim], np.int64)],
-        "empty_cache_shape",
-        axis=0,
-    )
-    cache_np = helper.tensor_dtype_to_np_dtype(cache_type)
-    o(
-        "ConstantOfShape",
-        [PREFIX + "empty_cache_shape"],
-        "empty_cache",
-        value=numpy_helper.from_array(np.zeros(1, cache_np)),
-    )
-    o("ReduceMax", ["limits"], "max_steps", keepdims=0)
+    first_token_ids(o, PREFIX + "sentences_1d")  # (S, 1)
+    o.node("Range", [zero_i, "beam_size", one_i], "beam_index")
+    o.node("Equal", [PREFIX + "beam_index", zero_i], "is_first_beam")
+    o.node("Where", [PREFIX + "is_first_beam", zero_d, neg_inf], "first_beam_scores")
+    o.node("Concat", [PREFIX + "sentences_1d", PREFIX + "k_1d"], "beam_shape", axis=0)
+    o.node("Expand", [PREFIX + "first_beam_scores", PREFIX + "beam_shape"], "first_alive_scores")
+    empty_shape = o.node("Concat", [PREFIX + "sentences_1d", o.int64s([0])], "empty_shape", axis=0)
+    o.filled(empty_shape, 0, np.int64, "no_tokens")  # (S, 0)
+    o.node("Equal", ["limits", zero_i], "first_done")
+    o.node("Where", [PREFIX + "first_done", zero_d, neg_inf], "first_best_scores")
+    o.filled(PREFIX + "sentences_1d", 0, np.int64, "zeros")  # (S,)
+    o.filled(PREFIX + "token_shape", -1, np.int64, "pad_column")  # (S, 1)
+    empty_cache(o, PREFIX + "sentences_1d", heads, head_dim, cache_type)  # (S, N, 0, H)
+    o.node("ReduceMax", ["limits"], "max_steps", keepdims=0)
 
     # ---- the loop body: the step, then beam_loop's rules
-    b = _Nodes()
+    b = o.body()
     P = PREFIX
-    b("Shape", ["token_ids"], "rows_shape")
-    b("Gather", [P + "rows_shape", zero_i], "rows")
-    b("Div", [P + "rows", P + "sentences"], "n")  # rows per sentence: 1, then k
-    b("Shape", ["top_ids"], "top_shape")
-    b("Gather", [P + "top_shape", one_i], "w")
-    b("Mul", [P + "n", P + "w"], "nw")
-    b("Reshape", [P + "n", axis1], "n_1d")
-    b("Reshape", [P + "w", axis1], "w_1d")
-    b("Reshape", [P + "nw", axis1], "nw_1d")
-    b("Concat", [P + "sentences_1d", P + "n_1d", P + "w_1d"], "s_n_w", axis=0)
-    b("Concat", [P + "sentences_1d", P + "nw_1d"], "s_nw", axis=0)
+    b.node("Shape", ["token_ids"], "rows_shape")
+    b.node("Gather", [P + "rows_shape", zero_i], "rows")
+    b.node("Div", [P + "rows", P + "sentences"], "n")  # rows per sentence: 1, then k
+    b.node("Shape", ["top_ids"], "top_shape")
+    b.node("Gather", [P + "top_shape", one_i], "w")
+    b.node("Mul", [P + "n", P + "w"], "nw")
+    b.node("Reshape", [P + "n", axis1], "n_1d")
+    b.node("Reshape", [P + "w", axis1], "w_1d")
+    b.node("Reshape", [P + "nw", axis1], "nw_1d")
+    b.node("Concat", [P + "sentences_1d", P + "n_1d", P + "w_1d"], "s_n_w", axis=0)
+    b.node("Concat", [P + "sentences_1d", P + "nw_1d"], "s_nw", axis=0)
     # Candidates: live beam scores plus each row's best tokens, in double.
-    b("Cast", ["top_log_probs"], "step_scores", to=DOUBLE)
-    b("Reshape", [P + "step_scores", P + "s_n_w"], "step_scores_3d")
-    b("Slice", [P + "alive_scores", axis0, P + "n_1d", axis1], "row_scores")
-    b("Unsqueeze", [P + "row_scores", o.const("axis2", [2], np.int64)], "row_scores_3d")
-    b("Add", [P + "row_scores_3d", P + "step_scores_3d"], "candidates_3d")
-    b("Reshape", [P + "candidates_3d", P + "s_nw"], "candidates")
-    b("Reshape", ["top_ids", P + "s_nw"], "candidate_ids")
-    b("TopK", [P + "candidates", "top_k"], ["ranked", "ranked_at"], axis=1)
-    b("Div", [P + "ranked_at", P + "w"], "ranked_beam")
-    b("GatherElements", [P + "candidate_ids", P + "ranked_at"], "ranked_token", axis=1)
-    b("Greater", [P + "ranked", neg_inf], "finite")
-    b("Equal", [P + "ranked_token", eos], "is_eos")
-    b("And", [P + "is_eos", P + "finite"], "eos_finite")
-    b("And", [P + "eos_finite", P + "first_k"], "eos_finishes")
-    b("Not", [P + "is_eos"], "not_eos")
-    b("And", [P + "not_eos", P + "finite"], "continues")
+    b.node("Cast", ["top_log_probs"], "step_scores", to=DOUBLE)
+    b.node("Reshape", [P + "step_scores", P + "s_n_w"], "step_scores_3d")
+    b.node("Slice", [P + "alive_scores", axis0, P + "n_1d", axis1], "row_scores")
+    b.node("Unsqueeze", [P + "row_scores", o.const("axis2", [2], np.int64)], "row_scores_3d")
+    b.node("Add", [P + "row_scores_3d", P + "step_scores_3d"], "candidates_3d")
+    b.node("Reshape", [P + "candidates_3d", P + "s_nw"], "candidates")
+    b.node("Reshape", ["top_ids", P + "s_nw"], "candidate_ids")
+    b.node("TopK", [P + "candidates", "top_k"], ["ranked", "ranked_at"], axis=1)
+    b.node("Div", [P + "ranked_at", P + "w"], "ranked_beam")
+    b.node("GatherElements", [P + "candidate_ids", P + "ranked_at"], "ranked_token", axis=1)
+    b.node("Greater", [P + "ranked", neg_inf], "finite")
+    b.node("Equal", [P + "ranked_token", eos], "is_eos")
+    b.node("And", [P + "is_eos", P + "finite"], "eos_finite")
+    b.node("And", [P + "eos_finite", P + "first_k"], "eos_finishes")
+    b.node("Not", [P + "is_eos"], "not_eos")
+    b.node("And", [P + "not_eos", P + "finite"], "continues")
     # The new beams: the first k continuing candidates, in rank order.
-    b("Where", [P + "continues", P + "positions", P + "positions_after"], "slot_key")
-    b("TopK", [P + "slot_key", P + "k_1d"], ["slot_rank", "slot_at"], axis=1, largest=0)
-    b("Less", [P + "slot_rank", P + "two_k"], "slot_ok")
-    b("GatherElements", [P + "ranked", P + "slot_at"], "slot_raw_score", axis=1)
-    b("Where", [P + "slot_ok", P + "slot_raw_score", neg_inf], "slot_score")
-    b("GatherElements", [P + "ranked_beam", P + "slot_at"], "slot_raw_beam", axis=1)
-    b("Where", [P + "slot_ok", P + "slot_raw_beam", zero_i], "slot_beam")
-    b("GatherElements", [P + "ranked_token", P + "slot_at"], "slot_token", axis=1)
+    b.node("Where", [P + "continues", P + "positions", P + "positions_after"], "slot_key")
+    b.node("TopK", [P + "slot_key", P + "k_1d"], ["slot_rank", "slot_at"], axis=1, largest=0)
+    b.node("Less", [P + "slot_rank", P + "two_k"], "slot_ok")
+    b.node("GatherElements", [P + "ranked", P + "slot_at"], "slot_raw_score", axis=1)
+    b.node("Where", [P + "slot_ok", P + "slot_raw_score", neg_inf], "slot_score")
+    b.node("GatherElements", [P + "ranked_beam", P + "slot_at"], "slot_raw_beam", axis=1)
+    b.node("Where", [P + "slot_ok", P + "slot_raw_beam", zero_i], "slot_beam")
+    b.node("GatherElements", [P + "ranked_token", P + "slot_at"], "slot_token", axis=1)
     # Length penalties of this step and whether each sentence is out of room.
-    b("Add", [P + "iteration", one_i], "made")
-    b("GreaterOrEqual", [P + "made", "limits"], "at_limit")
-    b("Unsqueeze", [P + "at_limit", axis1], "at_limit_2d")
-    b("Cast", [P + "made"], "made_d", to=DOUBLE)
-    b("Add", [P + "made_d", five], "penalty_base")
-    b("Div", [P + "penalty_base", six], "penalty_ratio")
-    b("Pow", [P + "penalty_ratio", "length_penalty"], "penalty")
+    b.node("Add", [P + "iteration", one_i], "made")
+    b.node("GreaterOrEqual", [P + "made", "limits"], "at_limit")
+    b.node("Unsqueeze", [P + "at_limit", axis1], "at_limit_2d")
+    b.node("Cast", [P + "made"], "made_d", to=DOUBLE)
+    b.node("Add", [P + "made_d", five], "penalty_base")
+    b.node("Div", [P + "penalty_base", six], "penalty_ratio")
+    b.node("Pow", [P + "penalty_ratio", "length_penalty"], "penalty")
     # Hypotheses finished at this step: EOS ones in rank order, then (at the
     # limit) the new beams; the best is the first of the highest.
-    b("Div", [P + "ranked", P + "penalty"], "ranked_normalized")
-    b("Where", [P + "eos_finishes", P + "ranked_normalized", neg_inf], "eos_normalized")
-    b("And", [P + "slot_ok", P + "at_limit_2d"], "limit_finishes")
-    b("Div", [P + "slot_score", P + "penalty"], "slot_normalized")
-    b("Where", [P + "limit_finishes", P + "slot_normalized", neg_inf], "limit_normalized")
-    b("Concat", [P + "eos_normalized", P + "limit_normalized"], "finish_scores", axis=1)
-    b("ReduceMax", [P + "finish_scores"], "step_best", axes=[1], keepdims=0)
-    b("ArgMax", [P + "finish_scores"], "step_best_at", axis=1, keepdims=1)
-    b("Not", [P + "done"], "live")
-    b("Greater", [P + "step_best", P + "best_score"], "better")
-    b("And", [P + "live", P + "better"], "update")
-    b("Where", [P + "update", P + "step_best", P + "best_score"], "best_score_next")
-    b("Cast", [P + "eos_finishes"], "eos_finishes_i", to=INT64)
-    b("Cast", [P + "limit_finishes"], "limit_finishes_i", to=INT64)
-    b("Concat", [P + "eos_finishes_i", P + "limit_finishes_i"], "finishes_i", axis=1)
-    b("ReduceSum", [P + "finishes_i", axis1], "finished_now", keepdims=0)
-    b("Where", [P + "live", P + "finished_now", zero_i], "finished_counted")
-    b("Add", [P + "count", P + "finished_counted"], "count_next")
+    b.node("Div", [P + "ranked", P + "penalty"], "ranked_normalized")
+    b.node("Where", [P + "eos_finishes", P + "ranked_normalized", neg_inf], "eos_normalized")
+    b.node("And", [P + "slot_ok", P + "at_limit_2d"], "limit_finishes")
+    b.node("Div", [P + "slot_score", P + "penalty"], "slot_normalized")
+    b.node("Where", [P + "limit_finishes", P + "slot_normalized", neg_inf], "limit_normalized")
+    b.node("Concat", [P + "eos_normalized", P + "limit_normalized"], "finish_scores", axis=1)
+    b.node("ReduceMax", [P + "finish_scores"], "step_best", axes=[1], keepdims=0)
+    b.node("ArgMax", [P + "finish_scores"], "step_best_at", axis=1, keepdims=1)
+    b.node("Not", [P + "done"], "live")
+    b.node("Greater", [P + "step_best", P + "best_score"], "better")
+    b.node("And", [P + "live", P + "better"], "update")
+    b.node("Where", [P + "update", P + "step_best", P + "best_score"], "best_score_next")
+    b.node("Cast", [P + "eos_finishes"], "eos_finishes_i", to=INT64)
+    b.node("Cast", [P + "limit_finishes"], "limit_finishes_i", to=INT64)
+    b.node("Concat", [P + "eos_finishes_i", P + "limit_finishes_i"], "finishes_i", axis=1)
+    b.node("ReduceSum", [P + "finishes_i", axis1], "finished_now", keepdims=0)
+    b.node("Where", [P + "live", P + "finished_now", zero_i], "finished_counted")
+    b.node("Add", [P + "count", P + "finished_counted"], "count_next")
     # The tokens of the step's best finished hypothesis: its beam's tokens,
     # plus the new token when it finished at the limit (EOS is not kept).
-    b("Shape", [P + "ranked_token"], "ranked_shape")
-    b(
-        "ConstantOfShape",
-        [P + "ranked_shape"],
-        "no_token",
-        value=numpy_helper.from_array(np.full(1, -1, np.int64)),
-    )
-    b("Concat", [P + "ranked_beam", P + "slot_beam"], "finish_beams", axis=1)
-    b("Concat", [P + "no_token", P + "slot_token"], "finish_tokens", axis=1)
-    b("GatherElements", [P + "finish_beams", P + "step_best_at"], "best_beam_2d", axis=1)
-    b("Squeeze", [P + "best_beam_2d", axis1], "best_beam")
-    b("GatherElements", [P + "finish_tokens", P + "step_best_at"], "best_last", axis=1)
-    b("Mul", [P + "sentence_index", P + "n"], "first_rows")
-    b("Add", [P + "first_rows", P + "best_beam"], "best_row")
-    b("Gather", [P + "alive_tokens", P + "best_row"], "best_prefix", axis=0)
-    b("Concat", [P + "best_prefix", P + "best_last"], "finished_tokens", axis=1)
-    b("Concat", [P + "best_tokens", P + "pad_column"], "best_tokens_grown", axis=1)
-    b("Unsqueeze", [P + "update", axis1], "update_2d")
-    b(
+    b.node("Shape", [P + "ranked_token"], "ranked_shape")
+    b.filled(P + "ranked_shape", -1, np.int64, "no_token")
+    b.node("Concat", [P + "ranked_beam", P + "slot_beam"], "finish_beams", axis=1)
+    b.node("Concat", [P + "no_token", P + "slot_token"], "finish_tokens", axis=1)
+    b.node("GatherElements", [P + "finish_beams", P + "step_best_at"], "best_beam_2d", axis=1)
+    b.node("Squeeze", [P + "best_beam_2d", axis1], "best_beam")
+    b.node("GatherElements", [P + "finish_tokens", P + "step_best_at"], "best_last", axis=1)
+    b.node("Mul", [P + "sentence_index", P + "n"], "first_rows")
+    b.node("Add", [P + "first_rows", P + "best_beam"], "best_row")
+    b.node("Gather", [P + "alive_tokens", P + "best_row"], "best_prefix", axis=0)
+    b.node("Concat", [P + "best_prefix", P + "best_last"], "finished_tokens", axis=1)
+    b.node("Concat", [P + "best_tokens", P + "pad_column"], "best_tokens_grown", axis=1)
+    b.node("Unsqueeze", [P + "update", axis1], "update_2d")
+    b.node(
         "Where",
         [P + "update_2d", P + "finished_tokens", P + "best_tokens_grown"],
         "best_tokens_next",
     )
-    b("Squeeze", [P + "best_last", axis1], "best_last_1d")
-    b("GreaterOrEqual", [P + "best_last_1d", zero_i], "appended")
-    b("Cast", [P + "appended"], "appended_i", to=INT64)
-    b("Add", [P + "iteration", P + "appended_i"], "finished_length")
-    b("Where", [P + "update", P + "finished_length", P + "best_length"], "best_length_next")
+    b.node("Squeeze", [P + "best_last", axis1], "best_last_1d")
+    b.node("GreaterOrEqual", [P + "best_last_1d", zero_i], "appended")
+    b.node("Cast", [P + "appended"], "appended_i", to=INT64)
+    b.node("Add", [P + "iteration", P + "appended_i"], "finished_length")
+    b.node("Where", [P + "update", P + "finished_length", P + "best_length"], "best_length_next")
     # Done: no live beam can win, or k finished and none wins at this length.
-    b("Slice", [P + "slot_score", axis0, axis1, axis1], "top_slot_2d")
-    b("Squeeze", [P + "top_slot_2d", axis1], "top_slot")
-    b("Where", [P + "at_limit", neg_inf, P + "top_slot"], "top_live")
-    b("Div", [P + "top_live", P + "limit_penalty"], "top_bound")
-    b("Greater", [P + "top_bound", P + "best_score_next"], "can_improve")
-    b("Div", [P + "top_live", P + "penalty"], "top_now")
-    b("LessOrEqual", [P + "top_now", P + "best_score_next"], "none_better")
-    b("GreaterOrEqual", [P + "count_next", "beam_size"], "enough")
-    b("And", [P + "enough", P + "none_better"], "settled")
-    b("Not", [P + "can_improve"], "hopeless")
-    b("Or", [P + "settled", P + "hopeless"], "stops")
-    b("Or", [P + "done", P + "stops"], "done_next")
-    b("Cast", [P + "done_next"], "done_next_i", to=TensorProto.INT32)
-    b("ReduceMin", [P + "done_next_i"], "all_done_i", keepdims=0)
-    b("Cast", [P + "all_done_i"], "all_done", to=TensorProto.BOOL)
-    b("Not", [P + "all_done"], "keep_going")
+    b.node("Slice", [P + "slot_score", axis0, axis1, axis1], "top_slot_2d")
+    b.node("Squeeze", [P + "top_slot_2d", axis1], "top_slot")
+    b.node("Where", [P + "at_limit", neg_inf, P + "top_slot"], "top_live")
+    b.node("Div", [P + "top_live", P + "limit_penalty"], "top_bound")
+    b.node("Greater", [P + "top_bound", P + "best_score_next"], "can_improve")
+    b.node("Div", [P + "top_live", P + "penalty"], "top_now")
+    b.node("LessOrEqual", [P + "top_now", P + "best_score_next"], "none_better")
+    b.node("GreaterOrEqual", [P + "count_next", "beam_size"], "enough")
+    b.node("And", [P + "enough", P + "none_better"], "settled")
+    b.node("Not", [P + "can_improve"], "hopeless")
+    b.node("Or", [P + "settled", P + "hopeless"], "stops")
+    b.node("Or", [P + "done", P + "stops"], "done_next")
+    b.node("Cast", [P + "done_next"], "done_next_i", to=TensorProto.INT32)
+    b.node("ReduceMin", [P + "done_next_i"], "all_done_i", keepdims=0)
+    b.node("Cast", [P + "all_done_i"], "all_done", to=TensorProto.BOOL)
+    b.node("Not", [P + "all_done"], "keep_going")
     # The next state: the new beams, their tokens and their rows' caches.
-    b("Where", [P + "at_limit_2d", neg_inf, P + "slot_score"], "alive_scores_next")
-    b("Unsqueeze", [P + "first_rows", axis1], "first_rows_2d")
-    b("Add", [P + "first_rows_2d", P + "slot_beam"], "origin_2d")
-    b("Reshape", [P + "origin_2d", minus_one_1d], "origin")
-    b("Gather", [P + "alive_tokens", P + "origin"], "alive_prefix", axis=0)
-    b("Reshape", [P + "slot_token", o.const("column", [-1, 1], np.int64)], "slot_token_column")
-    b("Concat", [P + "alive_prefix", P + "slot_token_column"], "alive_tokens_next", axis=1)
-    b("Where", [P + "slot_ok", P + "slot_token", eos], "fed")
-    b("Cast", [P + "fed"], "fed_i32", to=TensorProto.INT32)
-    b("Reshape", [P + "fed_i32", P + "column"], "token_ids_next")
+    b.node("Where", [P + "at_limit_2d", neg_inf, P + "slot_score"], "alive_scores_next")
+    b.node("Unsqueeze", [P + "first_rows", axis1], "first_rows_2d")
+    b.node("Add", [P + "first_rows_2d", P + "slot_beam"], "origin_2d")
+    b.node("Reshape", [P + "origin_2d", minus_one_1d], "origin")
+    b.node("Gather", [P + "alive_tokens", P + "origin"], "alive_prefix", axis=0)
+    b.node("Reshape", [P + "slot_token", o.const("column", [-1, 1], np.int64)], "slot_token_column")
+    b.node("Concat", [P + "alive_prefix", P + "slot_token_column"], "alive_tokens_next", axis=1)
+    b.node("Where", [P + "slot_ok", P + "slot_token", eos], "fed")
+    b.node("Cast", [P + "fed"], "fed_i32", to=TensorProto.INT32)
+    b.node("Reshape", [P + "fed_i32", P + "column"], "token_ids_next")
     for name in self_names:
-        b("Gather", [f"new_{name}", P + "origin"], f"next_{name}", axis=0)
+        b.node("Gather", [f"new_{name}", P + "origin"], f"next_{name}", axis=0)
 
-    def value(name, elem_type, shape=None):
-        return helper.make_tensor_value_info(name, elem_type, shape)
-
+    value = o.value_info
     step_nodes = list(graph.node)
     if compact:
         # The body reads the live sentences' values (`sentence_ids`: their indices
@@ -330,49 +271,42 @@ def _build(step, compact, blocked):
                 P + "pad_column": P + "live_pad_column",
             }
         )
-        step_nodes, rules = (
-            renamed_inputs(step_nodes, live_name),
-            renamed_inputs(b.nodes, live_name),
-        )
-        b.nodes = []
-        b("Gather", ["limits", P + "sentence_ids"], "live_limits", axis=0)
-        b("Gather", [P + "limit_penalty", P + "sentence_ids"], "live_limit_penalty", axis=0)
-        b("Shape", [P + "sentence_ids"], "live_count_1d")
-        b("Squeeze", [P + "live_count_1d", axis0], "live_count")
-        b("Range", [zero_i, P + "live_count", one_i], "live_index")
-        b("Concat", [P + "live_count_1d", axis1], "live_column_shape", axis=0)
-        b(
-            "Expand",
-            [o.const("minus_one_column", [[-1]], np.int64), P + "live_column_shape"],
-            "live_pad_column",
-        )
-        b.nodes += rules
+        step_nodes = copied_nodes(step_nodes, names=live_name)
+        rules, b.nodes = copied_nodes(b.nodes, names=live_name), []
+        b.node("Gather", ["limits", P + "sentence_ids"], "live_limits", axis=0)
+        b.node("Gather", [P + "limit_penalty", P + "sentence_ids"], "live_limit_penalty", axis=0)
+        b.node("Shape", [P + "sentence_ids"], "live_count_1d")
+        b.node("Squeeze", [P + "live_count_1d", axis0], "live_count")
+        b.node("Range", [zero_i, P + "live_count", one_i], "live_index")
+        b.node("Concat", [P + "live_count_1d", axis1], "live_column_shape", axis=0)
+        b.filled(P + "live_column_shape", -1, np.int64, "live_pad_column")  # (S', 1)
+        b.extend(rules)
         # Each step writes its sentences' best hypotheses into the outputs.
-        b(
+        b.node(
             "ScatterElements",
             [P + "result_score", P + "sentence_ids", P + "best_score_next"],
             "result_score_next",
             axis=0,
         )
-        b(
+        b.node(
             "ScatterElements",
             [P + "result_length", P + "sentence_ids", P + "best_length_next"],
             "result_length_next",
             axis=0,
         )
-        b("Concat", [P + "result_tokens", P + "pad_column"], "result_tokens_grown", axis=1)
-        b("Unsqueeze", [P + "sentence_ids", axis1], "live_column")
-        b(
+        b.node("Concat", [P + "result_tokens", P + "pad_column"], "result_tokens_grown", axis=1)
+        b.node("Unsqueeze", [P + "sentence_ids", axis1], "live_column")
+        b.node(
             "ScatterND",
             [P + "result_tokens_grown", P + "live_column", P + "best_tokens_next"],
             "result_tokens_next",
         )
         # Then the sentences done at this step leave the state, with their beams.
-        b("Not", [P + "done_next"], "keep")
-        b("Concat", [P + "live_count_1d", P + "k_1d"], "live_beams_shape", axis=0)
-        b("Unsqueeze", [P + "keep", axis1], "keep_column")
-        b("Expand", [P + "keep_column", P + "live_beams_shape"], "keep_beams")
-        b("Reshape", [P + "keep_beams", minus_one_1d], "keep_rows")
+        b.node("Not", [P + "done_next"], "keep")
+        b.node("Concat", [P + "live_count_1d", P + "k_1d"], "live_beams_shape", axis=0)
+        b.node("Unsqueeze", [P + "keep", axis1], "keep_column")
+        b.node("Expand", [P + "keep_column", P + "live_beams_shape"], "keep_beams")
+        b.node("Reshape", [P + "keep_beams", minus_one_1d], "keep_rows")
         per_sentence = [
             "sentence_ids",
             "alive_scores_next",
@@ -384,15 +318,11 @@ def _build(step, compact, blocked):
         ]
         per_sentence += [live_name[name][len(P) :] for name in sentence_inputs]
         per_row = ["token_ids_next", "alive_tokens_next"] + [f"next_{n}" for n in self_names]
-        b.nodes += compaction(
-            P + "keep", [P + n for n in per_sentence], [P + "kept_" + n for n in per_sentence]
-        )
-        b.nodes += compaction(
-            P + "keep_rows", [P + n for n in per_row], [P + "kept_" + n for n in per_row]
-        )
+        b.keep_rows(P + "keep", [P + n for n in per_sentence], ["kept_" + n for n in per_sentence])
+        b.keep_rows(P + "keep_rows", [P + n for n in per_row], ["kept_" + n for n in per_row])
 
     carried = [
-        ("token_ids", "token_ids_next", TensorProto.INT32, "first_ids"),
+        ("token_ids", "token_ids_next", TensorProto.INT32, "first_token_ids"),
         ("alive_scores", "alive_scores_next", DOUBLE, "first_alive_scores"),
         ("alive_tokens", "alive_tokens_next", INT64, "no_tokens"),
         ("done", "done_next", TensorProto.BOOL, "first_done"),
@@ -405,14 +335,14 @@ def _build(step, compact, blocked):
     outputs = {"tokens": "best_tokens", "lengths": "best_length", "scores": "best_score"}
     if compact:
         # The state starts with the sentences that have room for a token.
-        o("Greater", ["limits", zero_i], "has_room")
-        o("Compress", [P + "sentence_index", P + "has_room"], "first_live", axis=0)
-        per_sentence_initials = {"first_ids", "first_alive_scores", "first_done"}
+        o.node("Greater", ["limits", zero_i], "has_room")
+        o.node("Compress", [P + "sentence_index", P + "has_room"], "first_live", axis=0)
+        per_sentence_initials = {"first_token_ids", "first_alive_scores", "first_done"}
         per_sentence_initials |= {"first_best_scores", "no_tokens", "zeros", "empty_cache"}
         for initial in sorted(per_sentence_initials):
-            o("Gather", [P + initial, P + "first_live"], "live_" + initial, axis=0)
+            o.node("Gather", [P + initial, P + "first_live"], "live_" + initial, axis=0)
         for name in sentence_inputs:
-            o("Gather", [name, P + "first_live"], "live_first_" + name, axis=0)
+            o.node("Gather", [name, P + "first_live"], "live_first_" + name, axis=0)
         carried = [
             (name, "kept_" + next_name, elem_type, "live_" + initial)
             for name, next_name, elem_type, initial in carried
@@ -445,15 +375,10 @@ def _build(step, compact, blocked):
     body_inputs += [value(body_name(name), t) for name, _, t, _ in carried]
     body_outputs = [value(P + "keep_going", TensorProto.BOOL, [])]
     body_outputs += [value(P + name, t) for _, name, t, _ in carried]
-    body = helper.make_graph(
-        step_nodes + b.nodes,
-        "beam_step",
-        body_inputs,
-        body_outputs,
-        list(graph.initializer) + b.constants,
-    )
+    b.nodes = step_nodes + b.nodes
+    body = b.graph("beam_step", body_inputs, body_outputs, graph.initializer)
     final = [P + f"last_{name}" for name, *_ in carried]
-    o(
+    o.node(
         "Loop",
         [P + "max_steps", o.const("true", True, np.bool_)] + [P + c[3] for c in carried],
         [f"last_{name}" for name, *_ in carried],
@@ -461,7 +386,7 @@ def _build(step, compact, blocked):
     )
     named = dict(zip((name for name, *_ in carried), final, strict=True))
     for output, state in outputs.items():
-        o.nodes.append(helper.make_node("Identity", [named[state]], [output]))
+        o.output("Identity", [named[state]], output)
 
     outer_inputs = [inputs["source_mask"]] + [inputs[name] for name in cross_names]
     outer_inputs += [
@@ -474,10 +399,4 @@ def _build(step, compact, blocked):
         value("lengths", INT64, ["sentences"]),
         value("scores", DOUBLE, ["sentences"]),
     ]
-    model = helper.make_model(
-        helper.make_graph(o.nodes, "beam_search", outer_inputs, outer_outputs, o.constants),
-        producer_name="keras-transformer",
-        opset_imports=list(step.opset_import),
-    )
-    model.ir_version = step.ir_version
-    return model
+    return o.model("beam_search", outer_inputs, outer_outputs, like=step)
