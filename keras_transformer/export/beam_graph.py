@@ -81,6 +81,160 @@ def build_beam_batch_search(step, blocked=True):
     return _build(step, compact=True, blocked=blocked)
 
 
+def _gnmt_penalty(g, length, name):
+    """`((5 + length) / 6) ** length_penalty` in double, for `length` (int64)."""
+    from onnx import TensorProto
+
+    base = g.node("Add", [g.cast(length, TensorProto.DOUBLE), g.const("five", 5.0, np.float64)])
+    ratio = g.node("Div", [base, g.const("six", 6.0, np.float64)])
+    return g.node("Pow", [ratio, "length_penalty"], name)
+
+
+def _first_state(o, heads, head_dim, cache_type):
+    """The outer graph before the loop: sizes, the ranks' constants and the
+    first state (one row per sentence fed BOS; beam 0 alone is live)."""
+    zero, one = o.int64s(0), o.int64s(1)
+    neg_inf, zero_d = o.const("neg_inf", -np.inf, np.float64), o.const("zero_d", 0.0, np.float64)
+    sentences_1d = o.node("Shape", ["limits"], "sentences_1d")  # (1,): S
+    sentences = o.squeeze(sentences_1d, [0], "sentences")
+    o.node("Range", [zero, sentences, one], "sentence_index")  # 0 .. S - 1
+    two_k = o.node("Mul", ["beam_size", o.int64s(2)], "two_k")
+    # The step graph's own `top_k` input: each row's 2k best tokens.
+    o.output("Reshape", [two_k, o.int64s([1])], "top_k")
+    k_1d = o.reshape("beam_size", [1], "k_1d")
+    positions = o.node("Range", [zero, two_k, one], "positions")  # ranks 0 .. 2k - 1
+    o.node("Add", [positions, two_k], "positions_after")
+    o.node("Less", [positions, "beam_size"], "first_k")
+    _gnmt_penalty(o, "limits", "limit_penalty")  # (S,): at each sentence's limit
+    first_token_ids(o, sentences_1d)  # (S, 1)
+    beam_index = o.node("Range", [zero, "beam_size", one], "beam_index")
+    is_first_beam = o.node("Equal", [beam_index, zero], "is_first_beam")
+    first_beam_scores = o.node("Where", [is_first_beam, zero_d, neg_inf], "first_beam_scores")
+    beam_shape = o.node("Concat", [sentences_1d, k_1d], "beam_shape", axis=0)
+    o.node("Expand", [first_beam_scores, beam_shape], "first_alive_scores")  # (S, k)
+    empty_shape = o.node("Concat", [sentences_1d, o.int64s([0])], "empty_shape", axis=0)
+    o.filled(empty_shape, 0, np.int64, "no_tokens")  # (S, 0)
+    first_done = o.node("Equal", ["limits", zero], "first_done")  # an empty source
+    o.node("Where", [first_done, zero_d, neg_inf], "first_best_scores")
+    o.filled(sentences_1d, 0, np.int64, "zeros")  # (S,)
+    o.filled(o.name("token_shape"), -1, np.int64, "pad_column")  # (S, 1)
+    empty_cache(o, sentences_1d, heads, head_dim, cache_type)  # (S, N, 0, H)
+    o.node("ReduceMax", ["limits"], "max_steps", keepdims=0)
+
+
+def _beam_step_rules(b, self_names):
+    """`beam_loop`'s rules after one decoder step, in the loop body `b`.
+
+    Reads the step's `top_ids` and `top_log_probs` ((rows, 2k), rows = S * n:
+    n rows per sentence, 1 at the first step and k after) and the state;
+    writes the next state (`*_next`) and `keep_going`.
+    """
+    from onnx import TensorProto
+
+    DOUBLE, INT64 = TensorProto.DOUBLE, TensorProto.INT64
+    v = b.name  # a value made outside this function
+    zero, one, axis0, axis1 = b.int64s(0), b.int64s(1), b.int64s([0]), b.int64s([1])
+    neg_inf, eos = b.const("neg_inf", -np.inf, np.float64), b.int64s(EOS_ID)
+
+    rows = b.node("Gather", [b.node("Shape", ["token_ids"]), zero], "rows")
+    n = b.node("Div", [rows, v("sentences")], "n")  # rows per sentence: 1, then k
+    w = b.node("Gather", [b.node("Shape", ["top_ids"]), one], "w")  # 2k
+    n_1d, w_1d = b.reshape(n, [1], "n_1d"), b.reshape(w, [1], "w_1d")
+    nw_1d = b.reshape(b.node("Mul", [n, w]), [1], "nw_1d")
+    s_n_w = b.node("Concat", [v("sentences_1d"), n_1d, w_1d], "s_n_w", axis=0)
+    s_nw = b.node("Concat", [v("sentences_1d"), nw_1d], "s_nw", axis=0)
+    # Candidates: live beam scores plus each row's best tokens, in double.
+    step_scores = b.reshape(b.cast("top_log_probs", DOUBLE), s_n_w)  # (S, n, 2k)
+    row_scores = b.node("Slice", [v("alive_scores"), axis0, n_1d, axis1], "row_scores")  # (S, n)
+    candidates = b.node("Add", [b.unsqueeze(row_scores, [2]), step_scores])
+    candidates = b.reshape(candidates, s_nw, "candidates")  # (S, n * 2k)
+    candidate_ids = b.reshape("top_ids", s_nw, "candidate_ids")
+    ranked, ranked_at = b.node("TopK", [candidates, "top_k"], ["ranked", "ranked_at"], axis=1)
+    ranked_beam = b.node("Div", [ranked_at, w], "ranked_beam")  # (S, 2k)
+    ranked_token = b.node("GatherElements", [candidate_ids, ranked_at], "ranked_token", axis=1)
+    finite = b.node("Greater", [ranked, neg_inf], "finite")
+    is_eos = b.node("Equal", [ranked_token, eos], "is_eos")
+    eos_finishes = b.node("And", [b.node("And", [is_eos, finite]), v("first_k")], "eos_finishes")
+    continues = b.node("And", [b.node("Not", [is_eos]), finite], "continues")
+    # The new beams: the first k continuing candidates, in rank order.
+    slot_key = b.node("Where", [continues, v("positions"), v("positions_after")], "slot_key")
+    slot_rank, slot_at = b.node(
+        "TopK", [slot_key, v("k_1d")], ["slot_rank", "slot_at"], axis=1, largest=0
+    )  # (S, k)
+    slot_ok = b.node("Less", [slot_rank, v("two_k")], "slot_ok")
+    slot_score = b.node("GatherElements", [ranked, slot_at], "slot_raw_score", axis=1)
+    slot_score = b.node("Where", [slot_ok, slot_score, neg_inf], "slot_score")
+    slot_beam = b.node("GatherElements", [ranked_beam, slot_at], "slot_raw_beam", axis=1)
+    slot_beam = b.node("Where", [slot_ok, slot_beam, zero], "slot_beam")
+    slot_token = b.node("GatherElements", [ranked_token, slot_at], "slot_token", axis=1)
+    # Length penalties of this step and whether each sentence is out of room.
+    made = b.node("Add", [v("iteration"), one], "made")
+    at_limit = b.node("GreaterOrEqual", [made, "limits"], "at_limit")  # (S,)
+    at_limit_2d = b.unsqueeze(at_limit, [1], "at_limit_2d")
+    penalty = _gnmt_penalty(b, made, "penalty")  # ()
+    # Hypotheses finished at this step: EOS ones in rank order, then (at the
+    # limit) the new beams; the best is the first of the highest.
+    ranked_normalized = b.node("Div", [ranked, penalty], "ranked_normalized")
+    eos_normalized = b.node("Where", [eos_finishes, ranked_normalized, neg_inf], "eos_normalized")
+    limit_finishes = b.node("And", [slot_ok, at_limit_2d], "limit_finishes")
+    slot_normalized = b.node("Div", [slot_score, penalty], "slot_normalized")
+    limit_normalized = b.node(
+        "Where", [limit_finishes, slot_normalized, neg_inf], "limit_normalized"
+    )
+    finish_scores = b.node("Concat", [eos_normalized, limit_normalized], "finish_scores", axis=1)
+    step_best = b.node("ReduceMax", [finish_scores], "step_best", axes=[1], keepdims=0)
+    step_best_at = b.node("ArgMax", [finish_scores], "step_best_at", axis=1, keepdims=1)
+    live = b.node("Not", [v("done")], "live")
+    update = b.node("And", [live, b.node("Greater", [step_best, v("best_score")])], "update")
+    best_score_next = b.node("Where", [update, step_best, v("best_score")], "best_score_next")
+    finishes = b.node(
+        "Concat", [b.cast(eos_finishes, INT64), b.cast(limit_finishes, INT64)], axis=1
+    )  # (S, 2k + k)
+    finished_now = b.node("ReduceSum", [finishes, axis1], "finished_now", keepdims=0)
+    finished_counted = b.node("Where", [live, finished_now, zero], "finished_counted")
+    count_next = b.node("Add", [v("count"), finished_counted], "count_next")
+    # The tokens of the step's best finished hypothesis: its beam's tokens,
+    # plus the new token when it finished at the limit (EOS is not kept).
+    no_token = b.filled(b.node("Shape", [ranked_token]), -1, np.int64, "no_token")
+    finish_beams = b.node("Concat", [ranked_beam, slot_beam], "finish_beams", axis=1)
+    finish_tokens = b.node("Concat", [no_token, slot_token], "finish_tokens", axis=1)
+    best_beam = b.node("GatherElements", [finish_beams, step_best_at], "best_beam_2d", axis=1)
+    best_beam = b.squeeze(best_beam, [1], "best_beam")  # (S,)
+    best_last = b.node("GatherElements", [finish_tokens, step_best_at], "best_last", axis=1)
+    first_rows = b.node("Mul", [v("sentence_index"), n], "first_rows")  # (S,)
+    best_row = b.node("Add", [first_rows, best_beam], "best_row")
+    best_prefix = b.node("Gather", [v("alive_tokens"), best_row], "best_prefix", axis=0)
+    finished_tokens = b.node("Concat", [best_prefix, best_last], "finished_tokens", axis=1)
+    grown = b.node("Concat", [v("best_tokens"), v("pad_column")], "best_tokens_grown", axis=1)
+    b.node("Where", [b.unsqueeze(update, [1]), finished_tokens, grown], "best_tokens_next")
+    appended = b.node("GreaterOrEqual", [b.squeeze(best_last, [1]), zero], "appended")
+    finished_length = b.node("Add", [v("iteration"), b.cast(appended, INT64)], "finished_length")
+    b.node("Where", [update, finished_length, v("best_length")], "best_length_next")
+    # Done: no live beam can win, or k finished and none wins at this length.
+    top_slot = b.squeeze(b.node("Slice", [slot_score, axis0, axis1, axis1]), [1], "top_slot")
+    top_live = b.node("Where", [at_limit, neg_inf, top_slot], "top_live")  # (S,)
+    top_bound = b.node("Div", [top_live, v("limit_penalty")], "top_bound")
+    hopeless = b.node("Not", [b.node("Greater", [top_bound, best_score_next])], "hopeless")
+    top_now = b.node("Div", [top_live, penalty], "top_now")
+    none_better = b.node("LessOrEqual", [top_now, best_score_next], "none_better")
+    enough = b.node("GreaterOrEqual", [count_next, "beam_size"], "enough")
+    settled = b.node("And", [enough, none_better], "settled")
+    stops = b.node("Or", [settled, hopeless], "stops")
+    done_next = b.node("Or", [v("done"), stops], "done_next")
+    b.any_true(b.node("Not", [done_next]), "keep_going")
+    # The next state: the new beams, their tokens and their rows' caches.
+    b.node("Where", [at_limit_2d, neg_inf, slot_score], "alive_scores_next")
+    origin = b.node("Add", [b.unsqueeze(first_rows, [1]), slot_beam], "origin_2d")  # (S, k)
+    origin = b.reshape(origin, [-1], "origin")  # (S * k,): the row each new beam extends
+    alive_prefix = b.node("Gather", [v("alive_tokens"), origin], "alive_prefix", axis=0)
+    slot_column = b.reshape(slot_token, [-1, 1], "slot_token_column")
+    b.node("Concat", [alive_prefix, slot_column], "alive_tokens_next", axis=1)
+    fed = b.node("Where", [slot_ok, slot_token, eos], "fed")
+    b.reshape(b.cast(fed, TensorProto.INT32), [-1, 1], "token_ids_next")  # (S * k, 1)
+    for name in self_names:
+        b.node("Gather", [f"new_{name}", origin], f"next_{name}", axis=0)
+
+
 def _build(step, compact, blocked):
     from onnx import TensorProto
 
@@ -89,170 +243,13 @@ def _build(step, compact, blocked):
     graph = step.graph
     inputs, self_names, cross_names, heads, head_dim, cache_type = step_interface(step)
     DOUBLE, INT64 = TensorProto.DOUBLE, TensorProto.INT64
-
-    # ---- the outer graph, before the loop: sizes, constants and the first state
-    o = GraphBuilder(PREFIX)
-    zero_i, one_i = o.const("zero_i", 0, np.int64), o.const("one_i", 1, np.int64)
-    two_i = o.const("two_i", 2, np.int64)
-    axis0, axis1 = o.const("axis0", [0], np.int64), o.const("axis1", [1], np.int64)
-    minus_one_1d = o.const("minus_one_1d", [-1], np.int64)
-    five, six = o.const("five", 5.0, np.float64), o.const("six", 6.0, np.float64)
-    neg_inf = o.const("neg_inf", -np.inf, np.float64)
-    zero_d = o.const("zero_d", 0.0, np.float64)
-    eos = o.const("eos", EOS_ID, np.int64)
-    o.node("Shape", ["limits"], "sentences_1d")
-    o.node("Squeeze", [PREFIX + "sentences_1d", axis0], "sentences")
-    o.node("Range", [zero_i, PREFIX + "sentences", one_i], "sentence_index")
-    o.node("Mul", ["beam_size", two_i], "two_k")
-    # The step graph's own `top_k` input: each row's 2k best tokens.
-    o.output("Reshape", [PREFIX + "two_k", axis1], "top_k")
-    o.node("Reshape", ["beam_size", axis1], "k_1d")
-    o.node("Range", [zero_i, PREFIX + "two_k", one_i], "positions")  # ranks 0 .. 2k - 1
-    o.node("Add", [PREFIX + "positions", PREFIX + "two_k"], "positions_after")
-    o.node("Less", [PREFIX + "positions", "beam_size"], "first_k")
-    o.node("Cast", ["limits"], "limits_d", to=DOUBLE)
-    o.node("Add", [PREFIX + "limits_d", five], "limit_penalty_base")
-    o.node("Div", [PREFIX + "limit_penalty_base", six], "limit_penalty_ratio")
-    o.node("Pow", [PREFIX + "limit_penalty_ratio", "length_penalty"], "limit_penalty")
-    # First state: one row per sentence fed BOS; beam 0 alone is live.
-    first_token_ids(o, PREFIX + "sentences_1d")  # (S, 1)
-    o.node("Range", [zero_i, "beam_size", one_i], "beam_index")
-    o.node("Equal", [PREFIX + "beam_index", zero_i], "is_first_beam")
-    o.node("Where", [PREFIX + "is_first_beam", zero_d, neg_inf], "first_beam_scores")
-    o.node("Concat", [PREFIX + "sentences_1d", PREFIX + "k_1d"], "beam_shape", axis=0)
-    o.node("Expand", [PREFIX + "first_beam_scores", PREFIX + "beam_shape"], "first_alive_scores")
-    empty_shape = o.node("Concat", [PREFIX + "sentences_1d", o.int64s([0])], "empty_shape", axis=0)
-    o.filled(empty_shape, 0, np.int64, "no_tokens")  # (S, 0)
-    o.node("Equal", ["limits", zero_i], "first_done")
-    o.node("Where", [PREFIX + "first_done", zero_d, neg_inf], "first_best_scores")
-    o.filled(PREFIX + "sentences_1d", 0, np.int64, "zeros")  # (S,)
-    o.filled(PREFIX + "token_shape", -1, np.int64, "pad_column")  # (S, 1)
-    empty_cache(o, PREFIX + "sentences_1d", heads, head_dim, cache_type)  # (S, N, 0, H)
-    o.node("ReduceMax", ["limits"], "max_steps", keepdims=0)
-
-    # ---- the loop body: the step, then beam_loop's rules
-    b = o.body()
     P = PREFIX
-    b.node("Shape", ["token_ids"], "rows_shape")
-    b.node("Gather", [P + "rows_shape", zero_i], "rows")
-    b.node("Div", [P + "rows", P + "sentences"], "n")  # rows per sentence: 1, then k
-    b.node("Shape", ["top_ids"], "top_shape")
-    b.node("Gather", [P + "top_shape", one_i], "w")
-    b.node("Mul", [P + "n", P + "w"], "nw")
-    b.node("Reshape", [P + "n", axis1], "n_1d")
-    b.node("Reshape", [P + "w", axis1], "w_1d")
-    b.node("Reshape", [P + "nw", axis1], "nw_1d")
-    b.node("Concat", [P + "sentences_1d", P + "n_1d", P + "w_1d"], "s_n_w", axis=0)
-    b.node("Concat", [P + "sentences_1d", P + "nw_1d"], "s_nw", axis=0)
-    # Candidates: live beam scores plus each row's best tokens, in double.
-    b.node("Cast", ["top_log_probs"], "step_scores", to=DOUBLE)
-    b.node("Reshape", [P + "step_scores", P + "s_n_w"], "step_scores_3d")
-    b.node("Slice", [P + "alive_scores", axis0, P + "n_1d", axis1], "row_scores")
-    b.node("Unsqueeze", [P + "row_scores", o.const("axis2", [2], np.int64)], "row_scores_3d")
-    b.node("Add", [P + "row_scores_3d", P + "step_scores_3d"], "candidates_3d")
-    b.node("Reshape", [P + "candidates_3d", P + "s_nw"], "candidates")
-    b.node("Reshape", ["top_ids", P + "s_nw"], "candidate_ids")
-    b.node("TopK", [P + "candidates", "top_k"], ["ranked", "ranked_at"], axis=1)
-    b.node("Div", [P + "ranked_at", P + "w"], "ranked_beam")
-    b.node("GatherElements", [P + "candidate_ids", P + "ranked_at"], "ranked_token", axis=1)
-    b.node("Greater", [P + "ranked", neg_inf], "finite")
-    b.node("Equal", [P + "ranked_token", eos], "is_eos")
-    b.node("And", [P + "is_eos", P + "finite"], "eos_finite")
-    b.node("And", [P + "eos_finite", P + "first_k"], "eos_finishes")
-    b.node("Not", [P + "is_eos"], "not_eos")
-    b.node("And", [P + "not_eos", P + "finite"], "continues")
-    # The new beams: the first k continuing candidates, in rank order.
-    b.node("Where", [P + "continues", P + "positions", P + "positions_after"], "slot_key")
-    b.node("TopK", [P + "slot_key", P + "k_1d"], ["slot_rank", "slot_at"], axis=1, largest=0)
-    b.node("Less", [P + "slot_rank", P + "two_k"], "slot_ok")
-    b.node("GatherElements", [P + "ranked", P + "slot_at"], "slot_raw_score", axis=1)
-    b.node("Where", [P + "slot_ok", P + "slot_raw_score", neg_inf], "slot_score")
-    b.node("GatherElements", [P + "ranked_beam", P + "slot_at"], "slot_raw_beam", axis=1)
-    b.node("Where", [P + "slot_ok", P + "slot_raw_beam", zero_i], "slot_beam")
-    b.node("GatherElements", [P + "ranked_token", P + "slot_at"], "slot_token", axis=1)
-    # Length penalties of this step and whether each sentence is out of room.
-    b.node("Add", [P + "iteration", one_i], "made")
-    b.node("GreaterOrEqual", [P + "made", "limits"], "at_limit")
-    b.node("Unsqueeze", [P + "at_limit", axis1], "at_limit_2d")
-    b.node("Cast", [P + "made"], "made_d", to=DOUBLE)
-    b.node("Add", [P + "made_d", five], "penalty_base")
-    b.node("Div", [P + "penalty_base", six], "penalty_ratio")
-    b.node("Pow", [P + "penalty_ratio", "length_penalty"], "penalty")
-    # Hypotheses finished at this step: EOS ones in rank order, then (at the
-    # limit) the new beams; the best is the first of the highest.
-    b.node("Div", [P + "ranked", P + "penalty"], "ranked_normalized")
-    b.node("Where", [P + "eos_finishes", P + "ranked_normalized", neg_inf], "eos_normalized")
-    b.node("And", [P + "slot_ok", P + "at_limit_2d"], "limit_finishes")
-    b.node("Div", [P + "slot_score", P + "penalty"], "slot_normalized")
-    b.node("Where", [P + "limit_finishes", P + "slot_normalized", neg_inf], "limit_normalized")
-    b.node("Concat", [P + "eos_normalized", P + "limit_normalized"], "finish_scores", axis=1)
-    b.node("ReduceMax", [P + "finish_scores"], "step_best", axes=[1], keepdims=0)
-    b.node("ArgMax", [P + "finish_scores"], "step_best_at", axis=1, keepdims=1)
-    b.node("Not", [P + "done"], "live")
-    b.node("Greater", [P + "step_best", P + "best_score"], "better")
-    b.node("And", [P + "live", P + "better"], "update")
-    b.node("Where", [P + "update", P + "step_best", P + "best_score"], "best_score_next")
-    b.node("Cast", [P + "eos_finishes"], "eos_finishes_i", to=INT64)
-    b.node("Cast", [P + "limit_finishes"], "limit_finishes_i", to=INT64)
-    b.node("Concat", [P + "eos_finishes_i", P + "limit_finishes_i"], "finishes_i", axis=1)
-    b.node("ReduceSum", [P + "finishes_i", axis1], "finished_now", keepdims=0)
-    b.node("Where", [P + "live", P + "finished_now", zero_i], "finished_counted")
-    b.node("Add", [P + "count", P + "finished_counted"], "count_next")
-    # The tokens of the step's best finished hypothesis: its beam's tokens,
-    # plus the new token when it finished at the limit (EOS is not kept).
-    b.node("Shape", [P + "ranked_token"], "ranked_shape")
-    b.filled(P + "ranked_shape", -1, np.int64, "no_token")
-    b.node("Concat", [P + "ranked_beam", P + "slot_beam"], "finish_beams", axis=1)
-    b.node("Concat", [P + "no_token", P + "slot_token"], "finish_tokens", axis=1)
-    b.node("GatherElements", [P + "finish_beams", P + "step_best_at"], "best_beam_2d", axis=1)
-    b.node("Squeeze", [P + "best_beam_2d", axis1], "best_beam")
-    b.node("GatherElements", [P + "finish_tokens", P + "step_best_at"], "best_last", axis=1)
-    b.node("Mul", [P + "sentence_index", P + "n"], "first_rows")
-    b.node("Add", [P + "first_rows", P + "best_beam"], "best_row")
-    b.node("Gather", [P + "alive_tokens", P + "best_row"], "best_prefix", axis=0)
-    b.node("Concat", [P + "best_prefix", P + "best_last"], "finished_tokens", axis=1)
-    b.node("Concat", [P + "best_tokens", P + "pad_column"], "best_tokens_grown", axis=1)
-    b.node("Unsqueeze", [P + "update", axis1], "update_2d")
-    b.node(
-        "Where",
-        [P + "update_2d", P + "finished_tokens", P + "best_tokens_grown"],
-        "best_tokens_next",
-    )
-    b.node("Squeeze", [P + "best_last", axis1], "best_last_1d")
-    b.node("GreaterOrEqual", [P + "best_last_1d", zero_i], "appended")
-    b.node("Cast", [P + "appended"], "appended_i", to=INT64)
-    b.node("Add", [P + "iteration", P + "appended_i"], "finished_length")
-    b.node("Where", [P + "update", P + "finished_length", P + "best_length"], "best_length_next")
-    # Done: no live beam can win, or k finished and none wins at this length.
-    b.node("Slice", [P + "slot_score", axis0, axis1, axis1], "top_slot_2d")
-    b.node("Squeeze", [P + "top_slot_2d", axis1], "top_slot")
-    b.node("Where", [P + "at_limit", neg_inf, P + "top_slot"], "top_live")
-    b.node("Div", [P + "top_live", P + "limit_penalty"], "top_bound")
-    b.node("Greater", [P + "top_bound", P + "best_score_next"], "can_improve")
-    b.node("Div", [P + "top_live", P + "penalty"], "top_now")
-    b.node("LessOrEqual", [P + "top_now", P + "best_score_next"], "none_better")
-    b.node("GreaterOrEqual", [P + "count_next", "beam_size"], "enough")
-    b.node("And", [P + "enough", P + "none_better"], "settled")
-    b.node("Not", [P + "can_improve"], "hopeless")
-    b.node("Or", [P + "settled", P + "hopeless"], "stops")
-    b.node("Or", [P + "done", P + "stops"], "done_next")
-    b.node("Cast", [P + "done_next"], "done_next_i", to=TensorProto.INT32)
-    b.node("ReduceMin", [P + "done_next_i"], "all_done_i", keepdims=0)
-    b.node("Cast", [P + "all_done_i"], "all_done", to=TensorProto.BOOL)
-    b.node("Not", [P + "all_done"], "keep_going")
-    # The next state: the new beams, their tokens and their rows' caches.
-    b.node("Where", [P + "at_limit_2d", neg_inf, P + "slot_score"], "alive_scores_next")
-    b.node("Unsqueeze", [P + "first_rows", axis1], "first_rows_2d")
-    b.node("Add", [P + "first_rows_2d", P + "slot_beam"], "origin_2d")
-    b.node("Reshape", [P + "origin_2d", minus_one_1d], "origin")
-    b.node("Gather", [P + "alive_tokens", P + "origin"], "alive_prefix", axis=0)
-    b.node("Reshape", [P + "slot_token", o.const("column", [-1, 1], np.int64)], "slot_token_column")
-    b.node("Concat", [P + "alive_prefix", P + "slot_token_column"], "alive_tokens_next", axis=1)
-    b.node("Where", [P + "slot_ok", P + "slot_token", eos], "fed")
-    b.node("Cast", [P + "fed"], "fed_i32", to=TensorProto.INT32)
-    b.node("Reshape", [P + "fed_i32", P + "column"], "token_ids_next")
-    for name in self_names:
-        b.node("Gather", [f"new_{name}", P + "origin"], f"next_{name}", axis=0)
+    o = GraphBuilder(PREFIX)
+    _first_state(o, heads, head_dim, cache_type)
+    b = o.body()
+    _beam_step_rules(b, self_names)
+    zero_i, one_i, axis0, axis1 = o.int64s(0), o.int64s(1), o.int64s([0]), o.int64s([1])
+    minus_one_1d = o.int64s([-1])
 
     value = o.value_info
     step_nodes = list(graph.node)

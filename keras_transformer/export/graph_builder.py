@@ -42,7 +42,7 @@ class GraphBuilder:
         self.nodes, self.initializers = [], []
         self._owner = self  # holds the constants and the node count
         self._count = 0
-        self._int64s = {}
+        self._constants = {}
 
     def body(self):
         """A builder for a loop body inside this graph: its own nodes, with the
@@ -57,23 +57,29 @@ class GraphBuilder:
         return self.prefix + name
 
     def const(self, name, value, dtype=None):
-        """Adds the constant `value` (as `dtype`) named `name`; returns its full name."""
+        """Adds the constant `value` (as `dtype`) named `name`; returns its full name.
+
+        Naming the same constant again returns the one already made; naming a
+        different value the same is an error."""
         from onnx import numpy_helper
 
         full = self.prefix + name
-        self._owner.initializers.append(numpy_helper.from_array(np.asarray(value, dtype), full))
+        array = np.asarray(value, dtype)
+        made = self._owner._constants
+        if full in made:
+            if made[full].dtype != array.dtype or not np.array_equal(made[full], array):
+                raise ValueError(f"The constant {full!r} is already made with another value.")
+            return full
+        made[full] = array
+        self._owner.initializers.append(numpy_helper.from_array(array, full))
         return full
 
     def int64s(self, values):
         """An int64 constant (a list gives a 1-D tensor, an int a scalar), made
         once per value: the shapes, axes and counts the graphs repeat."""
-        made = self._owner._int64s
-        key = (tuple(values),) if isinstance(values, (list, tuple)) else int(values)
-        if key not in made:
-            text = "_".join(str(v) for v in np.ravel(values)).replace("-", "m")
-            kind = "ints" if isinstance(values, (list, tuple)) else "int"
-            made[key] = self.const(f"{kind}_{text}", values, np.int64)
-        return made[key]
+        text = "_".join(str(v) for v in np.ravel(values)).replace("-", "m")
+        kind = "ints" if isinstance(values, (list, tuple)) else "int"
+        return self.const(f"{kind}_{text}", values, np.int64)
 
     def node(self, op, inputs, outputs=None, **attributes):
         """Appends one `op` node reading `inputs` (full names).
