@@ -74,6 +74,17 @@ def fixed_top_k(b, k):
     return b.output("Constant", [], "top_k", value=numpy_helper.from_array(np.array([k], np.int64)))
 
 
+def _greedy_choice(b, top_ids, top_log_probs, steps_made, limits, prefix=""):
+    """`greedy_loop`'s choice after a step: each row's best token and its
+    log-probability ((rows,) each, from the step's `top_k` = 1 outputs), whether
+    it is EOS, and whether the row has reached its length limit."""
+    next_id = b.squeeze(top_ids, [1], prefix + "next_id")  # (rows,)
+    chosen = b.squeeze(top_log_probs, [1], prefix + "chosen")  # (rows,)
+    ended = b.node("Equal", [next_id, b.int64s(EOS_ID)], prefix + "ended")
+    at_limit = b.node("GreaterOrEqual", [steps_made, limits], prefix + "at_limit")
+    return next_id, chosen, ended, at_limit
+
+
 def build_greedy_search(step):
     """Returns the greedy-search `onnx.ModelProto` whose loop body is `step`,
     a decoder-step graph (`keras_transformer.export.step_graph.build_decoder_step`,
@@ -90,15 +101,14 @@ def build_greedy_search(step):
     fixed_top_k(b, 1)
     b.extend(step.graph.node)
     done = b.name("done")  # (B,) bool: a row that ended, fed EOS since
-    next_id = b.squeeze("top_ids", [1], "next_id")  # (B,)
-    chosen = b.squeeze("top_log_probs", [1], "chosen")  # (B,)
+    steps_made = b.node("Add", [b.name("iteration"), b.int64s(1)], "steps_made")
+    next_id, chosen, ended, at_limit = _greedy_choice(
+        b, "top_ids", "top_log_probs", steps_made, "limits"
+    )
     live = b.node("Not", [done], "live")
     zero_score = b.const("zero_score", 0.0, helper.tensor_dtype_to_np_dtype(float_type))
     b.node("Where", [live, chosen, zero_score], "step_score")
     b.node("Where", [live, next_id, no_token], "step_token")
-    ended = b.node("Equal", [next_id, eos], "ended")
-    steps_made = b.node("Add", [b.name("iteration"), b.int64s(1)], "steps_made")
-    at_limit = b.node("GreaterOrEqual", [steps_made, "limits"], "at_limit")
     done_next = b.node("Or", [b.node("Or", [done, ended]), at_limit], "done_next")
     fed_id = b.node("Where", [done_next, eos, next_id], "fed_id")
     b.unsqueeze(b.cast(fed_id, TensorProto.INT32), [1], "token_ids_next")  # (B, 1)
@@ -171,7 +181,7 @@ def build_greedy_batch_search(step, steps_per_iteration=1, blocked=True):
     float_type = {v.name: v for v in graph.output}["top_log_probs"].type.tensor_type.elem_type
     INT64 = TensorProto.INT64
     g = GraphBuilder("greedy.")
-    eos, no_token = g.int64s(EOS_ID), g.int64s(-1)
+    no_token = g.int64s(-1)
     zero_score = g.const("zero_score", 0.0, helper.tensor_dtype_to_np_dtype(float_type))
     # The body reads the live sentences' mask and cross caches from its state.
     sentence_inputs = ["source_mask", *cross_names]
@@ -200,11 +210,10 @@ def build_greedy_batch_search(step, steps_per_iteration=1, blocked=True):
             names.update({name: made[f"new_{name}"] for name in self_names})
             b.extend(copied_nodes(graph.node, prefix, names, shared))
             made = {name: prefix + name for name in made}
-        next_id = b.squeeze(made["top_ids"], [1], x + "next_id")  # (R,)
-        chosen = b.squeeze(made["top_log_probs"], [1], x + "chosen")
-        ended = b.node("Equal", [next_id, eos], x + "ended")
         steps_made = b.node("Add", [steps_before, b.int64s(j + 1)], x + "steps_made")
-        at_limit = b.node("GreaterOrEqual", [steps_made, row_limits], x + "at_limit")
+        next_id, chosen, ended, at_limit = _greedy_choice(
+            b, made["top_ids"], made["top_log_probs"], steps_made, row_limits, x
+        )
         finished = b.node("Or", [ended, at_limit], x + "finished")
         not_finished = b.node("Not", [finished], x + "not_finished")
         if j == 0:
