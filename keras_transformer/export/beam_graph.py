@@ -32,7 +32,8 @@ as `beam_loop(shared_first_step=True)` does):
 In `beam_search`, finished sentences stay in the state until the loop ends
 (their rows are computed and ignored), which suits small batches;
 `beam_batch_search` drops each sentence from its state when it is done, as
-the Python loop does, for larger ones. Both run the same rules (`_build`).
+the Python loop does, for larger ones. Both run the same rules
+(`_beam_step_rules`), written with `GraphBuilder` like every exported graph.
 
 Inputs: `source_mask (sentences, source_len) bool` and the cross keys and
 values from encoder.onnx (one row per sentence), `limits (sentences,)
@@ -74,7 +75,7 @@ def build_beam_batch_search(step, blocked=True):
     source mask, cross keys and values), as in the Python loop, so that later
     steps compute only the sentences left; each step writes the best
     hypotheses of its sentences into the outputs. That costs a copy of the
-    state at every step (`compaction`), which one sentence, the last of its
+    state at every step (`GraphBuilder.keep_rows`), which one sentence, the last of its
     batch, never needs: `build_beam_search` serves it. `blocked`: as in
     `build_beam_search`.
     """
