@@ -28,12 +28,17 @@ class GraphBuilder:
     Example:
 
     ```python
+    from onnx import TensorProto
+
     g = GraphBuilder()
-    rows = g.int64s([-1, 4])
-    x = g.node("Reshape", ["input", rows])  # (B, 4)
+    x = g.reshape("input", [-1, 4])  # (B * 2, 4)
     g.output("Relu", [x], "output")
-    model = g.model("relu", [g.value_info("input", FLOAT, ["batch", 4])],
-                    [g.value_info("output", FLOAT, ["batch", 4])], opset=17)
+    model = g.model(
+        "relu",
+        [g.value_info("input", TensorProto.FLOAT, ["batch", 8])],
+        [g.value_info("output", TensorProto.FLOAT, ["rows", 4])],
+        opset=17,
+    )
     ```
     """
 
