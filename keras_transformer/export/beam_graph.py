@@ -236,89 +236,11 @@ def _beam_step_rules(b, self_names):
         b.node("Gather", [f"new_{name}", origin], f"next_{name}", axis=0)
 
 
-def _build(step, compact, blocked):
+# The loop's state: (name in the body, its next value, element type, first value).
+def _carried_state(self_names, cache_type):
     from onnx import TensorProto
 
-    if blocked:
-        step = blocked_selection(step) or step
-    graph = step.graph
-    inputs, self_names, cross_names, heads, head_dim, cache_type = step_interface(step)
     DOUBLE, INT64 = TensorProto.DOUBLE, TensorProto.INT64
-    P = PREFIX
-    o = GraphBuilder(PREFIX)
-    _first_state(o, heads, head_dim, cache_type)
-    b = o.body()
-    _beam_step_rules(b, self_names)
-    zero_i, one_i, axis0, axis1 = o.int64s(0), o.int64s(1), o.int64s([0]), o.int64s([1])
-    minus_one_1d = o.int64s([-1])
-
-    value = o.value_info
-    step_nodes = list(graph.node)
-    if compact:
-        # The body reads the live sentences' values (`sentence_ids`: their indices
-        # among the inputs'), where the loop above reads every sentence's.
-        sentence_inputs = ["source_mask", *cross_names]
-        live_name = {name: P + "live_" + name for name in sentence_inputs}
-        live_name.update(
-            {
-                "limits": P + "live_limits",
-                P + "sentences": P + "live_count",
-                P + "sentences_1d": P + "live_count_1d",
-                P + "sentence_index": P + "live_index",
-                P + "limit_penalty": P + "live_limit_penalty",
-                P + "pad_column": P + "live_pad_column",
-            }
-        )
-        step_nodes = copied_nodes(step_nodes, names=live_name)
-        rules, b.nodes = copied_nodes(b.nodes, names=live_name), []
-        b.node("Gather", ["limits", P + "sentence_ids"], "live_limits", axis=0)
-        b.node("Gather", [P + "limit_penalty", P + "sentence_ids"], "live_limit_penalty", axis=0)
-        b.node("Shape", [P + "sentence_ids"], "live_count_1d")
-        b.node("Squeeze", [P + "live_count_1d", axis0], "live_count")
-        b.node("Range", [zero_i, P + "live_count", one_i], "live_index")
-        b.node("Concat", [P + "live_count_1d", axis1], "live_column_shape", axis=0)
-        b.filled(P + "live_column_shape", -1, np.int64, "live_pad_column")  # (S', 1)
-        b.extend(rules)
-        # Each step writes its sentences' best hypotheses into the outputs.
-        b.node(
-            "ScatterElements",
-            [P + "result_score", P + "sentence_ids", P + "best_score_next"],
-            "result_score_next",
-            axis=0,
-        )
-        b.node(
-            "ScatterElements",
-            [P + "result_length", P + "sentence_ids", P + "best_length_next"],
-            "result_length_next",
-            axis=0,
-        )
-        b.node("Concat", [P + "result_tokens", P + "pad_column"], "result_tokens_grown", axis=1)
-        b.node("Unsqueeze", [P + "sentence_ids", axis1], "live_column")
-        b.node(
-            "ScatterND",
-            [P + "result_tokens_grown", P + "live_column", P + "best_tokens_next"],
-            "result_tokens_next",
-        )
-        # Then the sentences done at this step leave the state, with their beams.
-        b.node("Not", [P + "done_next"], "keep")
-        b.node("Concat", [P + "live_count_1d", P + "k_1d"], "live_beams_shape", axis=0)
-        b.node("Unsqueeze", [P + "keep", axis1], "keep_column")
-        b.node("Expand", [P + "keep_column", P + "live_beams_shape"], "keep_beams")
-        b.node("Reshape", [P + "keep_beams", minus_one_1d], "keep_rows")
-        per_sentence = [
-            "sentence_ids",
-            "alive_scores_next",
-            "done_next",
-            "best_score_next",
-            "best_tokens_next",
-            "best_length_next",
-            "count_next",
-        ]
-        per_sentence += [live_name[name][len(P) :] for name in sentence_inputs]
-        per_row = ["token_ids_next", "alive_tokens_next"] + [f"next_{n}" for n in self_names]
-        b.keep_rows(P + "keep", [P + n for n in per_sentence], ["kept_" + n for n in per_sentence])
-        b.keep_rows(P + "keep_rows", [P + n for n in per_row], ["kept_" + n for n in per_row])
-
     carried = [
         ("token_ids", "token_ids_next", TensorProto.INT32, "first_token_ids"),
         ("alive_scores", "alive_scores_next", DOUBLE, "first_alive_scores"),
@@ -329,56 +251,129 @@ def _build(step, compact, blocked):
         ("best_length", "best_length_next", INT64, "zeros"),
         ("count", "count_next", INT64, "zeros"),
     ]
-    carried += [(name, f"next_{name}", cache_type, "empty_cache") for name in self_names]
+    return carried + [(name, f"next_{name}", cache_type, "empty_cache") for name in self_names]
+
+
+def _compacted(o, b, step_nodes, carried, sentence_inputs, input_types):
+    """Makes the loop carry only the sentences not yet done (`sentence_ids`:
+    their indices among the inputs'): the body's nodes read the live
+    sentences' values where they read every sentence's, each step writes its
+    sentences' best hypotheses into the outputs, and then the sentences done
+    at this step leave the state with their beams. Returns the step's nodes
+    (renamed), the carried state and the outputs' states."""
+    from onnx import TensorProto
+
+    DOUBLE, INT64 = TensorProto.DOUBLE, TensorProto.INT64
+    v = b.name
+    live_name = {name: v("live_" + name) for name in sentence_inputs}
+    live_name.update(
+        {
+            "limits": v("live_limits"),
+            v("sentences"): v("live_count"),
+            v("sentences_1d"): v("live_count_1d"),
+            v("sentence_index"): v("live_index"),
+            v("limit_penalty"): v("live_limit_penalty"),
+            v("pad_column"): v("live_pad_column"),
+        }
+    )
+    step_nodes = copied_nodes(step_nodes, names=live_name)
+    rules, b.nodes = copied_nodes(b.nodes, names=live_name), []
+    sentence_ids = v("sentence_ids")
+    b.node("Gather", ["limits", sentence_ids], "live_limits", axis=0)
+    b.node("Gather", [v("limit_penalty"), sentence_ids], "live_limit_penalty", axis=0)
+    live_count_1d = b.node("Shape", [sentence_ids], "live_count_1d")  # (1,): S'
+    live_count = b.squeeze(live_count_1d, [0], "live_count")
+    b.node("Range", [b.int64s(0), live_count, b.int64s(1)], "live_index")
+    column_shape = b.node("Concat", [live_count_1d, b.int64s([1])], "live_column_shape", axis=0)
+    b.filled(column_shape, -1, np.int64, "live_pad_column")  # (S', 1)
+    b.extend(rules)
+    # Each step writes its sentences' best hypotheses into the outputs.
+    for kind in ("score", "length"):
+        b.node(
+            "ScatterElements",
+            [v(f"result_{kind}"), sentence_ids, v(f"best_{kind}_next")],
+            f"result_{kind}_next",
+            axis=0,
+        )
+    grown = b.node("Concat", [v("result_tokens"), v("pad_column")], axis=1)
+    b.node(
+        "ScatterND",
+        [grown, b.unsqueeze(sentence_ids, [1]), v("best_tokens_next")],
+        "result_tokens_next",
+    )
+    # Then the sentences done at this step leave the state, with their beams.
+    keep = b.node("Not", [v("done_next")], "keep")  # (S',)
+    beams_shape = b.node("Concat", [live_count_1d, v("k_1d")], "live_beams_shape", axis=0)
+    keep_beams = b.node("Expand", [b.unsqueeze(keep, [1]), beams_shape], "keep_beams")
+    keep_rows = b.reshape(keep_beams, [-1], "keep_rows")  # (S' * k,)
+    per_row = {"token_ids_next", "alive_tokens_next"} | {n for _, n, *_ in carried[8:]}
+    for _, next_name, *_ in carried:
+        b.keep_rows(
+            keep_rows if next_name in per_row else keep, [v(next_name)], ["kept_" + next_name]
+        )
+    live_inputs = [live_name[name][len(v("")) :] for name in sentence_inputs]
+    for name in ["sentence_ids", *live_inputs]:
+        b.keep_rows(keep, [v(name)], ["kept_" + name])
+
+    # The state starts with the sentences that have room for a token.
+    has_room = o.node("Greater", ["limits", o.int64s(0)], "has_room")
+    first_live = o.node("Compress", [o.name("sentence_index"), has_room], "first_live", axis=0)
+    for initial in sorted({initial for *_, initial in carried}):
+        o.node("Gather", [o.name(initial), first_live], "live_" + initial, axis=0)
+    for name in sentence_inputs:
+        o.node("Gather", [name, first_live], "live_first_" + name, axis=0)
+    carried = [
+        (name, "kept_" + next_name, elem_type, "live_" + initial)
+        for name, next_name, elem_type, initial in carried
+    ]
+    carried += [("sentence_ids", "kept_sentence_ids", INT64, "first_live")]
+    carried += [
+        (live, "kept_" + live, input_types[name], "live_first_" + name)
+        for name, live in zip(sentence_inputs, live_inputs, strict=True)
+    ]
+    carried += [
+        ("result_score", "result_score_next", DOUBLE, "first_best_scores"),
+        ("result_tokens", "result_tokens_next", INT64, "no_tokens"),
+        ("result_length", "result_length_next", INT64, "zeros"),
+    ]
+    outputs = {"tokens": "result_tokens", "lengths": "result_length", "scores": "result_score"}
+    return step_nodes, carried, outputs
+
+
+def _build(step, compact, blocked):
+    from onnx import TensorProto
+
+    if blocked:
+        step = blocked_selection(step) or step
+    graph = step.graph
+    inputs, self_names, cross_names, heads, head_dim, cache_type = step_interface(step)
+    DOUBLE, INT64 = TensorProto.DOUBLE, TensorProto.INT64
+    o = GraphBuilder(PREFIX)
+    _first_state(o, heads, head_dim, cache_type)
+    b = o.body()
+    _beam_step_rules(b, self_names)
+    step_nodes = list(graph.node)
+    carried = _carried_state(self_names, cache_type)
     outputs = {"tokens": "best_tokens", "lengths": "best_length", "scores": "best_score"}
     if compact:
-        # The state starts with the sentences that have room for a token.
-        o.node("Greater", ["limits", zero_i], "has_room")
-        o.node("Compress", [P + "sentence_index", P + "has_room"], "first_live", axis=0)
-        per_sentence_initials = {"first_token_ids", "first_alive_scores", "first_done"}
-        per_sentence_initials |= {"first_best_scores", "no_tokens", "zeros", "empty_cache"}
-        for initial in sorted(per_sentence_initials):
-            o.node("Gather", [P + initial, P + "first_live"], "live_" + initial, axis=0)
-        for name in sentence_inputs:
-            o.node("Gather", [name, P + "first_live"], "live_first_" + name, axis=0)
-        carried = [
-            (name, "kept_" + next_name, elem_type, "live_" + initial)
-            for name, next_name, elem_type, initial in carried
-        ]
-        carried += [("sentence_ids", "kept_sentence_ids", INT64, "first_live")]
-        carried += [
-            (
-                live_name[name][len(P) :],
-                "kept_" + live_name[name][len(P) :],
-                t,
-                "live_first_" + name,
-            )
-            for name, t in zip(
-                sentence_inputs,
-                [inputs[n].type.tensor_type.elem_type for n in sentence_inputs],
-                strict=True,
-            )
-        ]
-        carried += [
-            ("result_score", "result_score_next", DOUBLE, "first_best_scores"),
-            ("result_tokens", "result_tokens_next", INT64, "no_tokens"),
-            ("result_length", "result_length_next", INT64, "zeros"),
-        ]
-        outputs = {"tokens": "result_tokens", "lengths": "result_length", "scores": "result_score"}
+        sentence_inputs = ["source_mask", *cross_names]
+        types = {name: inputs[name].type.tensor_type.elem_type for name in sentence_inputs}
+        step_nodes, carried, outputs = _compacted(o, b, step_nodes, carried, sentence_inputs, types)
+
+    value, v = o.value_info, o.name
 
     def body_name(name):
-        return name if name == "token_ids" or name in self_names else P + name
+        return name if name == "token_ids" or name in self_names else v(name)
 
-    body_inputs = [value(P + "iteration", INT64, []), value(P + "condition", TensorProto.BOOL, [])]
+    body_inputs = [value(v("iteration"), INT64, []), value(v("condition"), TensorProto.BOOL, [])]
     body_inputs += [value(body_name(name), t) for name, _, t, _ in carried]
-    body_outputs = [value(P + "keep_going", TensorProto.BOOL, [])]
-    body_outputs += [value(P + name, t) for _, name, t, _ in carried]
+    body_outputs = [value(v("keep_going"), TensorProto.BOOL, [])]
+    body_outputs += [value(v(name), t) for _, name, t, _ in carried]
     b.nodes = step_nodes + b.nodes
     body = b.graph("beam_step", body_inputs, body_outputs, graph.initializer)
-    final = [P + f"last_{name}" for name, *_ in carried]
-    o.node(
+    final = o.node(
         "Loop",
-        [P + "max_steps", o.const("true", True, np.bool_)] + [P + c[3] for c in carried],
+        [v("max_steps"), o.const("true", True, np.bool_)] + [v(c[3]) for c in carried],
         [f"last_{name}" for name, *_ in carried],
         body=body,
     )
