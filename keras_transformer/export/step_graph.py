@@ -1,7 +1,7 @@
 """The decoder-step ONNX graph, built node by node from the layer weights.
 
 One new token per sequence in, log-probabilities and the grown self-attention
-caches out. Written directly with `onnx.helper` rather than converted from a
+caches out. Written node by node with `GraphBuilder` rather than converted from a
 TensorFlow function: the converted step had several hundred nodes after ONNX Runtime's
 optimizations, mostly the shape arithmetic of the einsum projections and
 decomposed layer norms, and per-node overhead dominated a batch-1 step. This
