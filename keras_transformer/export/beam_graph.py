@@ -32,7 +32,8 @@ as `beam_loop(shared_first_step=True)` does):
 In `beam_search`, finished sentences stay in the state until the loop ends
 (their rows are computed and ignored), which suits small batches;
 `beam_batch_search` drops each sentence from its state when it is done, as
-the Python loop does, for larger ones. Both run the same rules (`_build`).
+the Python loop does, for larger ones. Both run the same rules
+(`_beam_step_rules`), written with `GraphBuilder` like every exported graph.
 
 Inputs: `source_mask (sentences, source_len) bool` and the cross keys and
 values from encoder.onnx (one row per sentence), `limits (sentences,)
@@ -47,37 +48,13 @@ and `scores (sentences,) double`, the length-penalized score.
 from __future__ import annotations
 
 import numpy as np
-from keras_transformer_runtime.specials import BOS_ID, EOS_ID
+from keras_transformer_runtime.specials import EOS_ID
 
-from keras_transformer.export.greedy_graph import (
-    compaction,
-    renamed_inputs,
-    step_interface,
-)
+from keras_transformer.export.graph_builder import GraphBuilder, copied_nodes
+from keras_transformer.export.greedy_graph import empty_cache, first_token_ids, step_interface
 from keras_transformer.export.step_graph import blocked_selection
 
 PREFIX = "beam."
-
-
-class _Nodes:
-    """Nodes whose outputs are named `beam.<name>`: no clash with the step graph's."""
-
-    def __init__(self):
-        self.nodes, self.constants = [], []
-
-    def __call__(self, op, inputs, output, **attributes):
-        from onnx import helper
-
-        outputs = [output] if isinstance(output, str) else list(output)
-        names = [PREFIX + name for name in outputs]
-        self.nodes.append(helper.make_node(op, inputs, names, **attributes))
-        return names[0] if len(names) == 1 else names
-
-    def const(self, name, value, dtype):
-        from onnx import numpy_helper
-
-        self.constants.append(numpy_helper.from_array(np.asarray(value, dtype), PREFIX + name))
-        return PREFIX + name
 
 
 def build_beam_search(step, blocked=True):
@@ -98,301 +75,174 @@ def build_beam_batch_search(step, blocked=True):
     source mask, cross keys and values), as in the Python loop, so that later
     steps compute only the sentences left; each step writes the best
     hypotheses of its sentences into the outputs. That costs a copy of the
-    state at every step (`compaction`), which one sentence, the last of its
+    state at every step (`GraphBuilder.keep_rows`), which one sentence, the last of its
     batch, never needs: `build_beam_search` serves it. `blocked`: as in
     `build_beam_search`.
     """
     return _build(step, compact=True, blocked=blocked)
 
 
-def _build(step, compact, blocked):
-    from onnx import TensorProto, helper, numpy_helper
+def _gnmt_penalty(g, length, name):
+    """`((5 + length) / 6) ** length_penalty` in double, for `length` (int64)."""
+    from onnx import TensorProto
 
-    if blocked:
-        step = blocked_selection(step) or step
-    graph = step.graph
-    inputs, self_names, cross_names, heads, head_dim, cache_type = step_interface(step)
-    DOUBLE, INT64 = TensorProto.DOUBLE, TensorProto.INT64
+    base = g.node("Add", [g.cast(length, TensorProto.DOUBLE), g.const("five", 5.0, np.float64)])
+    ratio = g.node("Div", [base, g.const("six", 6.0, np.float64)])
+    return g.node("Pow", [ratio, "length_penalty"], name)
 
-    # ---- the outer graph, before the loop: sizes, constants and the first state
-    o = _Nodes()
-    zero_i, one_i = o.const("zero_i", 0, np.int64), o.const("one_i", 1, np.int64)
-    two_i = o.const("two_i", 2, np.int64)
-    axis0, axis1 = o.const("axis0", [0], np.int64), o.const("axis1", [1], np.int64)
-    minus_one_1d = o.const("minus_one_1d", [-1], np.int64)
-    five, six = o.const("five", 5.0, np.float64), o.const("six", 6.0, np.float64)
-    neg_inf = o.const("neg_inf", -np.inf, np.float64)
-    zero_d = o.const("zero_d", 0.0, np.float64)
-    eos = o.const("eos", EOS_ID, np.int64)
-    o("Shape", ["limits"], "sentences_1d")
-    o("Squeeze", [PREFIX + "sentences_1d", axis0], "sentences")
-    o("Range", [zero_i, PREFIX + "sentences", one_i], "sentence_index")
-    o("Mul", ["beam_size", two_i], "two_k")
+
+def _first_state(o, heads, head_dim, cache_type):
+    """The outer graph before the loop: sizes, the ranks' constants and the
+    first state (one row per sentence fed BOS; beam 0 alone is live)."""
+    zero, one = o.int64s(0), o.int64s(1)
+    neg_inf, zero_d = o.const("neg_inf", -np.inf, np.float64), o.const("zero_d", 0.0, np.float64)
+    sentences_1d = o.node("Shape", ["limits"], "sentences_1d")  # (1,): S
+    sentences = o.squeeze(sentences_1d, [0], "sentences")
+    o.node("Range", [zero, sentences, one], "sentence_index")  # 0 .. S - 1
+    two_k = o.node("Mul", ["beam_size", o.int64s(2)], "two_k")
     # The step graph's own `top_k` input: each row's 2k best tokens.
-    o.nodes.append(helper.make_node("Reshape", [PREFIX + "two_k", axis1], ["top_k"]))
-    o("Reshape", ["beam_size", axis1], "k_1d")
-    o("Range", [zero_i, PREFIX + "two_k", one_i], "positions")  # ranks 0 .. 2k - 1
-    o("Add", [PREFIX + "positions", PREFIX + "two_k"], "positions_after")
-    o("Less", [PREFIX + "positions", "beam_size"], "first_k")
-    o("Cast", ["limits"], "limits_d", to=DOUBLE)
-    o("Add", [PREFIX + "limits_d", five], "limit_penalty_base")
-    o("Div", [PREFIX + "limit_penalty_base", six], "limit_penalty_ratio")
-    o("Pow", [PREFIX + "limit_penalty_ratio", "length_penalty"], "limit_penalty")
-    # First state: one row per sentence fed BOS; beam 0 alone is live.
-    o("Concat", [PREFIX + "sentences_1d", axis1], "column_shape", axis=0)
-    o("Expand", [o.const("bos", [[BOS_ID]], np.int32), PREFIX + "column_shape"], "first_ids")
-    o("Range", [zero_i, "beam_size", one_i], "beam_index")
-    o("Equal", [PREFIX + "beam_index", zero_i], "is_first_beam")
-    o("Where", [PREFIX + "is_first_beam", zero_d, neg_inf], "first_beam_scores")
-    o("Concat", [PREFIX + "sentences_1d", PREFIX + "k_1d"], "beam_shape", axis=0)
-    o("Expand", [PREFIX + "first_beam_scores", PREFIX + "beam_shape"], "first_alive_scores")
-    o("Concat", [PREFIX + "sentences_1d", o.const("zero_1d", [0], np.int64)], "empty_shape", axis=0)
-    o(
-        "ConstantOfShape",
-        [PREFIX + "empty_shape"],
-        "no_tokens",
-        value=numpy_helper.from_array(np.zeros(1, np.int64)),
-    )
-    o("Equal", ["limits", zero_i], "first_done")
-    o("Where", [PREFIX + "first_done", zero_d, neg_inf], "first_best_scores")
-    o(
-        "ConstantOfShape",
-        [PREFIX + "sentences_1d"],
-        "zeros",
-        value=numpy_helper.from_array(np.zeros(1, np.int64)),
-    )
-    o(
-        "ConstantOfShape",
-        [PREFIX + "column_shape"],
-        "pad_column",
-        value=numpy_helper.from_array(np.full(1, -1, np.int64)),
-    )
-    o(
-        "Concat",
-        [PREFIX + "sentences_1d", o.const("cache_dims", [heads, 0, head_dim], np.int64)],
-        "empty_cache_shape",
-        axis=0,
-    )
-    cache_np = helper.tensor_dtype_to_np_dtype(cache_type)
-    o(
-        "ConstantOfShape",
-        [PREFIX + "empty_cache_shape"],
-        "empty_cache",
-        value=numpy_helper.from_array(np.zeros(1, cache_np)),
-    )
-    o("ReduceMax", ["limits"], "max_steps", keepdims=0)
+    o.output("Reshape", [two_k, o.int64s([1])], "top_k")
+    k_1d = o.reshape("beam_size", [1], "k_1d")
+    positions = o.node("Range", [zero, two_k, one], "positions")  # ranks 0 .. 2k - 1
+    o.node("Add", [positions, two_k], "positions_after")
+    o.node("Less", [positions, "beam_size"], "first_k")
+    _gnmt_penalty(o, "limits", "limit_penalty")  # (S,): at each sentence's limit
+    first_token_ids(o, sentences_1d)  # (S, 1)
+    beam_index = o.node("Range", [zero, "beam_size", one], "beam_index")
+    is_first_beam = o.node("Equal", [beam_index, zero], "is_first_beam")
+    first_beam_scores = o.node("Where", [is_first_beam, zero_d, neg_inf], "first_beam_scores")
+    beam_shape = o.node("Concat", [sentences_1d, k_1d], "beam_shape", axis=0)
+    o.node("Expand", [first_beam_scores, beam_shape], "first_alive_scores")  # (S, k)
+    empty_shape = o.node("Concat", [sentences_1d, o.int64s([0])], "empty_shape", axis=0)
+    o.filled(empty_shape, 0, np.int64, "no_tokens")  # (S, 0)
+    first_done = o.node("Equal", ["limits", zero], "first_done")  # an empty source
+    o.node("Where", [first_done, zero_d, neg_inf], "first_best_scores")
+    o.filled(sentences_1d, 0, np.int64, "zeros")  # (S,)
+    o.filled(o.name("token_shape"), -1, np.int64, "pad_column")  # (S, 1)
+    empty_cache(o, sentences_1d, heads, head_dim, cache_type)  # (S, N, 0, H)
+    o.node("ReduceMax", ["limits"], "max_steps", keepdims=0)
 
-    # ---- the loop body: the step, then beam_loop's rules
-    b = _Nodes()
-    P = PREFIX
-    b("Shape", ["token_ids"], "rows_shape")
-    b("Gather", [P + "rows_shape", zero_i], "rows")
-    b("Div", [P + "rows", P + "sentences"], "n")  # rows per sentence: 1, then k
-    b("Shape", ["top_ids"], "top_shape")
-    b("Gather", [P + "top_shape", one_i], "w")
-    b("Mul", [P + "n", P + "w"], "nw")
-    b("Reshape", [P + "n", axis1], "n_1d")
-    b("Reshape", [P + "w", axis1], "w_1d")
-    b("Reshape", [P + "nw", axis1], "nw_1d")
-    b("Concat", [P + "sentences_1d", P + "n_1d", P + "w_1d"], "s_n_w", axis=0)
-    b("Concat", [P + "sentences_1d", P + "nw_1d"], "s_nw", axis=0)
+
+def _beam_step_rules(b, self_names):
+    """`beam_loop`'s rules after one decoder step, in the loop body `b`.
+
+    Reads the step's `top_ids` and `top_log_probs` ((rows, 2k), rows = S * n:
+    n rows per sentence, 1 at the first step and k after) and the state;
+    writes the next state (`*_next`) and `keep_going`.
+    """
+    from onnx import TensorProto
+
+    DOUBLE, INT64 = TensorProto.DOUBLE, TensorProto.INT64
+    v = b.name  # a value made outside this function
+    zero, one, axis0, axis1 = b.int64s(0), b.int64s(1), b.int64s([0]), b.int64s([1])
+    neg_inf, eos = b.const("neg_inf", -np.inf, np.float64), b.int64s(EOS_ID)
+
+    rows = b.node("Gather", [b.node("Shape", ["token_ids"]), zero], "rows")
+    n = b.node("Div", [rows, v("sentences")], "n")  # rows per sentence: 1, then k
+    w = b.node("Gather", [b.node("Shape", ["top_ids"]), one], "w")  # 2k
+    n_1d, w_1d = b.reshape(n, [1], "n_1d"), b.reshape(w, [1], "w_1d")
+    nw_1d = b.reshape(b.node("Mul", [n, w]), [1], "nw_1d")
+    s_n_w = b.node("Concat", [v("sentences_1d"), n_1d, w_1d], "s_n_w", axis=0)
+    s_nw = b.node("Concat", [v("sentences_1d"), nw_1d], "s_nw", axis=0)
     # Candidates: live beam scores plus each row's best tokens, in double.
-    b("Cast", ["top_log_probs"], "step_scores", to=DOUBLE)
-    b("Reshape", [P + "step_scores", P + "s_n_w"], "step_scores_3d")
-    b("Slice", [P + "alive_scores", axis0, P + "n_1d", axis1], "row_scores")
-    b("Unsqueeze", [P + "row_scores", o.const("axis2", [2], np.int64)], "row_scores_3d")
-    b("Add", [P + "row_scores_3d", P + "step_scores_3d"], "candidates_3d")
-    b("Reshape", [P + "candidates_3d", P + "s_nw"], "candidates")
-    b("Reshape", ["top_ids", P + "s_nw"], "candidate_ids")
-    b("TopK", [P + "candidates", "top_k"], ["ranked", "ranked_at"], axis=1)
-    b("Div", [P + "ranked_at", P + "w"], "ranked_beam")
-    b("GatherElements", [P + "candidate_ids", P + "ranked_at"], "ranked_token", axis=1)
-    b("Greater", [P + "ranked", neg_inf], "finite")
-    b("Equal", [P + "ranked_token", eos], "is_eos")
-    b("And", [P + "is_eos", P + "finite"], "eos_finite")
-    b("And", [P + "eos_finite", P + "first_k"], "eos_finishes")
-    b("Not", [P + "is_eos"], "not_eos")
-    b("And", [P + "not_eos", P + "finite"], "continues")
+    step_scores = b.reshape(b.cast("top_log_probs", DOUBLE), s_n_w)  # (S, n, 2k)
+    row_scores = b.node("Slice", [v("alive_scores"), axis0, n_1d, axis1], "row_scores")  # (S, n)
+    candidates = b.node("Add", [b.unsqueeze(row_scores, [2]), step_scores])
+    candidates = b.reshape(candidates, s_nw, "candidates")  # (S, n * 2k)
+    candidate_ids = b.reshape("top_ids", s_nw, "candidate_ids")
+    ranked, ranked_at = b.node("TopK", [candidates, "top_k"], ["ranked", "ranked_at"], axis=1)
+    ranked_beam = b.node("Div", [ranked_at, w], "ranked_beam")  # (S, 2k)
+    ranked_token = b.node("GatherElements", [candidate_ids, ranked_at], "ranked_token", axis=1)
+    finite = b.node("Greater", [ranked, neg_inf], "finite")
+    is_eos = b.node("Equal", [ranked_token, eos], "is_eos")
+    eos_finishes = b.node("And", [b.node("And", [is_eos, finite]), v("first_k")], "eos_finishes")
+    continues = b.node("And", [b.node("Not", [is_eos]), finite], "continues")
     # The new beams: the first k continuing candidates, in rank order.
-    b("Where", [P + "continues", P + "positions", P + "positions_after"], "slot_key")
-    b("TopK", [P + "slot_key", P + "k_1d"], ["slot_rank", "slot_at"], axis=1, largest=0)
-    b("Less", [P + "slot_rank", P + "two_k"], "slot_ok")
-    b("GatherElements", [P + "ranked", P + "slot_at"], "slot_raw_score", axis=1)
-    b("Where", [P + "slot_ok", P + "slot_raw_score", neg_inf], "slot_score")
-    b("GatherElements", [P + "ranked_beam", P + "slot_at"], "slot_raw_beam", axis=1)
-    b("Where", [P + "slot_ok", P + "slot_raw_beam", zero_i], "slot_beam")
-    b("GatherElements", [P + "ranked_token", P + "slot_at"], "slot_token", axis=1)
+    slot_key = b.node("Where", [continues, v("positions"), v("positions_after")], "slot_key")
+    slot_rank, slot_at = b.node(
+        "TopK", [slot_key, v("k_1d")], ["slot_rank", "slot_at"], axis=1, largest=0
+    )  # (S, k)
+    slot_ok = b.node("Less", [slot_rank, v("two_k")], "slot_ok")
+    slot_score = b.node("GatherElements", [ranked, slot_at], "slot_raw_score", axis=1)
+    slot_score = b.node("Where", [slot_ok, slot_score, neg_inf], "slot_score")
+    slot_beam = b.node("GatherElements", [ranked_beam, slot_at], "slot_raw_beam", axis=1)
+    slot_beam = b.node("Where", [slot_ok, slot_beam, zero], "slot_beam")
+    slot_token = b.node("GatherElements", [ranked_token, slot_at], "slot_token", axis=1)
     # Length penalties of this step and whether each sentence is out of room.
-    b("Add", [P + "iteration", one_i], "made")
-    b("GreaterOrEqual", [P + "made", "limits"], "at_limit")
-    b("Unsqueeze", [P + "at_limit", axis1], "at_limit_2d")
-    b("Cast", [P + "made"], "made_d", to=DOUBLE)
-    b("Add", [P + "made_d", five], "penalty_base")
-    b("Div", [P + "penalty_base", six], "penalty_ratio")
-    b("Pow", [P + "penalty_ratio", "length_penalty"], "penalty")
+    made = b.node("Add", [v("iteration"), one], "made")
+    at_limit = b.node("GreaterOrEqual", [made, "limits"], "at_limit")  # (S,)
+    at_limit_2d = b.unsqueeze(at_limit, [1], "at_limit_2d")
+    penalty = _gnmt_penalty(b, made, "penalty")  # ()
     # Hypotheses finished at this step: EOS ones in rank order, then (at the
     # limit) the new beams; the best is the first of the highest.
-    b("Div", [P + "ranked", P + "penalty"], "ranked_normalized")
-    b("Where", [P + "eos_finishes", P + "ranked_normalized", neg_inf], "eos_normalized")
-    b("And", [P + "slot_ok", P + "at_limit_2d"], "limit_finishes")
-    b("Div", [P + "slot_score", P + "penalty"], "slot_normalized")
-    b("Where", [P + "limit_finishes", P + "slot_normalized", neg_inf], "limit_normalized")
-    b("Concat", [P + "eos_normalized", P + "limit_normalized"], "finish_scores", axis=1)
-    b("ReduceMax", [P + "finish_scores"], "step_best", axes=[1], keepdims=0)
-    b("ArgMax", [P + "finish_scores"], "step_best_at", axis=1, keepdims=1)
-    b("Not", [P + "done"], "live")
-    b("Greater", [P + "step_best", P + "best_score"], "better")
-    b("And", [P + "live", P + "better"], "update")
-    b("Where", [P + "update", P + "step_best", P + "best_score"], "best_score_next")
-    b("Cast", [P + "eos_finishes"], "eos_finishes_i", to=INT64)
-    b("Cast", [P + "limit_finishes"], "limit_finishes_i", to=INT64)
-    b("Concat", [P + "eos_finishes_i", P + "limit_finishes_i"], "finishes_i", axis=1)
-    b("ReduceSum", [P + "finishes_i", axis1], "finished_now", keepdims=0)
-    b("Where", [P + "live", P + "finished_now", zero_i], "finished_counted")
-    b("Add", [P + "count", P + "finished_counted"], "count_next")
+    ranked_normalized = b.node("Div", [ranked, penalty], "ranked_normalized")
+    eos_normalized = b.node("Where", [eos_finishes, ranked_normalized, neg_inf], "eos_normalized")
+    limit_finishes = b.node("And", [slot_ok, at_limit_2d], "limit_finishes")
+    slot_normalized = b.node("Div", [slot_score, penalty], "slot_normalized")
+    limit_normalized = b.node(
+        "Where", [limit_finishes, slot_normalized, neg_inf], "limit_normalized"
+    )
+    finish_scores = b.node("Concat", [eos_normalized, limit_normalized], "finish_scores", axis=1)
+    step_best = b.node("ReduceMax", [finish_scores], "step_best", axes=[1], keepdims=0)
+    step_best_at = b.node("ArgMax", [finish_scores], "step_best_at", axis=1, keepdims=1)
+    live = b.node("Not", [v("done")], "live")
+    update = b.node("And", [live, b.node("Greater", [step_best, v("best_score")])], "update")
+    best_score_next = b.node("Where", [update, step_best, v("best_score")], "best_score_next")
+    finishes = b.node(
+        "Concat", [b.cast(eos_finishes, INT64), b.cast(limit_finishes, INT64)], axis=1
+    )  # (S, 2k + k)
+    finished_now = b.node("ReduceSum", [finishes, axis1], "finished_now", keepdims=0)
+    finished_counted = b.node("Where", [live, finished_now, zero], "finished_counted")
+    count_next = b.node("Add", [v("count"), finished_counted], "count_next")
     # The tokens of the step's best finished hypothesis: its beam's tokens,
     # plus the new token when it finished at the limit (EOS is not kept).
-    b("Shape", [P + "ranked_token"], "ranked_shape")
-    b(
-        "ConstantOfShape",
-        [P + "ranked_shape"],
-        "no_token",
-        value=numpy_helper.from_array(np.full(1, -1, np.int64)),
-    )
-    b("Concat", [P + "ranked_beam", P + "slot_beam"], "finish_beams", axis=1)
-    b("Concat", [P + "no_token", P + "slot_token"], "finish_tokens", axis=1)
-    b("GatherElements", [P + "finish_beams", P + "step_best_at"], "best_beam_2d", axis=1)
-    b("Squeeze", [P + "best_beam_2d", axis1], "best_beam")
-    b("GatherElements", [P + "finish_tokens", P + "step_best_at"], "best_last", axis=1)
-    b("Mul", [P + "sentence_index", P + "n"], "first_rows")
-    b("Add", [P + "first_rows", P + "best_beam"], "best_row")
-    b("Gather", [P + "alive_tokens", P + "best_row"], "best_prefix", axis=0)
-    b("Concat", [P + "best_prefix", P + "best_last"], "finished_tokens", axis=1)
-    b("Concat", [P + "best_tokens", P + "pad_column"], "best_tokens_grown", axis=1)
-    b("Unsqueeze", [P + "update", axis1], "update_2d")
-    b(
-        "Where",
-        [P + "update_2d", P + "finished_tokens", P + "best_tokens_grown"],
-        "best_tokens_next",
-    )
-    b("Squeeze", [P + "best_last", axis1], "best_last_1d")
-    b("GreaterOrEqual", [P + "best_last_1d", zero_i], "appended")
-    b("Cast", [P + "appended"], "appended_i", to=INT64)
-    b("Add", [P + "iteration", P + "appended_i"], "finished_length")
-    b("Where", [P + "update", P + "finished_length", P + "best_length"], "best_length_next")
+    no_token = b.filled(b.node("Shape", [ranked_token]), -1, np.int64, "no_token")
+    finish_beams = b.node("Concat", [ranked_beam, slot_beam], "finish_beams", axis=1)
+    finish_tokens = b.node("Concat", [no_token, slot_token], "finish_tokens", axis=1)
+    best_beam = b.node("GatherElements", [finish_beams, step_best_at], "best_beam_2d", axis=1)
+    best_beam = b.squeeze(best_beam, [1], "best_beam")  # (S,)
+    best_last = b.node("GatherElements", [finish_tokens, step_best_at], "best_last", axis=1)
+    first_rows = b.node("Mul", [v("sentence_index"), n], "first_rows")  # (S,)
+    best_row = b.node("Add", [first_rows, best_beam], "best_row")
+    best_prefix = b.node("Gather", [v("alive_tokens"), best_row], "best_prefix", axis=0)
+    finished_tokens = b.node("Concat", [best_prefix, best_last], "finished_tokens", axis=1)
+    grown = b.node("Concat", [v("best_tokens"), v("pad_column")], "best_tokens_grown", axis=1)
+    b.node("Where", [b.unsqueeze(update, [1]), finished_tokens, grown], "best_tokens_next")
+    appended = b.node("GreaterOrEqual", [b.squeeze(best_last, [1]), zero], "appended")
+    finished_length = b.node("Add", [v("iteration"), b.cast(appended, INT64)], "finished_length")
+    b.node("Where", [update, finished_length, v("best_length")], "best_length_next")
     # Done: no live beam can win, or k finished and none wins at this length.
-    b("Slice", [P + "slot_score", axis0, axis1, axis1], "top_slot_2d")
-    b("Squeeze", [P + "top_slot_2d", axis1], "top_slot")
-    b("Where", [P + "at_limit", neg_inf, P + "top_slot"], "top_live")
-    b("Div", [P + "top_live", P + "limit_penalty"], "top_bound")
-    b("Greater", [P + "top_bound", P + "best_score_next"], "can_improve")
-    b("Div", [P + "top_live", P + "penalty"], "top_now")
-    b("LessOrEqual", [P + "top_now", P + "best_score_next"], "none_better")
-    b("GreaterOrEqual", [P + "count_next", "beam_size"], "enough")
-    b("And", [P + "enough", P + "none_better"], "settled")
-    b("Not", [P + "can_improve"], "hopeless")
-    b("Or", [P + "settled", P + "hopeless"], "stops")
-    b("Or", [P + "done", P + "stops"], "done_next")
-    b("Cast", [P + "done_next"], "done_next_i", to=TensorProto.INT32)
-    b("ReduceMin", [P + "done_next_i"], "all_done_i", keepdims=0)
-    b("Cast", [P + "all_done_i"], "all_done", to=TensorProto.BOOL)
-    b("Not", [P + "all_done"], "keep_going")
+    top_slot = b.squeeze(b.node("Slice", [slot_score, axis0, axis1, axis1]), [1], "top_slot")
+    top_live = b.node("Where", [at_limit, neg_inf, top_slot], "top_live")  # (S,)
+    top_bound = b.node("Div", [top_live, v("limit_penalty")], "top_bound")
+    hopeless = b.node("Not", [b.node("Greater", [top_bound, best_score_next])], "hopeless")
+    top_now = b.node("Div", [top_live, penalty], "top_now")
+    none_better = b.node("LessOrEqual", [top_now, best_score_next], "none_better")
+    enough = b.node("GreaterOrEqual", [count_next, "beam_size"], "enough")
+    settled = b.node("And", [enough, none_better], "settled")
+    stops = b.node("Or", [settled, hopeless], "stops")
+    done_next = b.node("Or", [v("done"), stops], "done_next")
+    b.any_true(b.node("Not", [done_next]), "keep_going")
     # The next state: the new beams, their tokens and their rows' caches.
-    b("Where", [P + "at_limit_2d", neg_inf, P + "slot_score"], "alive_scores_next")
-    b("Unsqueeze", [P + "first_rows", axis1], "first_rows_2d")
-    b("Add", [P + "first_rows_2d", P + "slot_beam"], "origin_2d")
-    b("Reshape", [P + "origin_2d", minus_one_1d], "origin")
-    b("Gather", [P + "alive_tokens", P + "origin"], "alive_prefix", axis=0)
-    b("Reshape", [P + "slot_token", o.const("column", [-1, 1], np.int64)], "slot_token_column")
-    b("Concat", [P + "alive_prefix", P + "slot_token_column"], "alive_tokens_next", axis=1)
-    b("Where", [P + "slot_ok", P + "slot_token", eos], "fed")
-    b("Cast", [P + "fed"], "fed_i32", to=TensorProto.INT32)
-    b("Reshape", [P + "fed_i32", P + "column"], "token_ids_next")
+    b.node("Where", [at_limit_2d, neg_inf, slot_score], "alive_scores_next")
+    origin = b.node("Add", [b.unsqueeze(first_rows, [1]), slot_beam], "origin_2d")  # (S, k)
+    origin = b.reshape(origin, [-1], "origin")  # (S * k,): the row each new beam extends
+    alive_prefix = b.node("Gather", [v("alive_tokens"), origin], "alive_prefix", axis=0)
+    slot_column = b.reshape(slot_token, [-1, 1], "slot_token_column")
+    b.node("Concat", [alive_prefix, slot_column], "alive_tokens_next", axis=1)
+    fed = b.node("Where", [slot_ok, slot_token, eos], "fed")
+    b.reshape(b.cast(fed, TensorProto.INT32), [-1, 1], "token_ids_next")  # (S * k, 1)
     for name in self_names:
-        b("Gather", [f"new_{name}", P + "origin"], f"next_{name}", axis=0)
+        b.node("Gather", [f"new_{name}", origin], f"next_{name}", axis=0)
 
-    def value(name, elem_type, shape=None):
-        return helper.make_tensor_value_info(name, elem_type, shape)
 
-    step_nodes = list(graph.node)
-    if compact:
-        # The body reads the live sentences' values (`sentence_ids`: their indices
-        # among the inputs'), where the loop above reads every sentence's.
-        sentence_inputs = ["source_mask", *cross_names]
-        live_name = {name: P + "live_" + name for name in sentence_inputs}
-        live_name.update(
-            {
-                "limits": P + "live_limits",
-                P + "sentences": P + "live_count",
-                P + "sentences_1d": P + "live_count_1d",
-                P + "sentence_index": P + "live_index",
-                P + "limit_penalty": P + "live_limit_penalty",
-                P + "pad_column": P + "live_pad_column",
-            }
-        )
-        step_nodes, rules = (
-            renamed_inputs(step_nodes, live_name),
-            renamed_inputs(b.nodes, live_name),
-        )
-        b.nodes = []
-        b("Gather", ["limits", P + "sentence_ids"], "live_limits", axis=0)
-        b("Gather", [P + "limit_penalty", P + "sentence_ids"], "live_limit_penalty", axis=0)
-        b("Shape", [P + "sentence_ids"], "live_count_1d")
-        b("Squeeze", [P + "live_count_1d", axis0], "live_count")
-        b("Range", [zero_i, P + "live_count", one_i], "live_index")
-        b("Concat", [P + "live_count_1d", axis1], "live_column_shape", axis=0)
-        b(
-            "Expand",
-            [o.const("minus_one_column", [[-1]], np.int64), P + "live_column_shape"],
-            "live_pad_column",
-        )
-        b.nodes += rules
-        # Each step writes its sentences' best hypotheses into the outputs.
-        b(
-            "ScatterElements",
-            [P + "result_score", P + "sentence_ids", P + "best_score_next"],
-            "result_score_next",
-            axis=0,
-        )
-        b(
-            "ScatterElements",
-            [P + "result_length", P + "sentence_ids", P + "best_length_next"],
-            "result_length_next",
-            axis=0,
-        )
-        b("Concat", [P + "result_tokens", P + "pad_column"], "result_tokens_grown", axis=1)
-        b("Unsqueeze", [P + "sentence_ids", axis1], "live_column")
-        b(
-            "ScatterND",
-            [P + "result_tokens_grown", P + "live_column", P + "best_tokens_next"],
-            "result_tokens_next",
-        )
-        # Then the sentences done at this step leave the state, with their beams.
-        b("Not", [P + "done_next"], "keep")
-        b("Concat", [P + "live_count_1d", P + "k_1d"], "live_beams_shape", axis=0)
-        b("Unsqueeze", [P + "keep", axis1], "keep_column")
-        b("Expand", [P + "keep_column", P + "live_beams_shape"], "keep_beams")
-        b("Reshape", [P + "keep_beams", minus_one_1d], "keep_rows")
-        per_sentence = [
-            "sentence_ids",
-            "alive_scores_next",
-            "done_next",
-            "best_score_next",
-            "best_tokens_next",
-            "best_length_next",
-            "count_next",
-        ]
-        per_sentence += [live_name[name][len(P) :] for name in sentence_inputs]
-        per_row = ["token_ids_next", "alive_tokens_next"] + [f"next_{n}" for n in self_names]
-        b.nodes += compaction(
-            P + "keep", [P + n for n in per_sentence], [P + "kept_" + n for n in per_sentence]
-        )
-        b.nodes += compaction(
-            P + "keep_rows", [P + n for n in per_row], [P + "kept_" + n for n in per_row]
-        )
+# The loop's state: (name in the body, its next value, element type, first value).
+def _carried_state(self_names, cache_type):
+    from onnx import TensorProto
 
+    DOUBLE, INT64 = TensorProto.DOUBLE, TensorProto.INT64
     carried = [
-        ("token_ids", "token_ids_next", TensorProto.INT32, "first_ids"),
+        ("token_ids", "token_ids_next", TensorProto.INT32, "first_token_ids"),
         ("alive_scores", "alive_scores_next", DOUBLE, "first_alive_scores"),
         ("alive_tokens", "alive_tokens_next", INT64, "no_tokens"),
         ("done", "done_next", TensorProto.BOOL, "first_done"),
@@ -401,67 +251,135 @@ def _build(step, compact, blocked):
         ("best_length", "best_length_next", INT64, "zeros"),
         ("count", "count_next", INT64, "zeros"),
     ]
-    carried += [(name, f"next_{name}", cache_type, "empty_cache") for name in self_names]
+    return carried + [(name, f"next_{name}", cache_type, "empty_cache") for name in self_names]
+
+
+def _compacted(o, b, step_nodes, carried, sentence_inputs, input_types):
+    """Makes the loop carry only the sentences not yet done (`sentence_ids`:
+    their indices among the inputs'): the body's nodes read the live
+    sentences' values where they read every sentence's, each step writes its
+    sentences' best hypotheses into the outputs, and then the sentences done
+    at this step leave the state with their beams. Returns the step's nodes
+    (renamed), the carried state and the outputs' states."""
+    from onnx import TensorProto
+
+    DOUBLE, INT64 = TensorProto.DOUBLE, TensorProto.INT64
+    v = b.name
+    live_name = {name: v("live_" + name) for name in sentence_inputs}
+    live_name.update(
+        {
+            "limits": v("live_limits"),
+            v("sentences"): v("live_count"),
+            v("sentences_1d"): v("live_count_1d"),
+            v("sentence_index"): v("live_index"),
+            v("limit_penalty"): v("live_limit_penalty"),
+            v("pad_column"): v("live_pad_column"),
+        }
+    )
+    step_nodes = copied_nodes(step_nodes, names=live_name)
+    rules, b.nodes = copied_nodes(b.nodes, names=live_name), []
+    sentence_ids = v("sentence_ids")
+    b.node("Gather", ["limits", sentence_ids], "live_limits", axis=0)
+    b.node("Gather", [v("limit_penalty"), sentence_ids], "live_limit_penalty", axis=0)
+    live_count_1d = b.node("Shape", [sentence_ids], "live_count_1d")  # (1,): S'
+    live_count = b.squeeze(live_count_1d, [0], "live_count")
+    b.node("Range", [b.int64s(0), live_count, b.int64s(1)], "live_index")
+    column_shape = b.node("Concat", [live_count_1d, b.int64s([1])], "live_column_shape", axis=0)
+    b.filled(column_shape, -1, np.int64, "live_pad_column")  # (S', 1)
+    b.extend(rules)
+    # Each step writes its sentences' best hypotheses into the outputs.
+    for kind in ("score", "length"):
+        b.node(
+            "ScatterElements",
+            [v(f"result_{kind}"), sentence_ids, v(f"best_{kind}_next")],
+            f"result_{kind}_next",
+            axis=0,
+        )
+    grown = b.node("Concat", [v("result_tokens"), v("pad_column")], axis=1)
+    b.node(
+        "ScatterND",
+        [grown, b.unsqueeze(sentence_ids, [1]), v("best_tokens_next")],
+        "result_tokens_next",
+    )
+    # Then the sentences done at this step leave the state, with their beams.
+    keep = b.node("Not", [v("done_next")], "keep")  # (S',)
+    beams_shape = b.node("Concat", [live_count_1d, v("k_1d")], "live_beams_shape", axis=0)
+    keep_beams = b.node("Expand", [b.unsqueeze(keep, [1]), beams_shape], "keep_beams")
+    keep_rows = b.reshape(keep_beams, [-1], "keep_rows")  # (S' * k,)
+    per_row = {"token_ids_next", "alive_tokens_next"} | {n for _, n, *_ in carried[8:]}
+    for _, next_name, *_ in carried:
+        b.keep_rows(
+            keep_rows if next_name in per_row else keep, [v(next_name)], ["kept_" + next_name]
+        )
+    live_inputs = [live_name[name][len(v("")) :] for name in sentence_inputs]
+    for name in ["sentence_ids", *live_inputs]:
+        b.keep_rows(keep, [v(name)], ["kept_" + name])
+
+    # The state starts with the sentences that have room for a token.
+    has_room = o.node("Greater", ["limits", o.int64s(0)], "has_room")
+    first_live = o.node("Compress", [o.name("sentence_index"), has_room], "first_live", axis=0)
+    for initial in sorted({initial for *_, initial in carried}):
+        o.node("Gather", [o.name(initial), first_live], "live_" + initial, axis=0)
+    for name in sentence_inputs:
+        o.node("Gather", [name, first_live], "live_first_" + name, axis=0)
+    carried = [
+        (name, "kept_" + next_name, elem_type, "live_" + initial)
+        for name, next_name, elem_type, initial in carried
+    ]
+    carried += [("sentence_ids", "kept_sentence_ids", INT64, "first_live")]
+    carried += [
+        (live, "kept_" + live, input_types[name], "live_first_" + name)
+        for name, live in zip(sentence_inputs, live_inputs, strict=True)
+    ]
+    carried += [
+        ("result_score", "result_score_next", DOUBLE, "first_best_scores"),
+        ("result_tokens", "result_tokens_next", INT64, "no_tokens"),
+        ("result_length", "result_length_next", INT64, "zeros"),
+    ]
+    outputs = {"tokens": "result_tokens", "lengths": "result_length", "scores": "result_score"}
+    return step_nodes, carried, outputs
+
+
+def _build(step, compact, blocked):
+    from onnx import TensorProto
+
+    if blocked:
+        step = blocked_selection(step) or step
+    graph = step.graph
+    inputs, self_names, cross_names, heads, head_dim, cache_type = step_interface(step)
+    DOUBLE, INT64 = TensorProto.DOUBLE, TensorProto.INT64
+    o = GraphBuilder(PREFIX)
+    _first_state(o, heads, head_dim, cache_type)
+    b = o.body()
+    _beam_step_rules(b, self_names)
+    step_nodes = list(graph.node)
+    carried = _carried_state(self_names, cache_type)
     outputs = {"tokens": "best_tokens", "lengths": "best_length", "scores": "best_score"}
     if compact:
-        # The state starts with the sentences that have room for a token.
-        o("Greater", ["limits", zero_i], "has_room")
-        o("Compress", [P + "sentence_index", P + "has_room"], "first_live", axis=0)
-        per_sentence_initials = {"first_ids", "first_alive_scores", "first_done"}
-        per_sentence_initials |= {"first_best_scores", "no_tokens", "zeros", "empty_cache"}
-        for initial in sorted(per_sentence_initials):
-            o("Gather", [P + initial, P + "first_live"], "live_" + initial, axis=0)
-        for name in sentence_inputs:
-            o("Gather", [name, P + "first_live"], "live_first_" + name, axis=0)
-        carried = [
-            (name, "kept_" + next_name, elem_type, "live_" + initial)
-            for name, next_name, elem_type, initial in carried
-        ]
-        carried += [("sentence_ids", "kept_sentence_ids", INT64, "first_live")]
-        carried += [
-            (
-                live_name[name][len(P) :],
-                "kept_" + live_name[name][len(P) :],
-                t,
-                "live_first_" + name,
-            )
-            for name, t in zip(
-                sentence_inputs,
-                [inputs[n].type.tensor_type.elem_type for n in sentence_inputs],
-                strict=True,
-            )
-        ]
-        carried += [
-            ("result_score", "result_score_next", DOUBLE, "first_best_scores"),
-            ("result_tokens", "result_tokens_next", INT64, "no_tokens"),
-            ("result_length", "result_length_next", INT64, "zeros"),
-        ]
-        outputs = {"tokens": "result_tokens", "lengths": "result_length", "scores": "result_score"}
+        sentence_inputs = ["source_mask", *cross_names]
+        types = {name: inputs[name].type.tensor_type.elem_type for name in sentence_inputs}
+        step_nodes, carried, outputs = _compacted(o, b, step_nodes, carried, sentence_inputs, types)
+
+    value, v = o.value_info, o.name
 
     def body_name(name):
-        return name if name == "token_ids" or name in self_names else P + name
+        return name if name == "token_ids" or name in self_names else v(name)
 
-    body_inputs = [value(P + "iteration", INT64, []), value(P + "condition", TensorProto.BOOL, [])]
+    body_inputs = [value(v("iteration"), INT64, []), value(v("condition"), TensorProto.BOOL, [])]
     body_inputs += [value(body_name(name), t) for name, _, t, _ in carried]
-    body_outputs = [value(P + "keep_going", TensorProto.BOOL, [])]
-    body_outputs += [value(P + name, t) for _, name, t, _ in carried]
-    body = helper.make_graph(
-        step_nodes + b.nodes,
-        "beam_step",
-        body_inputs,
-        body_outputs,
-        list(graph.initializer) + b.constants,
-    )
-    final = [P + f"last_{name}" for name, *_ in carried]
-    o(
+    body_outputs = [value(v("keep_going"), TensorProto.BOOL, [])]
+    body_outputs += [value(v(name), t) for _, name, t, _ in carried]
+    b.nodes = step_nodes + b.nodes
+    body = b.graph("beam_step", body_inputs, body_outputs, graph.initializer)
+    final = o.node(
         "Loop",
-        [P + "max_steps", o.const("true", True, np.bool_)] + [P + c[3] for c in carried],
+        [v("max_steps"), o.const("true", True, np.bool_)] + [v(c[3]) for c in carried],
         [f"last_{name}" for name, *_ in carried],
         body=body,
     )
     named = dict(zip((name for name, *_ in carried), final, strict=True))
     for output, state in outputs.items():
-        o.nodes.append(helper.make_node("Identity", [named[state]], [output]))
+        o.output("Identity", [named[state]], output)
 
     outer_inputs = [inputs["source_mask"]] + [inputs[name] for name in cross_names]
     outer_inputs += [
@@ -474,10 +392,4 @@ def _build(step, compact, blocked):
         value("lengths", INT64, ["sentences"]),
         value("scores", DOUBLE, ["sentences"]),
     ]
-    model = helper.make_model(
-        helper.make_graph(o.nodes, "beam_search", outer_inputs, outer_outputs, o.constants),
-        producer_name="keras-transformer",
-        opset_imports=list(step.opset_import),
-    )
-    model.ir_version = step.ir_version
-    return model
+    return o.model("beam_search", outer_inputs, outer_outputs, like=step)

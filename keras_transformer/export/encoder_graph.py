@@ -23,8 +23,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from keras_transformer.export.graph_builder import GraphBuilder
 from keras_transformer.export.step_graph import (
-    _Builder,
     _position_encoding,
     _value,
     check_relu,
@@ -39,7 +39,7 @@ from keras_transformer.ops.attention import MASKED_SCORE
 
 def build_encoder(parts, opset=17):
     """Returns the encoder `onnx.ModelProto` for a float32 model's `TransformerParts`."""
-    from onnx import TensorProto, helper
+    from onnx import TensorProto
 
     if opset < 17:
         raise ValueError(f"The encoder graph needs opset >= 17 (LayerNormalization). Got {opset}")
@@ -47,7 +47,7 @@ def build_encoder(parts, opset=17):
     check_relu(parts.encoder_layers, "encoder graph")
     d, n = c.hidden_dim, c.num_heads
     h = d // n
-    g = _Builder()
+    g = GraphBuilder()
 
     def const(name, values):
         return g.const(name, np.array(values, np.int64))
@@ -178,25 +178,10 @@ def build_encoder(parts, opset=17):
     )  # (B, 2 * layers * N, S, H)
     g.node("Split", [cross, const("split_cross", [n] * len(names))], names, axis=1)
 
-    def value_info(name, dtype, shape):
-        return helper.make_tensor_value_info(name, dtype, shape)
-
     f32 = TensorProto.FLOAT
     outputs = [
-        value_info("encoder_output", f32, ["batch", "source_len", d]),
-        value_info("source_mask", TensorProto.BOOL, ["batch", "source_len"]),
-    ] + [value_info(name, f32, ["batch", n, "source_len", h]) for name in names]
-    graph = helper.make_graph(
-        g.nodes,
-        "encoder",
-        [value_info("source_ids", TensorProto.INT32, ["batch", "source_len"])],
-        outputs,
-        g.initializers,
-    )
-    model = helper.make_model(
-        graph,
-        producer_name="keras-transformer",
-        opset_imports=[helper.make_opsetid("", opset)],
-    )
-    model.ir_version = min(model.ir_version, 9)
-    return model
+        g.value_info("encoder_output", f32, ["batch", "source_len", d]),
+        g.value_info("source_mask", TensorProto.BOOL, ["batch", "source_len"]),
+    ] + [g.value_info(name, f32, ["batch", n, "source_len", h]) for name in names]
+    inputs = [g.value_info("source_ids", TensorProto.INT32, ["batch", "source_len"])]
+    return g.model("encoder", inputs, outputs, opset=opset)

@@ -1,7 +1,7 @@
 """The decoder-step ONNX graph, built node by node from the layer weights.
 
 One new token per sequence in, log-probabilities and the grown self-attention
-caches out. Written directly with `onnx.helper` rather than converted from a
+caches out. Written node by node with `GraphBuilder` rather than converted from a
 TensorFlow function: the converted step had several hundred nodes after ONNX Runtime's
 optimizations, mostly the shape arithmetic of the einsum projections and
 decomposed layer norms, and per-node overhead dominated a batch-1 step. This
@@ -19,32 +19,12 @@ from __future__ import annotations
 import numpy as np
 from keras_transformer_runtime.search import banned_ids
 
+from keras_transformer.export.graph_builder import GraphBuilder
 from keras_transformer.ops.attention import MASKED_SCORE
 
 
 def _value(weight):
     return np.asarray(weight.numpy() if hasattr(weight, "numpy") else weight, np.float32)
-
-
-class _Builder:
-    def __init__(self):
-        self.nodes, self.initializers, self._count = [], [], 0
-
-    def const(self, name, array):
-        from onnx import numpy_helper
-
-        self.initializers.append(numpy_helper.from_array(np.asarray(array), name))
-        return name
-
-    def node(self, op, inputs, outputs=None, **attributes):
-        from onnx import helper
-
-        self._count += 1
-        outputs = outputs or [f"{op.lower()}_{self._count}"]
-        self.nodes.append(
-            helper.make_node(op, inputs, outputs, name=f"{op}_{self._count}", **attributes)
-        )
-        return outputs[0] if len(outputs) == 1 else outputs
 
 
 def layer_norm(g, x, layer, prefix):
@@ -178,7 +158,7 @@ def build_decoder_step(parts, opset=17):
     best first (ties: lower id), which is all a search step reads; and
     `new_self_key_i`, `new_self_value_i (batch, heads, past_len + 1, head_dim)`.
     """
-    from onnx import TensorProto, helper
+    from onnx import TensorProto
 
     if opset < 17:
         raise ValueError(f"The decoder step needs opset >= 17 (LayerNormalization). Got {opset}")
@@ -186,7 +166,7 @@ def build_decoder_step(parts, opset=17):
     check_relu(parts.decoder_layers, "decoder step")
     d, n = c.hidden_dim, c.num_heads
     h = d // n
-    g = _Builder()
+    g = GraphBuilder()
     f32 = TensorProto.FLOAT
 
     # Embedding of the new token at position past_len (read off the first cache).
@@ -316,11 +296,11 @@ def build_decoder_step(parts, opset=17):
     g.node("TopK", [allowed, "top_k"], ["top_log_probs", "top_ids"], axis=-1, largest=1, sorted=1)
 
     def cache(name, length, rows="batch"):
-        return helper.make_tensor_value_info(name, f32, [rows, n, length, h])
+        return g.value_info(name, f32, [rows, n, length, h])
 
     inputs = [
-        helper.make_tensor_value_info("token_ids", TensorProto.INT32, ["batch", 1]),
-        helper.make_tensor_value_info("source_mask", TensorProto.BOOL, ["sentences", "source_len"]),
+        g.value_info("token_ids", TensorProto.INT32, ["batch", 1]),
+        g.value_info("source_mask", TensorProto.BOOL, ["sentences", "source_len"]),
     ]
     for i in range(c.num_layers):
         inputs += [
@@ -329,20 +309,13 @@ def build_decoder_step(parts, opset=17):
         ]
     for i in range(c.num_layers):
         inputs += [cache(f"self_key_{i}", "past_len"), cache(f"self_value_{i}", "past_len")]
-    inputs.append(helper.make_tensor_value_info("top_k", TensorProto.INT64, [1]))
+    inputs.append(g.value_info("top_k", TensorProto.INT64, [1]))
     graph_outputs = [
-        helper.make_tensor_value_info("log_probs", f32, ["batch", c.vocabulary_size]),
-        helper.make_tensor_value_info("top_log_probs", f32, ["batch", "top_k"]),
-        helper.make_tensor_value_info("top_ids", TensorProto.INT64, ["batch", "top_k"]),
+        g.value_info("log_probs", f32, ["batch", c.vocabulary_size]),
+        g.value_info("top_log_probs", f32, ["batch", "top_k"]),
+        g.value_info("top_ids", TensorProto.INT64, ["batch", "top_k"]),
     ] + [cache(name, "past_len_plus_1") for name in outputs]
-    graph = helper.make_graph(g.nodes, "decoder_step", inputs, graph_outputs, g.initializers)
-    model = helper.make_model(
-        graph,
-        producer_name="keras-transformer",
-        opset_imports=[helper.make_opsetid("", opset)],
-    )
-    model.ir_version = min(model.ir_version, 9)
-    return model
+    return g.model("decoder_step", inputs, graph_outputs, opset=opset)
 
 
 def selection_block_size(vocabulary_size):
@@ -378,7 +351,7 @@ def blocked_selection(step):
     and 1). `top_k` may be at most the number of blocks,
     `selection_top_k_limit(vocabulary_size)`.
     """
-    from onnx import helper, numpy_helper
+    from onnx import helper
 
     graph = step.graph
     outputs = {v.name: v for v in graph.output}
@@ -392,83 +365,59 @@ def blocked_selection(step):
     (ban,) = [n for n in graph.node if n.output[0] == select.input[0]]
     if list(ban.input) != ["log_probs", "banned_ids_bias"] or select.input[1] != "top_k":
         raise ValueError("The decoder step's selection is not Add(log_probs, ban) -> TopK.")
+    opset = next(o.version for o in step.opset_import if o.domain in ("", "ai.onnx"))
+    g = GraphBuilder("best.")
     # The ids the step bans (its `banned_ids_bias`, which may sit in an
     # external weights file), all inside the first block.
     first_block_ban = np.zeros(block, np.float32)
     first_block_ban[banned_ids()] = -np.inf
-
-    def const(name, value, dtype):
-        return numpy_helper.from_array(np.asarray(value, dtype), "best." + name)
-
-    constants = [
-        const("blocks_shape", [0, blocks, block], np.int64),
-        const("flat_shape", [0, -1], np.int64),
-        const("one", [1], np.int64),
-        const("zero", [0], np.int64),
-        const("zero_id", 0, np.int64),
-        const("block", block, np.int64),
-        const("block_end", [block], np.int64),
-        const("all_blocks_end", [blocks], np.int64),
-        const("first_block_ban", first_block_ban, helper.tensor_dtype_to_np_dtype(float_type)),
-    ]
-    opset = next(o.version for o in step.opset_import if o.domain in ("", "ai.onnx"))
+    first_block_ban = g.const(
+        "first_block_ban", first_block_ban, helper.tensor_dtype_to_np_dtype(float_type)
+    )
+    last_axis, one, block_width = g.int64s([-1]), g.int64s([1]), g.int64s(block)
 
     def reduce_max(x, out, keepdims):
         # The axes are an input from opset 18, an attribute before.
         if opset >= 18:
-            return ("ReduceMax", [x, "best.last_axis"], [out], {"keepdims": keepdims})
-        return ("ReduceMax", [x], [out], {"axes": [-1], "keepdims": keepdims})
+            return g.node("ReduceMax", [x, last_axis], out, keepdims=keepdims)
+        return g.node("ReduceMax", [x], out, axes=[-1], keepdims=keepdims)
 
-    constants.append(const("last_axis", [-1], np.int64))
-    rules = [
-        ("Reshape", ["log_probs", "best.blocks_shape"], ["best.blocks"]),
-        reduce_max("best.blocks", "best.block_max", 0),
-        ("Slice", ["log_probs", "best.zero", "best.block_end", "best.one"], ["best.first"]),
-        ("Add", ["best.first", "best.first_block_ban"], ["best.first_allowed"]),
-        reduce_max("best.first_allowed", "best.first_max", 1),
-        (
-            "Slice",
-            ["best.block_max", "best.one", "best.all_blocks_end", "best.one"],
-            ["best.other_max"],
-        ),
-        ("Concat", ["best.first_max", "best.other_max"], ["best.allowed_max"], {"axis": 1}),
-        # The k best blocks, then in id order (TopK's ties go to the lower block).
-        ("TopK", ["best.allowed_max", "top_k"], ["best.best_max", "best.best_blocks"], {"axis": 1}),
-        (
-            "TopK",
-            ["best.best_blocks", "top_k"],
-            ["best.blocks_at", "best.order"],
-            {"axis": 1, "largest": 0},
-        ),
-        ("Unsqueeze", ["best.blocks_at", "best.last_axis"], ["best.blocks_at_3d"]),
-        ("GatherND", ["best.blocks", "best.blocks_at_3d"], ["best.row_blocks"], {"batch_dims": 1}),
-        ("Equal", ["best.blocks_at_3d", "best.zero_id"], ["best.in_first"]),
-        ("Add", ["best.row_blocks", "best.first_block_ban"], ["best.row_blocks_banned"]),
-        (
-            "Where",
-            ["best.in_first", "best.row_blocks_banned", "best.row_blocks"],
-            ["best.row_allowed_3d"],
-        ),
-        ("Reshape", ["best.row_allowed_3d", "best.flat_shape"], ["best.row_allowed"]),
-        ("TopK", ["best.row_allowed", "top_k"], ["top_log_probs", "best.at"], {"axis": 1}),
-        ("Div", ["best.at", "best.block"], ["best.which"]),
-        ("Mod", ["best.at", "best.block"], ["best.within"]),
-        ("GatherElements", ["best.blocks_at", "best.which"], ["best.chosen"], {"axis": 1}),
-        ("Mul", ["best.chosen", "best.block"], ["best.chosen_start"]),
-        ("Add", ["best.chosen_start", "best.within"], ["top_ids"]),
-    ]
+    rows_of_blocks = g.reshape("log_probs", [0, blocks, block], "blocks")  # (B, blocks, block)
+    block_max = reduce_max(rows_of_blocks, "block_max", 0)  # (B, blocks)
+    first = g.node("Slice", ["log_probs", g.int64s([0]), g.int64s([block]), one], "first")
+    first_allowed = g.node("Add", [first, first_block_ban], "first_allowed")
+    first_max = reduce_max(first_allowed, "first_max", 1)  # (B, 1)
+    other_max = g.node("Slice", [block_max, one, g.int64s([blocks]), one], "other_max")
+    allowed_max = g.node("Concat", [first_max, other_max], "allowed_max", axis=1)
+    # The k best blocks, then in id order (TopK's ties go to the lower block).
+    _, best_blocks = g.node("TopK", [allowed_max, "top_k"], ["best_max", "best_blocks"], axis=1)
+    blocks_at, _ = g.node(
+        "TopK", [best_blocks, "top_k"], ["blocks_at", "order"], axis=1, largest=0
+    )  # (B, k)
+    blocks_at_3d = g.unsqueeze(blocks_at, [-1], "blocks_at_3d")  # (B, k, 1)
+    row_blocks = g.node(
+        "GatherND", [rows_of_blocks, blocks_at_3d], "row_blocks", batch_dims=1
+    )  # (B, k, block)
+    in_first = g.node("Equal", [blocks_at_3d, g.int64s(0)], "in_first")
+    banned = g.node("Add", [row_blocks, first_block_ban], "row_blocks_banned")
+    row_allowed = g.node("Where", [in_first, banned, row_blocks], "row_allowed_3d")
+    row_allowed = g.reshape(row_allowed, [0, -1], "row_allowed")  # (B, k * block)
+    at = g.output("TopK", [row_allowed, "top_k"], ["top_log_probs", g.name("at")], axis=1)[1]
+    which = g.node("Div", [at, block_width], "which")
+    within = g.node("Mod", [at, block_width], "within")
+    chosen = g.node("GatherElements", [blocks_at, which], "chosen", axis=1)
+    chosen_start = g.node("Mul", [chosen, block_width], "chosen_start")
+    g.output("Add", [chosen_start, within], "top_ids")
+
     nodes = []
     for node in graph.node:
         if node is select:
-            nodes += [
-                helper.make_node(op, ins, outs, name=outs[0], **(attrs[0] if attrs else {}))
-                for op, ins, outs, *attrs in rules
-            ]
+            nodes += g.nodes
         elif node is not ban:
             nodes.append(node)
     copy = type(step)()
     copy.CopyFrom(step)
     del copy.graph.node[:]
     copy.graph.node.extend(nodes)
-    copy.graph.initializer.extend(constants)
+    copy.graph.initializer.extend(g.initializers)
     return copy
