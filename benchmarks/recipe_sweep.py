@@ -212,17 +212,14 @@ def run_one(args) -> None:
     from keras_transformer.config import TransformerConfig
     from keras_transformer.data.tokenizer import SentencePieceTokenizer
     from keras_transformer.evaluation import score_translations
+    from keras_transformer.losses import LabelSmoothedCrossEntropy, MaskedAccuracy
     from keras_transformer.model import build_transformer
-    from keras_transformer.train import (
+    from keras_transformer.schedules import transformer_optimizer
+    from keras_transformer.train.checkpoints import final_candidates
+    from keras_transformer.train.settings import (
         KEEP_CHECKPOINTS,
         PAPER_WARMUP_STEPS,
         WARMUP_EPOCHS,
-        final_candidates,
-    )
-    from keras_transformer.training import (
-        LabelSmoothedCrossEntropy,
-        MaskedAccuracy,
-        transformer_optimizer,
     )
     from keras_transformer.translation import translate_lines
 
