@@ -43,7 +43,7 @@ test: $(STAMP)
 # trained fixtures; the first's output is printed after the second's.
 # TRAIN_LANE_TOO: tests that need no shared fixture, run in the first process
 # to even out the two processes' times (none while the first is the longer).
-TRAIN_TESTS = tests/test_train.py tests/test_demo.py
+TRAIN_TESTS = tests/train/test_stages.py tests/test_demo.py
 TRAIN_LANE_TOO =
 integration: $(STAMP)
 	@KERAS_BACKEND=tensorflow $(PYTEST) --basetemp=.pytest-train-tmp -m "integration and not slow" \

@@ -45,7 +45,7 @@ def _language(path: str) -> str:
 
 def train_command(settings: dict) -> str:
     """The `keras-transformer train` command of a run's `train_config.json`, defaults left out."""
-    from keras_transformer.train import TrainSettings, default_select_by
+    from keras_transformer.train.settings import TrainSettings, default_select_by
 
     defaults = {f.name: f.default for f in dataclasses.fields(TrainSettings)}
     defaults["select_by"] = default_select_by(settings.get("strategy", "default"))
@@ -202,7 +202,7 @@ def record(
 
 
 def _model_config(settings: dict) -> dict:
-    from keras_transformer.train import SHAPE_FIELDS, preset_config
+    from keras_transformer.train.settings import SHAPE_FIELDS, preset_config
 
     config = preset_config(
         settings["preset"],

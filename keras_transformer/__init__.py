@@ -14,13 +14,9 @@ from keras_transformer.layers import (
     MultiHeadAttention,
     PositionalEmbedding,
 )
+from keras_transformer.losses import LabelSmoothedCrossEntropy, MaskedAccuracy
 from keras_transformer.model import TransformerParts, build_transformer, transformer_parts
-from keras_transformer.training import (
-    LabelSmoothedCrossEntropy,
-    MaskedAccuracy,
-    TransformerSchedule,
-    transformer_optimizer,
-)
+from keras_transformer.schedules import TransformerSchedule, transformer_optimizer
 
 __version__ = "0.1.0"
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
+import typing
 
 from keras_transformer_runtime.text import read_input_lines, warn
 
@@ -25,50 +27,77 @@ def _demo(args):
 
 def _train(args):
     from keras_transformer.data.pipeline import DataError
-    from keras_transformer.train import KEEP_CHECKPOINTS, RunDirectoryError, TrainSettings, train
+    from keras_transformer.train import RunDirectoryError, TrainSettings, train
 
     try:
-        settings = TrainSettings(
-            src_train=args.src_train,
-            tgt_train=args.tgt_train,
-            src_valid=args.src_valid,
-            tgt_valid=args.tgt_valid,
-            preset=args.preset,
-            epochs=args.epochs,
-            max_steps=args.max_steps,
-            max_minutes=args.max_minutes,
-            tokens_per_batch=args.tokens_per_batch,
-            precision=args.precision,
-            label_smoothing=args.label_smoothing,
-            warmup_steps=args.warmup_steps,
-            learning_rate_scale=args.learning_rate_scale,
-            cooldown=args.cooldown,
-            accumulate_steps=args.accumulate_steps,
-            vocab_size=args.vocab_size,
-            subword_alpha=args.subword_alpha,
-            subword_nbest=args.subword_nbest,
-            rdrop_alpha=args.rdrop_alpha,
-            num_layers=args.num_layers,
-            hidden_dim=args.hidden_dim,
-            intermediate_dim=args.intermediate_dim,
-            num_heads=args.num_heads,
-            dropout=args.dropout,
-            attention_dropout=args.attention_dropout,
-            normalize_first=args.normalize_first,
-            seed=args.seed,
-            select_by=args.select_by,
-            patience=args.patience,
-            average=args.average_last
-            or (KEEP_CHECKPOINTS if args.average is None else args.average),
-            final="last" if args.average_last else args.final,
-            valid_beam=args.valid_beam,
-            jit_compile=args.jit_compile,
-            strategy=args.strategy,
-        )
+        settings = _settings_from_arguments(args, TrainSettings)
         train(settings, args.out)
     except (DataError, RunDirectoryError, ValueError, NotImplementedError) as error:
         raise SystemExit(f"error: {error}") from None
     return 0
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _option_type(annotation):
+    """The one type a field holds besides None: `int | None` -> int."""
+    types = [t for t in typing.get_args(annotation) or (annotation,) if t is not type(None)]
+    if len(types) != 1:
+        raise TypeError(f"An option must hold one type (or None). Received: {annotation}")
+    return types[0]
+
+
+def _add_settings_arguments(parser, settings_class, groups):
+    """One option per field of the dataclass `settings_class`, in the argument group
+    its metadata names (`groups`: {name: title}), with the field's default, help,
+    choices and metavar (fairseq's pattern: the parser is generated from the settings)."""
+    sections = {name: parser.add_argument_group(title) for name, title in groups.items()}
+    hints = typing.get_type_hints(settings_class)
+    for field in dataclasses.fields(settings_class):
+        meta = field.metadata
+        kind = _option_type(hints[field.name])
+        kwargs = {"help": meta.get("help")}
+        if field.default is dataclasses.MISSING:
+            kwargs["required"] = True
+        else:
+            kwargs["default"] = field.default
+        if kind is bool:
+            kwargs["action"] = "store_true"
+        else:
+            if kind is not str:
+                kwargs["type"] = kind
+            for key in ("choices", "metavar"):
+                if key in meta:
+                    kwargs[key] = meta[key]
+        sections[meta["group"]].add_argument(_flag(field.name), **kwargs)
+    return sections
+
+
+def _add_train_arguments(parser):
+    """`train`'s options: `--out`, one per `TrainSettings` field, and `--average-last`."""
+    from keras_transformer.train.settings import GROUPS, TrainSettings
+
+    parser.add_argument("--out", required=True, help="run directory")
+    sections = _add_settings_arguments(parser, TrainSettings, GROUPS)
+    sections["selection"].add_argument(
+        "--average-last",
+        type=int,
+        help="the mean of the last K epochs (the paper uses 5): --final last --average K",
+    )
+
+
+def _settings_from_arguments(args, settings_class):
+    """The dataclass `settings_class` from the parsed options of its fields.
+
+    `--average-last K`, the one option that is not a field, stands for
+    `--final last --average K`.
+    """
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(settings_class)}
+    if args.average_last:
+        values.update(final="last", average=args.average_last)
+    return settings_class(**values)
 
 
 def _length_penalty(args):
@@ -240,155 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Train a Transformer on parallel text. Rerunning the same command on the "
         "same --out resumes after the last completed epoch.",
     )
-    train.add_argument("--src-train", required=True, help="source side (plain or .gz)")
-    train.add_argument("--tgt-train", required=True, help="target side, parallel to --src-train")
-    train.add_argument("--src-valid", required=True)
-    train.add_argument("--tgt-valid", required=True)
-    train.add_argument("--out", required=True, help="run directory")
-    train.add_argument("--preset", default="small", help="model preset (default: small)")
-    stop = train.add_argument_group("when to stop (any that is reached first)")
-    stop.add_argument("--epochs", type=int, help="epochs (default 10 when nothing else is set)")
-    stop.add_argument("--max-steps", type=int, help="optimizer steps")
-    stop.add_argument(
-        "--max-minutes",
-        type=float,
-        help="training time; stops after the epoch where one more would exceed it",
-    )
-    train.add_argument(
-        "--tokens-per-batch",
-        type=int,
-        help="padded tokens per batch on each side (default: 4096, or 2048 or 1024 where "
-        "that leaves an epoch fewer than 400 updates)",
-    )
-    train.add_argument(
-        "--precision",
-        default="auto",
-        choices=["auto", "float32", "mixed_float16", "mixed_bfloat16"],
-        help="auto (default): mixed_bfloat16 on a GPU or CPU that computes in bfloat16 "
-        "(AVX512_BF16, AMX), float32 elsewhere",
-    )
-    train.add_argument("--label-smoothing", type=float, default=0.1)
-    train.add_argument(
-        "--warmup-steps",
-        type=int,
-        help="warm-up updates (default: 3 epochs of updates, at most the paper's 4000)",
-    )
-    train.add_argument(
-        "--learning-rate-scale",
-        type=float,
-        help="multiplier on the paper's learning-rate curve (default: sqrt(warmup / 4000), "
-        "which keeps the paper's peak learning rate for the model width)",
-    )
-    train.add_argument(
-        "--cooldown",
-        type=float,
-        metavar="FRACTION",
-        help="let the learning rate fall linearly to zero over this last fraction of the "
-        "run's updates (needs --epochs or --max-steps; default: none, the paper's inverse "
-        "square root to the end)",
-    )
-    train.add_argument(
-        "--accumulate-steps",
-        type=int,
-        default=1,
-        help="average the gradients of N batches per update: N times the batch on one device",
-    )
-    train.add_argument(
-        "--vocab-size",
-        type=int,
-        default=8000,
-        help="joint SentencePiece vocabulary size (default 8000)",
-    )
-    train.add_argument(
-        "--subword-alpha",
-        type=float,
-        metavar="ALPHA",
-        help="subword regularization: segment every training sentence anew each epoch, "
-        "sampling from the SentencePiece model with this smoothing (e.g. 0.1; smaller "
-        "samples more freely). Default: the one best segmentation",
-    )
-    train.add_argument(
-        "--subword-nbest",
-        type=int,
-        default=64,
-        metavar="L",
-        help="with --subword-alpha, sample among the L best segmentations, or all with -1 "
-        "(default 64)",
-    )
-    train.add_argument(
-        "--rdrop-alpha",
-        type=float,
-        default=0.0,
-        metavar="ALPHA",
-        help="R-Drop: run every training sentence twice per step (two dropout masks) and add "
-        "ALPHA times the symmetric KL divergence of the two predictions to the loss; each "
-        "step computes twice the sentences (default 0: off)",
-    )
-    shape = train.add_argument_group("model shape (default: the preset's)")
-    shape.add_argument("--num-layers", type=int, help="encoder layers, and as many decoder layers")
-    shape.add_argument("--hidden-dim", type=int, help="d_model")
-    shape.add_argument("--intermediate-dim", type=int, help="d_ff, the feed-forward inner width")
-    shape.add_argument("--num-heads", type=int, help="attention heads; must divide --hidden-dim")
-    train.add_argument("--dropout", type=float, help="override the preset's dropout")
-    train.add_argument(
-        "--attention-dropout",
-        type=float,
-        help="dropout on the attention weights alone (default: --dropout; 0 as in the paper "
-        "lets training use the fused attention kernel)",
-    )
-    train.add_argument(
-        "--normalize-first",
-        action="store_true",
-        default=None,
-        help="pre-norm: LayerNorm before each sublayer instead of after the residual sum "
-        "(default: the preset's, post-norm as in the paper)",
-    )
-    train.add_argument("--seed", type=int, default=0)
-    choose = train.add_argument_group("choosing on the validation set")
-    choose.add_argument(
-        "--select-by",
-        choices=["loss", "bleu"],
-        help="the measure that ranks epochs: greedy BLEU, decoded after every epoch "
-        "(default), or validation loss (the default with --strategy multi-worker)",
-    )
-    choose.add_argument(
-        "--patience",
-        type=int,
-        help="stop after K epochs without a better validation measure",
-    )
-    choose.add_argument(
-        "--average",
-        type=int,
-        help="average at most K epoch checkpoints into the final weights (default 10, "
-        "the checkpoints train keeps)",
-    )
-    choose.add_argument(
-        "--final",
-        default="auto",
-        choices=["auto", "last", "best"],
-        help="final weights: auto (default) tries the last and the best epoch and the means "
-        "of the last k and best k for k <= --average, and keeps the best on validation; "
-        "last / best: the mean of the last / best --average epochs",
-    )
-    choose.add_argument(
-        "--average-last",
-        type=int,
-        help="the mean of the last K epochs (the paper uses 5): --final last --average K",
-    )
-    train.add_argument(
-        "--valid-beam",
-        type=int,
-        default=1,
-        help="beam size for the final validation BLEU (default 1: greedy)",
-    )
-    train.add_argument("--jit-compile", action="store_true", help="compile the train step with XLA")
-    train.add_argument(
-        "--strategy",
-        default="default",
-        choices=["default", "mirrored", "multi-worker"],
-        help="tf.distribute strategy: one device, all GPUs of this machine, or the "
-        "cluster in TF_CONFIG",
-    )
+    _add_train_arguments(train)
     train.set_defaults(func=_train)
 
     translate = sub.add_parser(

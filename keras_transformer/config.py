@@ -6,7 +6,7 @@ import dataclasses
 import json
 from typing import Any
 
-from keras_transformer.validation import check_positive_int, check_rate
+from keras_transformer.checks import check_positive_int, check_rate
 
 PRESETS: dict[str, dict[str, Any]] = {
     # Table 3 of the paper, "base" row.

@@ -12,12 +12,9 @@ from keras_transformer.config import TransformerConfig
 from keras_transformer.data.toy import WordVocabulary, encode_pairs, generate_toy_corpus
 from keras_transformer.decoding import greedy_search
 from keras_transformer.io_utils import atomic_save_model, atomic_write_json, atomic_write_text
+from keras_transformer.losses import LabelSmoothedCrossEntropy, MaskedAccuracy
 from keras_transformer.model import build_transformer
-from keras_transformer.training import (
-    LabelSmoothedCrossEntropy,
-    MaskedAccuracy,
-    transformer_optimizer,
-)
+from keras_transformer.schedules import transformer_optimizer
 
 
 def run_demo(

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from keras_transformer.config import TransformerConfig
-from keras_transformer.training import LabelSmoothedCrossEntropy
+from keras_transformer.losses import LabelSmoothedCrossEntropy
 
 pytestmark = pytest.mark.skipif(
     keras.backend.backend() != "tensorflow", reason="tf.distribute needs the TensorFlow backend"

@@ -18,7 +18,7 @@ import numpy as np
 from keras_transformer_runtime.specials import BOS_ID, EOS_ID, PAD_ID
 from keras_transformer_runtime.text import decode_lines, describe_undecodable, warn
 
-from keras_transformer.validation import check_positive_int
+from keras_transformer.checks import check_positive_int
 
 
 class DataError(ValueError):

@@ -18,8 +18,8 @@ import sentencepiece as spm
 from keras_transformer_runtime.specials import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 from keras_transformer_runtime.tokenizers import SentencePieceModel
 
+from keras_transformer.checks import check_positive_int
 from keras_transformer.io_utils import atomic_path
-from keras_transformer.validation import check_positive_int
 
 __all__ = ["BOS_ID", "EOS_ID", "PAD_ID", "UNK_ID", "SentencePieceTokenizer", "train_sentencepiece"]
 # Byte pieces (256) + the four specials; below this the byte fallback cannot fit.

@@ -5,10 +5,10 @@ from __future__ import annotations
 import keras
 from keras import ops
 
+from keras_transformer.checks import check_positive_int, check_rate
 from keras_transformer.layers.dropout import Dropout
 from keras_transformer.layers.initializers import clone_initializer
 from keras_transformer.ops.linear import linear
-from keras_transformer.validation import check_positive_int, check_rate
 
 
 @keras.saving.register_keras_serializable(package="keras_transformer")

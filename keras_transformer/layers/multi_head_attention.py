@@ -7,12 +7,12 @@ import math
 import keras
 from keras import ops
 
+from keras_transformer.checks import check_positive_int, check_rate
 from keras_transformer.layers.dropout import Dropout
 from keras_transformer.layers.initializers import clone_initializer
 from keras_transformer.layers.masks import merge_masks
 from keras_transformer.ops.attention import dot_product_attention
 from keras_transformer.ops.linear import linear
-from keras_transformer.validation import check_positive_int, check_rate
 
 
 @keras.saving.register_keras_serializable(package="keras_transformer")

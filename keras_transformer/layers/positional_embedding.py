@@ -8,8 +8,8 @@ import keras
 import numpy as np
 from keras import ops
 
+from keras_transformer.checks import check_positive_int, check_rate
 from keras_transformer.layers.dropout import Dropout
-from keras_transformer.validation import check_positive_int, check_rate
 
 
 def sinusoid_table(max_length: int, hidden_dim: int) -> np.ndarray:

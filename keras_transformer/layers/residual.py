@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import keras
 
+from keras_transformer.checks import check_positive_int, check_rate
 from keras_transformer.layers.dropout import Dropout
 from keras_transformer.layers.layer_normalization import LayerNormalization
-from keras_transformer.validation import check_positive_int, check_rate
 
 
 class ResidualBlockMixin:

@@ -11,7 +11,8 @@ import math
 
 
 def _keras_compile(model, config, jit_compile):
-    from keras_transformer.training import LabelSmoothedCrossEntropy, transformer_optimizer
+    from keras_transformer.losses import LabelSmoothedCrossEntropy
+    from keras_transformer.schedules import transformer_optimizer
 
     model.compile(
         optimizer=transformer_optimizer(config.hidden_dim, warmup_steps=4000),

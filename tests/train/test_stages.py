@@ -16,7 +16,6 @@ import pytest
 from keras_transformer import cli
 from keras_transformer.config import TransformerConfig
 from keras_transformer.model import build_transformer
-from keras_transformer.train import average_checkpoints
 from tests.conftest import train_args as _train_args
 
 # Trained fixtures, exports and commands end to end: `make integration`.
@@ -49,20 +48,6 @@ def test_saved_model_is_the_average_of_the_last_checkpoints(trained_run):
     assert not np.allclose(per_epoch[0][0], per_epoch[1][0])
     for i, weight in enumerate(saved):
         np.testing.assert_allclose(weight, (per_epoch[0][i] + per_epoch[1][i]) / 2, atol=1e-6)
-
-
-def test_average_checkpoints(tmp_path):
-    config = TransformerConfig.from_preset("tiny", vocabulary_size=40)
-    model = build_transformer(config)
-    paths = []
-    for k in range(3):
-        model.set_weights([np.full(w.shape, float(k + 1), w.dtype) for w in model.get_weights()])
-        paths.append(str(tmp_path / f"{k}.weights.h5"))
-        model.save_weights(paths[-1])
-    average_checkpoints(model, paths)
-    assert all(np.allclose(w, 2.0) for w in model.get_weights())
-    with pytest.raises(ValueError, match="No checkpoints"):
-        average_checkpoints(model, [])
 
 
 def test_evaluate_and_translate(trained_run, corpus_files, tmp_path, monkeypatch, capsys):
@@ -266,11 +251,11 @@ def test_a_resumed_start_does_not_replay_the_first_starts_batches_and_masks(
     with the same masks."""
     import shutil
 
-    from keras_transformer import train as run_module
     from keras_transformer.data.pipeline import read_parallel
+    from keras_transformer.train import TrainSettings, run_dir, stages
 
     _, paths = corpus_files
-    settings = run_module.TrainSettings(
+    settings = TrainSettings(
         src_train=paths["train.src"], tgt_train=paths["train.tgt"],
         src_valid=paths["valid.src"], tgt_valid=paths["valid.tgt"],
         preset="tiny", vocab_size=400, tokens_per_batch=1024, dropout=0.1,
@@ -284,8 +269,8 @@ def test_a_resumed_start_does_not_replay_the_first_starts_batches_and_masks(
     done = len(json.loads((trained_run / "history.json").read_text()))
 
     def start(out_dir, verbose=0):
-        run = run_module._Run(str(out_dir), True, None, True, verbose)
-        data = run_module._load_data(run, settings, *texts)
+        run = run_dir._Run(str(out_dir), True, None, True, verbose)
+        data = stages._load_data(run, settings, *texts)
         batches = [b[0]["source_ids"].numpy() for b in data.train.take(3)]
         model = build_transformer(data.config)
         masks = [np.asarray(v.value) for v in model.variables if "seed_generator" in v.path]
@@ -323,7 +308,7 @@ def test_auto_precision_accumulation_and_cooldown_are_chosen_said_and_recorded(
     """A CPU with bfloat16 units (flags mocked) gets mixed_bfloat16, recorded per epoch with
     the CPU; 2 batches per update; the cool-down is counted in updates."""
     monkeypatch.setattr("keras_transformer.precision.cpu_flags", lambda: {"avx512_bf16"})
-    monkeypatch.setattr("keras_transformer.train.visible_gpus", lambda: [])
+    monkeypatch.setattr("keras_transformer.train.stages.visible_gpus", lambda: [])
     monkeypatch.setattr(
         "keras_transformer.precision.cpu_name", lambda: "Some CPU (family 6, model 143)"
     )
@@ -367,16 +352,17 @@ def test_automatic_batch_size_is_chosen_said_and_recorded(
     corpus_files, tmp_path, capsys, monkeypatch
 ):
     """Without --tokens-per-batch, the command takes `automatic_tokens_per_batch`'s choice
-    (its rule is tested in test_train_selection): here 4096, with one update an epoch
+    (its rule is tested in tests/train/test_settings.py): here 4096, with one update an epoch
     enough, so that the choice differs from the tests' usual 1024."""
-    from keras_transformer import train as train_module
+    from keras_transformer.train import settings as settings_module
+    from keras_transformer.train import stages
 
     chosen = 4096
-    monkeypatch.setattr(train_module, "MIN_UPDATES_PER_EPOCH", 1)
+    monkeypatch.setattr(settings_module, "MIN_UPDATES_PER_EPOCH", 1)
     encoded = []  # each side is tokenized once, however many sizes are tried
-    encode = train_module.encode_pairs
+    encode = stages.encode_pairs
     monkeypatch.setattr(
-        train_module, "encode_pairs", lambda *a, **k: encoded.append(1) or encode(*a, **k)
+        stages, "encode_pairs", lambda *a, **k: encoded.append(1) or encode(*a, **k)
     )
     _, paths = corpus_files
     out = tmp_path / "run"

@@ -1,0 +1,75 @@
+"""The model of a run, built in its precision and compiled for training with the paper's
+optimizer, schedule and loss."""
+
+from __future__ import annotations
+
+import contextlib
+
+import keras
+
+from keras_transformer.config import TransformerConfig
+from keras_transformer.distribute import enable_multi_worker_fit
+from keras_transformer.losses import LabelSmoothedCrossEntropy, MaskedAccuracy
+from keras_transformer.model import build_transformer
+from keras_transformer.precision import resolve_precision
+from keras_transformer.schedules import transformer_optimizer
+
+
+def build_and_compile(
+    config: TransformerConfig,
+    strategy=None,
+    precision: str = "float32",
+    warmup_steps: int = 4000,
+    learning_rate_scale: float = 1.0,
+    label_smoothing: float = 0.1,
+    jit_compile=False,
+    accumulate_steps: int = 1,
+    total_steps: int | None = None,
+    cooldown_steps: int | None = None,
+    rdrop_alpha: float = 0.0,
+) -> keras.Model:
+    """Builds `config` under `strategy`'s scope in `precision` and compiles it for training.
+
+    Adam with the paper's schedule, `LabelSmoothedCrossEntropy` and
+    `MaskedAccuracy`; `mixed_float16` gets Keras' loss scaling; "auto"
+    precision is resolved by `keras_transformer.precision.resolve_precision`.
+    `accumulate_steps` > 1 averages that many batches' gradients per update.
+    `cooldown_steps` of `total_steps` end the schedule with a linear fall to
+    zero (`TransformerSchedule`). `rdrop_alpha` > 0 adds R-Drop's consistency
+    term to the loss; the batches must then hold each sentence twice
+    (`keras_transformer.data.pipeline.duplicate_rows`).
+    `strategy` None is the default (one-device) strategy.
+
+    Example:
+
+    >>> from keras_transformer.distribute import make_strategy
+    >>> strategy = make_strategy("mirrored")
+    >>> model = build_and_compile(TransformerConfig.from_preset("small"), strategy)
+    >>> model.fit(dataset, epochs=10)  # doctest: +SKIP
+    """
+    precision, _ = resolve_precision(precision)
+    scope = strategy.scope() if strategy is not None else contextlib.nullcontext()
+    previous_policy = keras.config.dtype_policy()
+    with scope:
+        keras.config.set_dtype_policy(precision)
+        try:
+            model = build_transformer(config)
+        finally:
+            keras.config.set_dtype_policy(previous_policy)
+        model.compile(
+            optimizer=transformer_optimizer(
+                config.hidden_dim,
+                warmup_steps,
+                learning_rate_scale,
+                accumulate_steps,
+                total_steps,
+                cooldown_steps,
+            ),
+            loss=LabelSmoothedCrossEntropy(label_smoothing, consistency=rdrop_alpha),
+            metrics=[MaskedAccuracy()],
+            jit_compile=jit_compile,
+        )
+        # The optimizer's slots now, not on first use: built inside the first
+        # trace of the training step, they make TensorFlow trace it twice.
+        model.optimizer.build(model.trainable_variables)
+    return enable_multi_worker_fit(model, strategy)

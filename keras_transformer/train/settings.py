@@ -1,0 +1,479 @@
+"""The settings of a training run: one definition per option.
+
+Each `TrainSettings` field is one option of `keras-transformer train`: its
+default, its help (`metadata["help"]`, where `%(default)s` stands for the
+default) and its choices (`metadata["choices"]`) are written here once, and
+the command's parser is generated from them (`keras_transformer.cli`). The
+fields are grouped (`metadata["group"]`, one of `GROUPS`) as the help lists
+them. The automatic values (batch size, warm-up, learning-rate scale, the
+measure that ranks epochs) are resolved here too, by the code the help
+describes them from.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+
+from keras_transformer.checks import check_consistency
+from keras_transformer.config import TransformerConfig
+from keras_transformer.data.pipeline import DataError, SubwordSampling, check_batch_fits
+from keras_transformer.data.tokenizer import DEFAULT_VOCABULARY_SIZE
+from keras_transformer.distribute import STRATEGIES
+from keras_transformer.precision import CHOICES as PRECISION_CHOICES
+
+# Settings that only say when to stop or how to finish; changing them resumes the run.
+RESUMABLE_FIELDS = (
+    "epochs",
+    "max_steps",
+    "max_minutes",
+    "patience",
+    "average",
+    "final",
+    "valid_beam",
+    "strategy",
+)
+
+# Epoch checkpoints kept, and the most that the final weights average (`average`).
+# On Multi30k en->de the mean of the best 8 of 20 epochs beat every mean of
+# at most 5 on val by 0.3 BLEU (benchmarks/results/multi30k/); fairseq
+# averages the last 10.
+KEEP_CHECKPOINTS = 10
+
+# The paper's warm-up; the automatic learning-rate scale keeps its peak for any warm-up.
+PAPER_WARMUP_STEPS = 4000
+
+# The automatic warm-up, in epochs of updates (at most PAPER_WARMUP_STEPS). On
+# Multi30k one epoch (258 updates) left the post-norm `small` model on the
+# plateau where it ignores the source (benchmarks/results/multi30k/).
+WARMUP_EPOCHS = 3
+
+# The automatic batch size (`tokens_per_batch=None`): the largest of these that
+# still gives an epoch MIN_UPDATES_PER_EPOCH optimizer updates. On Multi30k,
+# 4096-token batches (134 updates an epoch) were far behind 2048-token ones
+# (258) at every epoch of a 10-epoch budget, and 1024-token ones (507) ahead of
+# 2048 in both directions (benchmarks/results/multi30k/); a large corpus keeps
+# 4096.
+AUTO_TOKENS_PER_BATCH = (4096, 2048, 1024)
+
+MIN_UPDATES_PER_EPOCH = 400
+
+# The shape settings a run may override on its preset (TransformerConfig fields).
+SHAPE_FIELDS = ("num_layers", "hidden_dim", "intermediate_dim", "num_heads")
+
+# Validation measure: history key, and whether larger is better.
+MEASURES = {"loss": ("val_loss", False), "bleu": ("val_bleu", True)}
+
+FINAL_CHOICES = ("auto", "last", "best")
+
+# Epochs when no budget (epochs, max_steps, max_minutes) is given.
+DEFAULT_EPOCHS = 10
+
+
+def default_select_by(strategy: str) -> str:
+    """The measure that ranks epochs when none is asked for: greedy validation
+    BLEU, the one a translation is judged by; validation loss under
+    multi-worker training, where BLEU is not decoded."""
+    return "loss" if strategy == "multi-worker" else "bleu"
+
+
+def automatic_tokens_per_batch(pairs, accumulate_steps=1):
+    """The largest of `AUTO_TOKENS_PER_BATCH` whose epoch over `pairs` (`EncodedPairs`)
+    has at least `MIN_UPDATES_PER_EPOCH` optimizer updates, else the smallest."""
+    for tokens_per_batch in AUTO_TOKENS_PER_BATCH:
+        if pairs.batches(tokens_per_batch) // accumulate_steps >= MIN_UPDATES_PER_EPOCH:
+            return tokens_per_batch
+    return AUTO_TOKENS_PER_BATCH[-1]
+
+
+def automatic_batch_rule() -> str:
+    """`automatic_tokens_per_batch`'s rule in words, for the help and the run's log.
+
+    >>> automatic_batch_rule()
+    'the largest of 4096, 2048, 1024 that gives at least 400 updates an epoch, or the smallest'
+    """
+    return (
+        f"the largest of {', '.join(map(str, AUTO_TOKENS_PER_BATCH))} that gives at least "
+        f"{MIN_UPDATES_PER_EPOCH} updates an epoch, or the smallest"
+    )
+
+
+# The groups of options, in the order the help lists them: {group: title}.
+GROUPS = {
+    "data": "data",
+    "model": "model: a preset, and the shape options that override it (default: the preset's)",
+    "optimisation": "optimisation",
+    "regularisation": "regularisation",
+    "stopping": "when to stop (any that is reached first)",
+    "selection": "choosing on the validation set",
+    "devices": "precision and devices",
+}
+
+
+def option(default=dataclasses.MISSING, *, group, help=None, choices=None, metavar=None):
+    """A `TrainSettings` field and the command-line option it is: the field's default,
+    and in its metadata the option's group (a key of `GROUPS`), help, choices and
+    metavar. In `help`, `%(default)s` stands for the default."""
+    if group not in GROUPS:
+        raise ValueError(f"group must be one of {', '.join(GROUPS)}. Received: group={group!r}")
+    metadata = {"group": group, "help": help}
+    if choices is not None:
+        metadata["choices"] = tuple(choices)
+    if metavar is not None:
+        metadata["metavar"] = metavar
+    return dataclasses.field(default=default, metadata=metadata)
+
+
+@dataclasses.dataclass
+class TrainSettings:
+    """Everything that defines a training run (written to `train_config.json`).
+
+    One field per option of `keras-transformer train` (`option`): the parser
+    is generated from these fields, their defaults, help and choices.
+    """
+
+    # Data: the parallel text files and the joint vocabulary.
+    src_train: str = option(group="data", help="source side (plain or .gz)")
+    tgt_train: str = option(group="data", help="target side, parallel to --src-train")
+    src_valid: str = option(
+        group="data",
+        help="validation source side (plain or .gz): ranks the epochs and gives the final BLEU",
+    )
+    tgt_valid: str = option(group="data", help="validation target side, parallel to --src-valid")
+    vocab_size: int = option(
+        DEFAULT_VOCABULARY_SIZE,
+        group="data",
+        help="joint SentencePiece vocabulary size (default %(default)s)",
+    )
+    # The model: a preset (TransformerConfig.from_preset), its shape fields
+    # (SHAPE_FIELDS) overridable; None: the preset's.
+    preset: str = option("small", group="model", help="model preset (default: %(default)s)")
+    num_layers: int | None = option(
+        None, group="model", help="encoder layers, and as many decoder layers"
+    )
+    hidden_dim: int | None = option(None, group="model", help="d_model")
+    intermediate_dim: int | None = option(
+        None, group="model", help="d_ff, the feed-forward inner width"
+    )
+    num_heads: int | None = option(
+        None, group="model", help="attention heads; must divide --hidden-dim"
+    )
+    # None: the preset's; True: LayerNorm before each sublayer (pre-norm).
+    normalize_first: bool | None = option(
+        None,
+        group="model",
+        help="pre-norm: LayerNorm before each sublayer instead of after the residual sum "
+        "(default: the preset's, post-norm as in the paper)",
+    )
+    # Optimisation: batches, the learning-rate schedule (TransformerSchedule), the seed.
+    # Padded tokens per batch on each side; None: automatic (automatic_tokens_per_batch).
+    tokens_per_batch: int | None = option(
+        None,
+        group="optimisation",
+        help=f"padded tokens per batch on each side (default: {automatic_batch_rule()})",
+    )
+    # Batches whose gradients are averaged into one update.
+    accumulate_steps: int = option(
+        1,
+        group="optimisation",
+        help="average the gradients of N batches per update: N times the batch on one device "
+        "(default %(default)s)",
+    )
+    # None: WARMUP_EPOCHS epochs of updates, at most the paper's 4000.
+    warmup_steps: int | None = option(
+        None,
+        group="optimisation",
+        help=f"warm-up updates (default: {WARMUP_EPOCHS} epochs of updates, at most the "
+        f"paper's {PAPER_WARMUP_STEPS})",
+    )
+    # None: sqrt(warmup_steps / 4000), the paper's peak learning rate for the width.
+    learning_rate_scale: float | None = option(
+        None,
+        group="optimisation",
+        help="multiplier on the paper's learning-rate curve (default: "
+        f"sqrt(warmup / {PAPER_WARMUP_STEPS}), which keeps the paper's peak learning rate "
+        "for the model width)",
+    )
+    # The last fraction of the run's updates (epochs or max_steps) over which the
+    # learning rate falls linearly to zero; None: none, the paper's curve.
+    cooldown: float | None = option(
+        None,
+        group="optimisation",
+        metavar="FRACTION",
+        help="let the learning rate fall linearly to zero over this last fraction of the "
+        "run's updates (needs --epochs or --max-steps; default: none, the paper's inverse "
+        "square root to the end)",
+    )
+    seed: int = option(
+        0,
+        group="optimisation",
+        help="seed of the initial weights, the data order, the dropout masks and the "
+        "SentencePiece model (default %(default)s; a resumed start derives its own from it)",
+    )
+    # Regularisation.
+    dropout: float | None = option(
+        None, group="regularisation", help="override the preset's dropout"
+    )
+    attention_dropout: float | None = option(
+        None,
+        group="regularisation",
+        help="dropout on the attention weights alone (default: --dropout; 0 as in the paper "
+        "lets training use the fused attention kernel)",
+    )
+    label_smoothing: float = option(
+        0.1,
+        group="regularisation",
+        help="label smoothing of the loss (default %(default)s, the paper's)",
+    )
+    # R-Drop's alpha: every training sentence goes through the model twice per
+    # step, with different dropout masks, and the loss adds alpha times the
+    # symmetric KL divergence between the two predictions; 0: off.
+    rdrop_alpha: float = option(
+        0.0,
+        group="regularisation",
+        metavar="ALPHA",
+        help="R-Drop: run every training sentence twice per step (two dropout masks) and add "
+        "ALPHA times the symmetric KL divergence of the two predictions to the loss; each "
+        "step computes twice the sentences (default %(default)s: off)",
+    )
+    # Subword regularization: sample each training sentence's segmentation anew
+    # every epoch with this alpha (SubwordSampling); None: the one best segmentation.
+    subword_alpha: float | None = option(
+        None,
+        group="regularisation",
+        metavar="ALPHA",
+        help="subword regularization: segment every training sentence anew each epoch, "
+        "sampling from the SentencePiece model with this smoothing (e.g. 0.1; smaller "
+        "samples more freely). Default: the one best segmentation",
+    )
+    # Sample among this many best segmentations (-1: all); used with subword_alpha.
+    subword_nbest: int = option(
+        64,
+        group="regularisation",
+        metavar="L",
+        help="with --subword-alpha, sample among the L best segmentations, or all with -1 "
+        "(default %(default)s)",
+    )
+    # When to stop: whichever budget is reached first (also `patience`).
+    epochs: int | None = option(
+        None,
+        group="stopping",
+        help=f"epochs (default {DEFAULT_EPOCHS} when nothing else is set)",
+    )
+    max_steps: int | None = option(None, group="stopping", help="optimizer steps")
+    max_minutes: float | None = option(
+        None,
+        group="stopping",
+        help="training time; stops after the epoch where one more would exceed it",
+    )
+    # The validation measure that ranks epochs: "loss" or "bleu" (greedy); None:
+    # "bleu", the measure a translation is judged by, or "loss" with multi-worker.
+    select_by: str | None = option(
+        None,
+        group="selection",
+        choices=MEASURES,
+        help="the measure that ranks epochs: greedy BLEU, decoded after every epoch "
+        "(default), or validation loss (the default with --strategy multi-worker)",
+    )
+    # Stop after this many epochs without a better validation measure.
+    patience: int | None = option(
+        None,
+        group="selection",
+        help="stop after K epochs without a better validation measure",
+    )
+    # Largest number of epoch checkpoints averaged into the final weights.
+    average: int = option(
+        KEEP_CHECKPOINTS,
+        group="selection",
+        help="average at most K epoch checkpoints into the final weights (default "
+        "%(default)s, the checkpoints train keeps)",
+    )
+    # "auto": the candidate best on validation; "last" / "best": the mean of the
+    # last / best `average` epochs.
+    final: str = option(
+        "auto",
+        group="selection",
+        choices=FINAL_CHOICES,
+        help="final weights: auto tries the last and the best epoch and the means of the "
+        "last k and best k for k <= --average, and keeps the best on validation; last / "
+        "best: the mean of the last / best --average epochs (default: %(default)s)",
+    )
+    valid_beam: int = option(
+        1,
+        group="selection",
+        help="beam size for the final validation BLEU (default %(default)s: greedy)",
+    )
+    # Precision and devices.
+    # "auto": bfloat16 where the hardware computes in it, else float32.
+    precision: str = option(
+        "auto",
+        group="devices",
+        choices=PRECISION_CHOICES,
+        help="auto: mixed_bfloat16 on a GPU or CPU that computes in bfloat16 (AVX512_BF16, "
+        "AMX), float32 elsewhere (default: %(default)s)",
+    )
+    jit_compile: bool = option(False, group="devices", help="compile the train step with XLA")
+    strategy: str = option(
+        "default",
+        group="devices",
+        choices=STRATEGIES,
+        help="tf.distribute strategy: default, one device; mirrored, all GPUs of this "
+        "machine; multi-worker, the cluster in TF_CONFIG (default: %(default)s)",
+    )
+
+    def __post_init__(self):
+        if self.strategy not in STRATEGIES:
+            raise ValueError(
+                f"strategy must be one of {', '.join(STRATEGIES)}. "
+                f"Received: strategy={self.strategy!r}"
+            )
+        if self.select_by is None:
+            self.select_by = default_select_by(self.strategy)
+        for name, value, choices in (
+            ("precision", self.precision, PRECISION_CHOICES),
+            ("select_by", self.select_by, tuple(MEASURES)),
+            ("final", self.final, FINAL_CHOICES),
+        ):
+            if value not in choices:
+                raise ValueError(
+                    f"{name} must be one of {', '.join(choices)}. Received: {name}={value!r}"
+                )
+        if self.select_by == "bleu" and self.strategy == "multi-worker":
+            raise ValueError(
+                "select_by='bleu' decodes on one process and is not available with "
+                "strategy='multi-worker'; use select_by='loss'."
+            )
+        if self.epochs is None and self.max_steps is None and self.max_minutes is None:
+            self.epochs = DEFAULT_EPOCHS
+        for name in (
+            "epochs",
+            "max_steps",
+            "tokens_per_batch",
+            "warmup_steps",
+            "accumulate_steps",
+            "patience",
+            "average",
+            *SHAPE_FIELDS,
+        ):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name} must be a positive integer. Received: {name}={value}")
+        if self.learning_rate_scale is not None and not self.learning_rate_scale > 0:
+            raise ValueError(
+                "learning_rate_scale must be positive. "
+                f"Received: learning_rate_scale={self.learning_rate_scale}"
+            )
+        if self.cooldown is not None:
+            if not 0 < self.cooldown <= 1:
+                raise ValueError(
+                    f"cooldown must be a fraction in (0, 1]. Received: cooldown={self.cooldown}"
+                )
+            if self.epochs is None and self.max_steps is None:
+                raise ValueError(
+                    "cooldown needs the run's length in updates: give epochs or max_steps "
+                    "(a budget in minutes alone does not say when the run ends)."
+                )
+        self.subword_sampling()  # a valid alpha and nbest, or say why not
+        check_consistency(self.rdrop_alpha)
+        if self.rdrop_alpha and self.strategy != "default":
+            raise ValueError(
+                "rdrop_alpha pairs the two copies of a sentence within one device's batch; "
+                f"it is available with strategy='default' only. Received: "
+                f"strategy={self.strategy!r}"
+            )
+        config = self.model_config(self.vocab_size)  # the preset and shape build, or say why not
+        if self.tokens_per_batch is not None:
+            check_batch_fits(self.tokens_per_batch, config.max_length)
+        if self.max_minutes is not None and self.max_minutes <= 0:
+            raise ValueError(f"max_minutes must be positive. Received: {self.max_minutes}")
+        if self.valid_beam < 1:
+            raise ValueError(f"valid_beam must be a positive integer. Received: {self.valid_beam}")
+        for path in (self.src_train, self.tgt_train, self.src_valid, self.tgt_valid):
+            if not os.path.isfile(path):
+                raise DataError(f"File not found: {path}")
+
+    def identity(self) -> dict:
+        """The settings that must match to resume (file paths made absolute)."""
+        values = dataclasses.asdict(self)
+        for name in RESUMABLE_FIELDS:
+            values.pop(name)
+        for name in ("src_train", "tgt_train", "src_valid", "tgt_valid"):
+            values[name] = os.path.abspath(values[name])
+        return values
+
+    def schedule(self, updates_per_epoch: int) -> tuple[int, float]:
+        """`(warmup_steps, learning_rate_scale)`, the automatic ones filled in.
+
+        The automatic warm-up is `WARMUP_EPOCHS` epochs of updates (at most
+        the paper's 4000), so that a small corpus does not spend its run
+        warming up; the automatic scale `sqrt(warmup / 4000)` keeps the
+        paper's peak learning rate, `d_model^-0.5 * 4000^-0.5`, whatever the
+        warm-up.
+        """
+        automatic = WARMUP_EPOCHS * max(1, updates_per_epoch)
+        warmup = self.warmup_steps or min(PAPER_WARMUP_STEPS, automatic)
+        scale = self.learning_rate_scale or math.sqrt(warmup / PAPER_WARMUP_STEPS)
+        return warmup, scale
+
+    def run_length(self, updates_per_epoch: int) -> tuple[int | None, int | None]:
+        """`(total_steps, cooldown_steps)` of the schedule's cool-down; `(None, None)` without one.
+
+        The run's length is the smaller of `epochs` of updates and `max_steps`.
+        """
+        if self.cooldown is None:
+            return None, None
+        lengths = [self.max_steps] if self.max_steps is not None else []
+        if self.epochs is not None:
+            lengths.append(self.epochs * max(1, updates_per_epoch))
+        total = min(lengths)
+        return total, max(1, round(self.cooldown * total))
+
+    def subword_sampling(self) -> SubwordSampling | None:
+        """The training batches' `SubwordSampling`, or None for the best segmentation."""
+        if self.subword_alpha is None:
+            return None
+        return SubwordSampling(self.subword_alpha, self.subword_nbest)
+
+    def budget(self) -> str:
+        """The stopping budget in words, e.g. "budget 30 min or 5000 steps"."""
+        limits = []
+        if self.max_minutes is not None:
+            limits.append(f"{self.max_minutes:g} min")
+        if self.max_steps is not None:
+            limits.append(f"{self.max_steps} step{'s' * (self.max_steps != 1)}")
+        if self.epochs is not None:
+            limits.append(f"{self.epochs} epoch{'s' * (self.epochs != 1)}")
+        return "budget " + " or ".join(limits)
+
+    def model_config(self, vocabulary_size: int) -> TransformerConfig:
+        return preset_config(
+            self.preset,
+            vocabulary_size,
+            self.dropout,
+            self.attention_dropout,
+            self.normalize_first,
+            **{name: getattr(self, name) for name in SHAPE_FIELDS},
+        )
+
+
+def preset_config(
+    preset, vocabulary_size, dropout=None, attention_dropout=None, normalize_first=None, **shape
+):
+    """The `TransformerConfig` of a run: the preset with the run's vocabulary and overrides.
+
+    `shape` takes `SHAPE_FIELDS`; a None value keeps the preset's.
+    """
+    unknown = set(shape) - set(SHAPE_FIELDS)
+    if unknown:
+        raise ValueError(f"Unknown shape fields: {', '.join(sorted(unknown))}")
+    overrides = {"vocabulary_size": vocabulary_size}
+    for name, value in (
+        ("dropout", dropout),
+        ("attention_dropout", attention_dropout),
+        ("normalize_first", normalize_first),
+        *shape.items(),
+    ):
+        if value is not None:
+            overrides[name] = value
+    return TransformerConfig.from_preset(preset, **overrides)

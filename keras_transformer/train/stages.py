@@ -1,0 +1,417 @@
+"""`train`, in stages: open the run directory, load the data, resolve the recipe,
+build and fit, choose the final weights, validate and record."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import sys
+import time
+import zlib
+
+import keras
+
+from keras_transformer.config import TransformerConfig
+from keras_transformer.data.pipeline import (
+    batch_pairs,
+    duplicate_rows,
+    encode_pairs,
+    read_parallel,
+)
+from keras_transformer.data.tokenizer import SentencePieceTokenizer
+from keras_transformer.distribute import (
+    SyncWithChief,
+    check_workers_agree,
+    chief_value,
+    make_strategy,
+    share_global_batches,
+)
+from keras_transformer.io_utils import atomic_save_model, atomic_write_json
+from keras_transformer.precision import (
+    gpu_compute_capabilities,
+    resolve_precision,
+    training_device,
+    visible_gpus,
+)
+from keras_transformer.schedules import TransformerSchedule
+from keras_transformer.startup import onednn_enabled
+from keras_transformer.train.callbacks import (
+    _bleu_on,
+    _EpochProgress,
+    _RunRecorder,
+    _ValidationBleu,
+    fit_verbosity,
+)
+from keras_transformer.train.checkpoints import (
+    _checkpoint_epoch,
+    _epoch_checkpoints,
+    _worse,
+    average_checkpoints,
+    final_candidates,
+    patience_spent,
+    ranked_epochs,
+)
+from keras_transformer.train.compile import build_and_compile
+from keras_transformer.train.run_dir import (
+    _epochs_done,
+    _load_or_train_tokenizer,
+    _open_run,
+    _portable_identity,
+    _read_history,
+    stream_seed,
+)
+from keras_transformer.train.settings import (
+    KEEP_CHECKPOINTS,
+    MEASURES,
+    TrainSettings,
+    automatic_batch_rule,
+    automatic_tokens_per_batch,
+)
+
+
+@dataclasses.dataclass
+class _Data:
+    tokenizer: SentencePieceTokenizer
+    config: TransformerConfig
+    train: object  # tf.data.Dataset
+    valid: object
+    train_stats: object  # keras_transformer.data.pipeline.DataStats
+    valid_stats: object
+    valid_text: tuple  # (sources, targets): the validation files' lines
+    tokens_per_batch: int  # as given, or as chosen automatically
+
+    @functools.cached_property
+    def valid_pairs(self) -> list[tuple[str, str]]:
+        """The validation pairs the validation loss uses (non-empty, within max_length)."""
+        encode, limit = self.tokenizer.encode, self.config.max_length
+        return [
+            (s, t)
+            for s, t in zip(*self.valid_text, strict=True)
+            if s.strip() and t.strip() and len(encode(s)) < limit and len(encode(t)) < limit
+        ]
+
+
+@dataclasses.dataclass
+class _Recipe:
+    """The optimization settings with the automatic ones resolved for this machine and data."""
+
+    precision: str
+    precision_reason: str
+    warmup_steps: int
+    learning_rate_scale: float
+    updates_per_epoch: int
+    total_steps: int | None = None
+    cooldown_steps: int | None = None
+    device: str = ""
+
+    def compile_args(self, settings) -> dict:
+        return dict(
+            precision=self.precision,
+            warmup_steps=self.warmup_steps,
+            learning_rate_scale=self.learning_rate_scale,
+            total_steps=self.total_steps,
+            cooldown_steps=self.cooldown_steps,
+            label_smoothing=settings.label_smoothing,
+            jit_compile=settings.jit_compile,
+            accumulate_steps=settings.accumulate_steps,
+            rdrop_alpha=settings.rdrop_alpha,
+        )
+
+
+def train(settings: TrainSettings, out_dir: str, verbose: int = 1, strategy=None) -> dict:
+    """Trains (or resumes) the run in `out_dir` and returns its metrics.
+
+    `strategy` (a `tf.distribute.Strategy`) overrides `settings.strategy`. In
+    a multi-worker run only the chief writes `out_dir`; the other workers keep
+    their files in a private temporary folder (see
+    `keras_transformer.distribute.working_directory`) and return `{}`.
+    """
+    strategy = _strategy(settings, strategy)
+    # Both pairs of files readable and parallel before anything is written.
+    texts = (
+        *read_parallel(settings.src_train, settings.tgt_train),
+        *read_parallel(settings.src_valid, settings.tgt_valid),
+    )
+    run = _open_run(settings, out_dir, verbose, strategy)
+    data = _load_data(run, settings, *texts)
+    recipe = _recipe(run, settings, data)
+    model = build_and_compile(data.config, run.strategy, **recipe.compile_args(settings))
+    history = _fit(run, settings, model, data, recipe)
+    if not run.chief:
+        return {}
+    if run.replicas > 1:
+        # Choose, decode and save on a one-device copy: the distributed
+        # model's variables belong to the strategy.
+        trained = model
+        model = build_and_compile(data.config, None, **recipe.compile_args(settings))
+        model.set_weights(trained.get_weights())
+    final, greedy = _choose_final(run, settings, model, data, history)
+    atomic_save_model(model, os.path.join(run.out_dir, "model.keras"))
+    atomic_write_json(os.path.join(run.out_dir, "config.json"), data.config.to_dict())
+    return _validate_and_record(run, settings, model, data, history, recipe, final, greedy)
+
+
+def _strategy(settings, strategy):
+    """The given strategy, or the one `settings` names (None: Keras' default, off TensorFlow)."""
+    if strategy is None and (
+        settings.strategy != "default" or keras.backend.backend() == "tensorflow"
+    ):
+        # First, before other TensorFlow work: multi-worker setup needs a fresh runtime.
+        strategy = make_strategy(settings.strategy)
+    return strategy
+
+
+def _load_data(run, settings, src_train, tgt_train, src_valid, tgt_valid) -> _Data:
+    """The tokenizer (trained on the first start), the model config and the datasets."""
+    epochs_done = _epochs_done(run)
+    seed = stream_seed(settings.seed, epochs_done)
+    keras.utils.set_random_seed(seed)
+    tokenizer = _load_or_train_tokenizer(run.out_dir, settings, run.resume, src_train, tgt_train)
+    config = settings.model_config(tokenizer.vocabulary_size)
+    run.log(
+        f"SentencePiece vocabulary: {tokenizer.vocabulary_size} pieces (asked for "
+        f"{settings.vocab_size})"
+    )
+    given = settings.tokens_per_batch
+    # Encoded once; the automatic batch size only counts each candidate's batches.
+    train_pairs = encode_pairs(src_train, tgt_train, tokenizer, config.max_length)
+    tokens_per_batch = given or automatic_tokens_per_batch(train_pairs, settings.accumulate_steps)
+    if not given:
+        run.log(f"Batches: {tokens_per_batch} tokens per side (auto: {automatic_batch_rule()}).")
+    sampling = settings.subword_sampling()
+    train_data, train_stats = batch_pairs(
+        train_pairs,
+        tokens_per_batch,
+        shuffle=True,
+        seed=seed,
+        sampling=sampling,
+        tokenizer=tokenizer,
+    )
+    if sampling is not None:
+        run.log(
+            "Subword sampling: every epoch re-segments the training sentences (alpha "
+            f"{sampling.alpha:g}, among "
+            + ("all segmentations" if sampling.nbest == -1 else f"the {sampling.nbest} best")
+            + "); validation keeps the best segmentation."
+        )
+    valid_data, valid_stats = batch_pairs(
+        encode_pairs(src_valid, tgt_valid, tokenizer, config.max_length),
+        tokens_per_batch,
+        shuffle=False,
+    )
+    check_workers_agree(
+        run.strategy,
+        **{
+            "SentencePiece model (CRC-32)": zlib.crc32(tokenizer.model_proto),
+            "training settings (CRC-32)": zlib.crc32(_portable_identity(settings)),
+            "training pairs": train_stats.kept_pairs,
+            "training target tokens": train_stats.target_tokens,
+            "validation pairs": valid_stats.kept_pairs,
+        },
+    )
+    run.log(train_stats.describe("train"))
+    run.log(valid_stats.describe("valid"))
+    if epochs_done:
+        run.log(
+            f"Data order and dropout masks of this start: seed {seed} (from --seed "
+            f"{settings.seed} and the {epochs_done} epochs done), not the first start's again."
+        )
+    if settings.rdrop_alpha:
+        # The validation batches too: the loss reads its pairs, and without
+        # dropout the two copies agree, so the validation loss is unchanged.
+        train_data, valid_data = duplicate_rows(train_data), duplicate_rows(valid_data)
+        run.log(
+            f"R-Drop: every sentence twice per batch, consistency alpha {settings.rdrop_alpha:g}."
+        )
+    if run.replicas > 1:
+        train_data = share_global_batches(train_data)
+        valid_data = share_global_batches(valid_data)
+        run.log(f"Training on {run.replicas} replicas ({type(run.strategy).__name__}).")
+    return _Data(
+        tokenizer,
+        config,
+        train_data,
+        valid_data,
+        train_stats,
+        valid_stats,
+        (src_valid, tgt_valid),
+        tokens_per_batch,
+    )
+
+
+def _recipe(run, settings, data) -> _Recipe:
+    """Resolves the automatic precision, warm-up and learning-rate scale, and says what they are."""
+    gpus = visible_gpus()
+    precision, reason = resolve_precision(settings.precision, gpus=gpu_compute_capabilities(gpus))
+    # Every replica takes its share of each global batch: one update per batch.
+    updates_per_epoch = max(1, data.train_stats.batches // settings.accumulate_steps)
+    warmup, scale = settings.schedule(updates_per_epoch)
+    total, cooldown = settings.run_length(updates_per_epoch)
+    device = training_device(gpus)
+    recipe = _Recipe(precision, reason, warmup, scale, updates_per_epoch, total, cooldown, device)
+    peak = TransformerSchedule(data.config.hidden_dim, warmup, scale).peak()
+    run.log(f"Precision: {precision} ({reason}), on {device}.")
+    run.log(
+        f"Learning rate: warm-up {warmup} updates ({updates_per_epoch} per epoch"
+        + (f", {settings.accumulate_steps} batches each" if settings.accumulate_steps > 1 else "")
+        + f"), peak {peak:.3g} (scale {scale:.3g})"
+        + (
+            f", falling linearly to 0 over updates {total - cooldown + 1}-{total}."
+            if cooldown
+            else "."
+        )
+    )
+    return recipe
+
+
+def _fit(run, settings, model, data, recipe) -> list:
+    """`model.fit` with the run's callbacks, unless the budget is spent; returns the history."""
+    history = _read_history(run)
+    recorder = _RunRecorder(
+        run.out_dir,
+        history,
+        settings.max_steps,
+        settings.max_minutes,
+        keep=max(KEEP_CHECKPOINTS, settings.average),
+        strategy=run.strategy,
+        select_by=settings.select_by,
+        patience=settings.patience,
+        # A resumed run may continue on another machine: each epoch says where it ran.
+        epoch_fields={"precision": recipe.precision, "device": recipe.device},
+    )
+    callbacks = [
+        # The recorder writes its checkpoint before the backup is taken: a
+        # kill in between makes the resumed run redo that epoch, never skip it.
+        recorder,
+        keras.callbacks.BackupAndRestore(
+            os.path.join(run.out_dir, "backup"), delete_checkpoint=False
+        ),
+        # Multi-worker: everyone resumes from the chief's backup, whatever its own holds.
+        SyncWithChief(run.strategy),
+        keras.callbacks.TensorBoard(os.path.join(run.out_dir, "logs"), update_freq="epoch"),
+        _EpochProgress(settings.budget()),
+    ]
+    if settings.select_by == "bleu":
+        callbacks.insert(0, _ValidationBleu(data.tokenizer, data.valid_pairs))
+    steps_done = history[-1]["steps"] if history else 0
+    spent = (
+        recorder.budget_spent()
+        or bool(settings.max_steps and steps_done >= settings.max_steps)
+        or patience_spent(history, settings.select_by, settings.patience)
+    )
+    if chief_value(run.strategy, spent):  # the workers follow the chief's history
+        run.log(f"{run.out_dir}: the training budget is already spent; finishing the run.")
+    else:
+        if run.resume and history:
+            run.log(f"Resuming {run.out_dir} after epoch {len(history)}.")
+        model.fit(
+            data.train,
+            validation_data=data.valid,
+            epochs=settings.epochs if settings.epochs is not None else 10_000,
+            callbacks=callbacks,
+            verbose=fit_verbosity(run.verbose, sys.stdout.isatty()),
+            shuffle=False,  # the dataset shuffles itself, each epoch
+        )
+    if run.chief and not history:
+        raise RuntimeError("Training stopped before completing an epoch; nothing to save.")
+    return history
+
+
+def _choose_final(run, settings, model, data, history) -> tuple[dict, dict | None]:
+    """Sets `model` to the final weights (see `final_candidates`); says how they were chosen.
+
+    A single epoch's score is the one its epoch end recorded in `history`;
+    only means of checkpoints are scored here. Returns the choice and, when
+    it was decoded here, the chosen weights' greedy validation scores.
+    """
+    paths = {_checkpoint_epoch(p): p for p in _epoch_checkpoints(run.out_dir)}
+    candidates = final_candidates(
+        history, paths, settings.select_by, settings.average, settings.final
+    )
+    key = MEASURES[settings.select_by][0]
+    recorded = {e["epoch"]: e.get(key) for e in history}
+    scored, decoded = [], {}
+    for name, epochs in candidates.items():
+        if len(candidates) == 1:
+            scored.append({"name": name, "epochs": epochs})
+            break
+        value = recorded.get(epochs[0]) if len(epochs) == 1 else None
+        if value is None:
+            average_checkpoints(model, [paths[e] for e in epochs])
+            if settings.select_by == "bleu":
+                decoded[name] = _bleu_on(model, data.tokenizer, data.valid_pairs, beam_size=1)
+                value = decoded[name]["bleu"]
+            else:
+                value = float(model.evaluate(data.valid, verbose=0, return_dict=True)["loss"])
+        scored.append({"name": name, "epochs": epochs, key: value})
+        run.log(f"  {name} (epochs {', '.join(map(str, epochs))}): {key} {value:.4g}")
+    # The first of equals: the earlier candidate in `final_candidates`' order.
+    chosen = min(scored, key=lambda c: _worse(settings.select_by, c.get(key, 0.0)))
+    average_checkpoints(model, [paths[e] for e in chosen["epochs"]])
+    run.log(f"Final weights: {chosen['name']} (epochs {', '.join(map(str, chosen['epochs']))}).")
+    final = {"chosen": chosen["name"], "epochs": chosen["epochs"], "candidates": scored}
+    return final, decoded.get(chosen["name"])
+
+
+def _validate_and_record(run, settings, model, data, history, recipe, final, greedy) -> dict:
+    """Validation BLEU of the saved model (`greedy`: its greedy scores, if known), `metrics.json`."""
+    started = time.perf_counter()
+    valid_scores = (
+        greedy
+        if greedy is not None and settings.valid_beam == 1
+        else _bleu_on(
+            model, data.tokenizer, data.valid_pairs, settings.valid_beam, progress=bool(run.verbose)
+        )
+    )
+    decode_seconds = time.perf_counter() - started
+
+    train_seconds = float(sum(e["seconds"] for e in history))
+    epochs_done = len(history)
+    stats = data.train_stats
+    ranked = ranked_epochs(history, settings.select_by)
+    metrics = {
+        "epochs": epochs_done,
+        "steps": history[-1]["steps"],
+        "history": history,
+        "train_seconds": round(train_seconds, 1),
+        "target_tokens_per_second": round(stats.target_tokens * epochs_done / train_seconds),
+        "tokens_per_second": round(
+            (stats.source_tokens + stats.target_tokens) * epochs_done / train_seconds
+        ),
+        "train_data": dataclasses.asdict(stats),
+        "valid_data": dataclasses.asdict(data.valid_stats),
+        "select_by": settings.select_by,
+        "best_epoch": ranked[0] if ranked else None,
+        "stopped_by_patience": patience_spent(history, settings.select_by, settings.patience),
+        "final": final,
+        "averaged_checkpoints": [f"epoch-{e:03d}.weights.h5" for e in final["epochs"]],
+        "valid_bleu": valid_scores["bleu"],
+        "valid_bleu_lowercase": valid_scores["bleu_lowercase"],
+        "valid_chrf": valid_scores["chrf"],
+        "valid_bleu_signature": valid_scores["bleu_signature"],
+        "valid_beam": settings.valid_beam,
+        "valid_bleu_sentences": len(data.valid_pairs),
+        "valid_decode_seconds": round(decode_seconds, 1),
+        "precision": recipe.precision,
+        "precision_setting": settings.precision,
+        "precision_reason": recipe.precision_reason,
+        "device": recipe.device,  # of this start; history.json says it per epoch
+        "tensorflow_onednn": onednn_enabled(),  # keras_transformer.startup.prefer_onednn
+        "warmup_steps": recipe.warmup_steps,
+        "learning_rate_scale": recipe.learning_rate_scale,
+        "total_steps": recipe.total_steps,
+        "cooldown_steps": recipe.cooldown_steps,
+        "updates_per_epoch": recipe.updates_per_epoch,
+        "tokens_per_batch": data.tokens_per_batch,
+        "accumulate_steps": settings.accumulate_steps,
+        "config": data.config.to_dict(),
+        "backend": keras.backend.backend(),
+    }
+    atomic_write_json(os.path.join(run.out_dir, "metrics.json"), metrics)
+    run.log(
+        f"{epochs_done} epochs, {train_seconds:.0f} s of training; validation BLEU "
+        f"{valid_scores['bleu']} (lower-cased {valid_scores['bleu_lowercase']}), "
+        f"chrF {valid_scores['chrf']}. Wrote {run.out_dir}"
+    )
+    return metrics
