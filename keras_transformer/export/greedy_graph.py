@@ -13,7 +13,7 @@ best token other than padding and BOS; a row that produced EOS, or reached
 its length limit, is done and is fed EOS from then on; the loop stops when
 every row is done. Rows are independent, so a finished row changes nothing
 in the others: the tokens and scores are those of the step-by-step search
-(`tests/test_export.py` holds them equal).
+(`tests/export/test_graphs.py` holds them equal).
 
 Two graphs: `greedy_search` keeps every row to the end, finished ones fed
 EOS, which suits one sentence; `greedy_batch_search` drops a sentence from

@@ -348,7 +348,7 @@ def _write_graphs(model, folder, opset, precision):
 # Decoder steps per loop iteration of greedy_batch_search, by precision
 # (`build_greedy_batch_search`): two copy the state half as often, which
 # measured faster for int8 at batches of 32 and no faster for float32
-# (`python -m benchmarks.batch_steps`).
+# (`docs/performance.md`, "Decoder steps per loop iteration").
 BATCH_STEPS_PER_ITERATION = {"int8": 2}
 
 

@@ -10,7 +10,7 @@ one has about 30 nodes per layer: fused projections (`Gemm`), ONNX
 out `(batch, heads, length, head_dim)` so that no transpose is needed.
 
 The numbers are those of the Keras layers (same weights, same operations up to
-the order of float32 rounding); `tests/test_export.py` checks the step against
+the order of float32 rounding); `tests/export/test_onnx.py` checks the step against
 the Keras model to 1e-4.
 """
 

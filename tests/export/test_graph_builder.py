@@ -1,7 +1,8 @@
 """`GraphBuilder`, the one way the export writes ONNX graphs node by node.
 
 The graphs built with it (encoder, decoder step, searches) are checked
-against Keras and the Python search loops in tests/test_export.py; these
+against Keras and the search specification in tests/export/test_graphs.py
+and tests/export/test_onnx.py; these
 tests hold the builder's own rules: names, shared constants, loop bodies
 and the helpers' results in ONNX Runtime.
 """
