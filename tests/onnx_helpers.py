@@ -54,14 +54,14 @@ def padded(rows):
     return array
 
 
-def translate_command(out, lines, *flags):
+def translate_command(out, lines, *flags, timeout=120):
     """`python -m keras_transformer_runtime.translate OUT FLAGS` with `lines` on stdin."""
     return subprocess.run(
-        [sys.executable, "-m", "keras_transformer_runtime.translate", out, *flags],
+        [sys.executable, "-m", "keras_transformer_runtime.translate", str(out), *flags],
         input="".join(line + "\n" for line in lines),
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=timeout,
     )
 
 

@@ -122,13 +122,7 @@ def test_runtime_distribution_alone_translates_without_tensorflow(exported, tmp_
 def test_module_command_translates_stdin_in_order(exported):
     model, tokenizer, _, out = exported("float32")
     lines = held_out_lines(40, seed=43)
-    result = subprocess.run(
-        [sys.executable, "-m", "keras_transformer_runtime.translate", out, "--beam", "1"],
-        input="".join(line + "\n" for line in lines),
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = translate_command(out, lines, "--beam", "1")
     assert result.returncode == 0, result.stderr
     assert "provider: CPUExecutionProvider" in result.stderr or "CUDA" in result.stderr
     assert result.stdout.splitlines() == translate_lines(model, tokenizer, lines, beam_size=1)
@@ -345,13 +339,7 @@ def test_over_long_lines_translate_as_in_keras_with_a_warning(exported):
     for beam in (1, 3):
         expected = translate_lines(model, tokenizer, lines, beam_size=beam)
         assert translator.translate(lines, beam_size=beam) == expected
-    result = subprocess.run(
-        [sys.executable, "-m", "keras_transformer_runtime.translate", out, "--beam", "1"],
-        input="".join(line + "\n" for line in lines),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    result = translate_command(out, lines, "--beam", "1", timeout=300)
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines() == translator.translate(lines, beam_size=1)
     assert "Traceback" not in result.stderr
@@ -389,13 +377,7 @@ def test_damaged_export_folders_name_the_file(exported, tmp_path, damage, match)
         (copy / name).write_bytes(b"\x00 not what it should be")
     with pytest.raises(ExportFileError, match=match):
         OnnxTranslator(copy)
-    result = subprocess.run(
-        [sys.executable, "-m", "keras_transformer_runtime.translate", str(copy)],
-        input="ka\n",
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = translate_command(copy, ["ka"])
     assert result.returncode != 0 and "error:" in result.stderr and name in result.stderr
     assert "Traceback" not in result.stderr
 
@@ -428,13 +410,7 @@ def test_exports_of_another_format_version_are_refused_with_how_to_re_export(
         OnnxTranslator(folder, providers=["CPUExecutionProvider"])
     assert "re-export the run with `keras-transformer export" in str(refused.value)
     assert "manifest.json" in str(refused.value)
-    result = subprocess.run(
-        [sys.executable, "-m", "keras_transformer_runtime.translate", str(folder)],
-        input="ka\n",
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = translate_command(folder, ["ka"])
     assert result.returncode != 0 and "keras-transformer export" in result.stderr
     assert "Traceback" not in result.stderr
 
