@@ -37,6 +37,10 @@ def multi30k_run(tmp_path_factory):
         "--src-train", str(DATA / "train.de.gz"), "--tgt-train", str(DATA / "train.en.gz"),
         "--src-valid", str(DATA / "val.de.gz"), "--tgt-valid", str(DATA / "val.en.gz"),
         "--vocab-size", "4000", "--tokens-per-batch", "2048", "--warmup-steps", "40",
+        # float32 on any CPU: the ONNX export is float32, and the export test
+        # asks for Keras's own greedy tokens, which a bfloat16 model near its
+        # start (many near-ties) does not give.
+        "--precision", "float32",
     ]  # fmt: skip
     assert cli.main(args) == 0
     return out
