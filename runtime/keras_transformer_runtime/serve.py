@@ -74,7 +74,7 @@ def build_parser():
         "--workers",
         type=int,
         help="batches searched at once, each on its own thread with a translator of its own "
-        "(default: on a CPU, one per core; on a GPU, 1)",
+        "(default 1: a batch on a CPU already runs as one part per thread)",
     )
     add(
         "--threads",
@@ -103,8 +103,15 @@ def build_parser():
     add(
         "--max-wait-ms",
         type=float,
-        default=5.0,
-        help="how long the oldest waiting sentence waits for a batch to fill (default 5)",
+        default=25.0,
+        help="how long the oldest waiting sentence waits at most for a batch to fill (default 25)",
+    )
+    add(
+        "--quiet-ms",
+        type=float,
+        default=2.0,
+        help="a batch that is not full leaves once no sentence has arrived for this long "
+        "(default 2)",
     )
     add(
         "--max-queue-sentences",
@@ -167,7 +174,7 @@ def check_settings(args):
         value = getattr(args, name)
         if value is not None and (value < 1 or (name == "port" and value > 65535)):
             raise SystemExit(f"error: --{name.replace('_', '-')} must be a positive integer.")
-    for name in ("max_wait_ms", "request_timeout", "drain_timeout"):
+    for name in ("max_wait_ms", "quiet_ms", "request_timeout", "drain_timeout"):
         value = getattr(args, name)
         if not 0 <= value < math.inf:
             raise SystemExit(f"error: --{name.replace('_', '-')} must be a non-negative number.")
@@ -373,6 +380,7 @@ def create_app(engine, settings):
         max_batch_sentences=settings.max_batch_sentences,
         max_batch_tokens=settings.max_batch_tokens,
         max_wait_ms=settings.max_wait_ms,
+        quiet_ms=settings.quiet_ms,
         max_queue_sentences=settings.max_queue_sentences,
     )
     state = {}
@@ -710,7 +718,7 @@ def main(argv=None):
         on_cpu = probe.provider == "CPUExecutionProvider"
         del probe
         cores = available_cores()
-        workers = args.workers or (cores if on_cpu else 1)
+        workers = args.workers or 1
         threads = args.threads or (max(1, cores // workers) if on_cpu else None)
         engine = Engine(args.onnx_dir, workers, threads, args.precision, providers)
         engine.warm_up(min(args.max_batch_sentences, 16))
