@@ -4,10 +4,11 @@ each option against the plain search on a toy model, and the errors of bad optio
 import numpy as np
 import pytest
 from keras_transformer_runtime import spec
+from keras_transformer_runtime.search import options_loop
 from keras_transformer_runtime.spec import SearchOptions, SentenceSearch
 from keras_transformer_runtime.specials import EOS_ID, UNK_ID
 
-from tests.runtime.test_search import VOCAB, _log_probs
+from tests.runtime.test_search import VOCAB, ToyDecoder, _log_probs
 
 SENTENCES = range(24)
 
@@ -161,3 +162,31 @@ def test_plain_options_are_told_apart():
         assert not SearchOptions(**extra).is_plain()
     assert spec.truncate_source([5, 6, 7, 8, EOS_ID], 3) == [5, 6, EOS_ID]
     assert spec.truncate_source([5, EOS_ID], 3) == [5, EOS_ID]
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"beam_size": 3, "n_best": 3, "token_scores": True},
+        {"beam_size": 1, "min_length": 4, "disable_unk": True},
+        {"beam_size": 4, "no_repeat_ngram_size": 2, "repetition_penalty": 1.5},
+        {"beam_size": 1, "sampling_topk": 0, "sampling_topp": 0.9, "seed": 7},
+        {"beam_size": 2, "suppress_sequences": [(5,), (6, 7)], "length_penalty": 1.0},
+    ],
+)
+@pytest.mark.parametrize("drop_finished", [False, True])
+def test_the_batched_loop_gives_each_sentence_its_own_search(options, drop_finished):
+    options = SearchOptions(**options)
+    limits = np.array([9, 0, 4, 12, 1, 7, 12, 3])
+    prefixes = [[], [], [4], [], [], [8, 8], [], []]
+    indices = [10 + i for i in range(len(limits))]  # the seeds follow these, not the batch
+    decoder = ToyDecoder(len(limits), options.beam_size)
+    found = options_loop(
+        decoder.step, decoder.reorder, limits, options, prefixes, indices, drop_finished
+    )
+    for s, (limit, prefix, index) in enumerate(zip(limits, prefixes, indices, strict=True)):
+        rng = spec.sentence_rng(options.seed, index) if options.sampling else None
+        search = SentenceSearch(limit, options, prefix, rng)
+        assert found[s] == search.run(lambda p, s=s: _log_probs(s, p))
+    if drop_finished:
+        assert decoder.batch_sizes[-1] < decoder.batch_sizes[0]
