@@ -44,6 +44,16 @@ def _train(args):
     return 0
 
 
+def _prepare(args):
+    from keras_transformer.data.pipeline import DataError
+    from keras_transformer.data.prepare import prepare_command
+
+    try:
+        return prepare_command(args)
+    except (DataError, ValueError) as error:
+        raise SystemExit(f"error: {error}") from None
+
+
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
@@ -306,6 +316,18 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--num-train", type=int, default=20000, help="training sentence pairs")
     demo.add_argument("--num-test", type=int, default=500, help="held-out test pairs")
     demo.set_defaults(func=_demo)
+
+    from keras_transformer.data.prepare import add_prepare_arguments
+
+    prepare = sub.add_parser(
+        "prepare",
+        help="tokenize parallel text of any size into on-disk shards for train --data",
+        description="Train the joint SentencePiece model on a sample, encode every pair in "
+        "parallel and write the ids in shards (docs/data.md). Rerun the same command to "
+        "resume a killed run; on a finished directory it does nothing.",
+    )
+    add_prepare_arguments(prepare)
+    prepare.set_defaults(func=_prepare)
 
     train = sub.add_parser(
         "train",
