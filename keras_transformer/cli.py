@@ -9,6 +9,13 @@ import os
 import sys
 import typing
 
+from keras_transformer_runtime.search_flags import (
+    add_search_flags,
+    is_plain_run,
+    options_from_args,
+    read_lines_file,
+    run_and_write,
+)
 from keras_transformer_runtime.text import read_input_lines, warn
 
 
@@ -136,23 +143,43 @@ def _load(run_dir):
 
 
 def _translate(args):
-    from keras_transformer.translation import translate_lines
+    from keras_transformer.translation import score_lines, translate_hypotheses, translate_lines
 
     beam = _beam_size(args)
     length_penalty = _length_penalty(args)
     model, tokenizer = _load(args.run_dir)
     lines = read_input_lines(sys.stdin, warn)
-    outputs = translate_lines(
-        model,
-        tokenizer,
-        lines,
-        beam_size=beam,
-        length_penalty=length_penalty,
-        batch_size=args.batch_size,
-        progress=not sys.stdin.isatty() and len(lines) > args.batch_size,
-        warn=warn,
-    )
-    sys.stdout.write("".join(line + "\n" for line in outputs))
+    options = options_from_args(args, beam, length_penalty, tokenizer)
+    progress = not sys.stdin.isatty() and len(lines) > args.batch_size
+    try:
+        if is_plain_run(args, options):
+            outputs = translate_lines(
+                model,
+                tokenizer,
+                lines,
+                beam_size=beam,
+                length_penalty=length_penalty,
+                max_length=args.max_length,
+                batch_size=args.batch_size,
+                progress=progress,
+                warn=warn,
+            )
+            sys.stdout.write("".join(line + "\n" for line in outputs))
+        else:
+            run_and_write(
+                args,
+                lines,
+                options,
+                lambda texts, options, prefixes: translate_hypotheses(
+                    model, tokenizer, texts, options, prefixes, args.batch_size, progress, warn
+                ),
+                lambda texts, targets: score_lines(
+                    model, tokenizer, texts, targets, args.batch_size, progress, warn
+                ),
+                sys.stdout.write,
+            )
+    except ValueError as error:
+        raise SystemExit(f"error: {error}") from None
     sys.stdout.flush()
     if args.plot_attention:
         _plot(args, model, tokenizer, lines, beam)
@@ -182,7 +209,7 @@ def _plot(args, model, tokenizer, lines, beam):
 def _evaluate(args):
     from keras_transformer.evaluation import score_translations
     from keras_transformer.io_utils import atomic_write_json, atomic_write_text
-    from keras_transformer.translation import translate_lines
+    from keras_transformer.translation import translate_hypotheses, translate_lines
 
     beam = _beam_size(args)
     length_penalty = _length_penalty(args)
@@ -193,16 +220,28 @@ def _evaluate(args):
     except DataError as error:
         raise SystemExit(f"error: {error}") from None
     model, tokenizer = _load(args.run_dir)
-    hypotheses = translate_lines(
-        model,
-        tokenizer,
-        sources,
-        beam_size=beam,
-        length_penalty=length_penalty,
-        batch_size=args.batch_size,
-        progress=True,
-        warn=warn,
-    )
+    options = options_from_args(args, beam, length_penalty, tokenizer)
+    if is_plain_run(args, options):
+        hypotheses = translate_lines(
+            model,
+            tokenizer,
+            sources,
+            beam_size=beam,
+            length_penalty=length_penalty,
+            max_length=args.max_length,
+            batch_size=args.batch_size,
+            progress=True,
+            warn=warn,
+        )
+    else:
+        prefixes = read_lines_file(args.prefix, len(sources), "--prefix") if args.prefix else None
+        try:
+            found = translate_hypotheses(
+                model, tokenizer, sources, options, prefixes, args.batch_size, True, warn
+            )
+        except ValueError as error:
+            raise SystemExit(f"error: {error}") from None
+        hypotheses = [h[0]["text"] for h in found]
     name = os.path.basename(args.src).removesuffix(".gz")
     output = args.output or os.path.join(args.run_dir, f"{name}.hyp")
     atomic_write_text(output, "".join(h + "\n" for h in hypotheses))
@@ -216,6 +255,11 @@ def _evaluate(args):
             "hypotheses": output,
         }
     )
+    if not options.is_plain() or args.prefix:
+        scores["search_options"] = {
+            **dataclasses.asdict(options),
+            "prefix": args.prefix,
+        }
     atomic_write_json(output + ".json", scores)
     print(json.dumps(scores, indent=2))
     return 0
@@ -299,6 +343,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     translate.add_argument("run_dir", help="run directory with model.keras and its tokenizer")
     _add_search_flags(translate)
+    add_search_flags(translate)
     translate.add_argument(
         "--plot-attention",
         metavar="PNG",
@@ -318,6 +363,7 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--ref", required=True, help="reference translations, parallel to --src")
     evaluate.add_argument("--output", help="hypotheses file (default: RUN_DIR/<src name>.hyp)")
     _add_search_flags(evaluate)
+    add_search_flags(evaluate, outputs=False)
     evaluate.set_defaults(func=_evaluate)
 
     export = sub.add_parser(

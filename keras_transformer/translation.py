@@ -5,8 +5,15 @@ from __future__ import annotations
 import os
 
 import keras
-from keras_transformer_runtime.search import translate_texts
+from keras_transformer_runtime.search import (
+    encode_prefixes,
+    hypothesis_records,
+    search_texts,
+    translate_texts,
+)
+from keras_transformer_runtime.spec import SearchOptions
 
+from keras_transformer import decoding
 from keras_transformer.decoding import beam_search, greedy_search
 from keras_transformer.model import transformer_parts
 
@@ -112,3 +119,55 @@ def translate_lines(
     return translate_texts(
         lines, tokenizer.encode, tokenizer.decode, search, limit, batch_size, progress, warn
     )
+
+
+def translate_hypotheses(
+    model, tokenizer, lines, options=None, prefixes=None, batch_size=32, progress=False, warn=None
+):
+    """Translates `lines` under `options` (a `SearchOptions`), as
+    `OnnxTranslator.translate_hypotheses` does: per line a list of dicts, best
+    first, with `text`, `score`, `log_prob` (and `token_scores`). `prefixes`
+    are target texts forced first, one per line ("" for none)."""
+    options = options if options is not None else SearchOptions()
+    prefix_ids = None
+    if prefixes is not None:
+        if len(prefixes) != len(lines):
+            raise ValueError(f"{len(prefixes)} prefixes for {len(lines)} lines.")
+        prefix_ids = encode_prefixes(tokenizer, prefixes)
+
+    def search(sources, indices):
+        chosen = None if prefix_ids is None else [prefix_ids[i] for i in indices]
+        return decoding.search(model, sources, options, chosen, indices)
+
+    found = search_texts(
+        lines,
+        tokenizer.encode,
+        search,
+        transformer_parts(model).config.max_length,
+        batch_size=batch_size,
+        progress=progress,
+        warn=warn,
+        max_input_length=options.max_input_length,
+    )
+    return [hypothesis_records(hypotheses, tokenizer.decode) for hypotheses in found]
+
+
+def score_lines(model, tokenizer, sources, targets, batch_size=32, progress=False, warn=None):
+    """Forced decoding of text pairs, as `OnnxTranslator.score`: per pair a dict of
+    `log_prob` (summed, EOS included) and `token_scores` (None for an empty source)."""
+    if len(sources) != len(targets):
+        raise ValueError(f"{len(targets)} targets for {len(sources)} sources.")
+
+    def search(batch, indices):
+        return decoding.score(model, batch, [tokenizer.encode(targets[i]) for i in indices])
+
+    found = search_texts(
+        sources,
+        tokenizer.encode,
+        search,
+        transformer_parts(model).config.max_length,
+        batch_size,
+        progress,
+        warn,
+    )
+    return [{"log_prob": total, "token_scores": steps} for total, steps in found]
