@@ -54,17 +54,20 @@ import os
 
 import numpy as np
 
-from keras_transformer_runtime.search import DROP_FRACTION, check_beam_arguments
+from keras_transformer_runtime.search import DROP_FRACTION, check_beam_arguments, output_limits
 from keras_transformer_runtime.spec import banned_ids, length_penalty_factor
 from keras_transformer_runtime.specials import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 
 __all__ = [
     "Constraints",
+    "add_constraints_flag",
     "check_fits",
     "constrained_beam",
     "constrained_beam_loop",
     "encode_constraints",
     "read_constraints_file",
+    "read_constraints_flag",
+    "sentence_constraints",
 ]
 
 
@@ -200,6 +203,28 @@ def encode_constraints(phrases, encode, max_tokens=None, where="the sentence"):
     return constraints
 
 
+def sentence_constraints(texts, phrases, encode, model_max_length, max_length=None):
+    """Each text's `Constraints` from its phrases (a list of strings, or None for none).
+
+    Checks every phrase against the output limit of its sentence (as
+    `search.output_limits` sets it) before any search runs; errors name the
+    sentence as "line N" (1-based). An empty text translates to an empty
+    output, so its phrases are not searched for.
+    """
+    if len(phrases) != len(texts):
+        raise ValueError(
+            f"constraints has {len(phrases)} entries for {len(texts)} sentences (one each)."
+        )
+    lengths = [len(encode(text)) + 1 if text.strip() else 0 for text in texts]
+    limits = output_limits(lengths, max_length, model_max_length)
+    return [
+        encode_constraints(entry, encode, max_tokens=limit - 1, where=f"line {i}")
+        if entry and limit
+        else Constraints()
+        for i, (entry, limit) in enumerate(zip(phrases, limits, strict=True), 1)
+    ]
+
+
 def read_constraints_file(path, count=None):
     """The phrases of each input line from a constraints file: a list of lists of strings.
 
@@ -254,6 +279,27 @@ def read_constraints_file(path, count=None):
             "of input line N (an empty line for none)."
         )
     return rows
+
+
+def add_constraints_flag(parser):
+    """`--constraints FILE`, the same in both translate commands."""
+    parser.add_argument(
+        "--constraints",
+        metavar="FILE",
+        help="target phrases each translation must hold, line N for input line N: "
+        "tab-separated phrases per line, or a JSON list of strings per line in a .jsonl "
+        "file; an empty line for none (docs/constraints.md)",
+    )
+
+
+def read_constraints_flag(path, count):
+    """The `--constraints` file's phrases for `count` input lines (None without the flag)."""
+    if path is None:
+        return None
+    try:
+        return read_constraints_file(path, count)
+    except OSError as error:
+        raise ValueError(f"Cannot read the constraints file {path}: {error}") from error
 
 
 # --------------------------------------------------------------------------- the search rules
@@ -387,7 +433,9 @@ def constrained_beam(log_probs, limit, beam_size, constraints, length_penalty=0.
     return search.result()
 
 
-def constrained_beam_loop(step, reorder, limits, beam_size, constraints, length_penalty=0.6):
+def constrained_beam_loop(
+    step, reorder, limits, beam_size, constraints, length_penalty=0.6, drop_finished=True
+):
     """Constrained beam search over a decoder step; row `p * beam_size + j` is beam j of sentence p.
 
     Args:
@@ -397,14 +445,16 @@ def constrained_beam_loop(step, reorder, limits, beam_size, constraints, length_
             log-probabilities (the phrases' tokens need theirs).
         reorder: `reorder(rows)`, called before every step after the first:
             row i of the decoder state becomes row `rows[i]` of the previous
-            state. Finished sentences leave the state (once more than a
-            quarter of it is finished), so `rows` covers only the sentences
-            still searched, in input order.
+            state. With `drop_finished`, finished sentences leave the state
+            (once more than `search.DROP_FRACTION` of it is finished), so
+            `rows` covers only the sentences still searched, in input order.
         limits: per-sentence maximum output length (EOS included); 0 = empty.
         beam_size: beams kept per sentence.
         constraints: per sentence, a `Constraints` (or a list of token-id
             phrases); an empty one is plain beam search.
         length_penalty: alpha of the length penalty; 0 disables it.
+        drop_finished: shrink the decoder state as sentences finish (for a
+            step that takes any batch size; the results are the same).
 
     Returns:
         `(tokens, scores)` as `search.beam_loop` returns them.
@@ -449,7 +499,7 @@ def constrained_beam_loop(step, reorder, limits, beam_size, constraints, length_
         done = np.array([searches[b].done for b in active])
         if done.all():
             break
-        if done.sum() > DROP_FRACTION * len(active):
+        if drop_finished and done.sum() > DROP_FRACTION * len(active):
             keep = np.flatnonzero(~done)
             rows = rows.reshape(-1, k)[keep].reshape(-1)
             last = last.reshape(-1, k)[keep].reshape(-1)

@@ -329,6 +329,7 @@ def translate_texts(
     progress=False,
     warn=None,
     parallel_batches=1,
+    per_sentence=None,
 ):
     """Translates strings in order with a batched `search(sources) -> token lists`.
 
@@ -345,8 +346,17 @@ def translate_texts(
     pays where one search leaves cores idle: its Python steps run between
     the runtime's calls, and a small batch is split badly across threads.
     The outputs are the same either way.
+
+    `per_sentence`, a list with one entry per text (its constraints, say),
+    is handed to the search beside the sources of each batch:
+    `search(sources, entries)`.
     """
     check_positive_int("batch_size", batch_size)
+    if per_sentence is not None and len(per_sentence) != len(texts):
+        raise ValueError(
+            f"per_sentence has {len(per_sentence)} entries for {len(texts)} texts (one each)."
+        )
+
     check_positive_int("parallel_batches", parallel_batches)
     sources = []
     for text in texts:
@@ -364,6 +374,12 @@ def translate_texts(
     bar = Progress(len(sources), progress)
     chunks = [order[start : start + batch_size] for start in range(0, len(order), batch_size)]
 
+    def run(chunk):
+        batch = [sources[i] for i in chunk]
+        if per_sentence is None:
+            return search(batch)
+        return search(batch, [per_sentence[i] for i in chunk])
+
     def finish(chunk, tokens):
         for i, ids in zip(chunk, tokens, strict=True):
             outputs[i] = decode(ids)
@@ -371,10 +387,10 @@ def translate_texts(
 
     if parallel_batches == 1 or len(chunks) < 2:
         for chunk in chunks:
-            finish(chunk, search([sources[i] for i in chunk]))
+            finish(chunk, run(chunk))
     else:
         with ThreadPoolExecutor(max_workers=min(parallel_batches, len(chunks))) as pool:
-            running = {pool.submit(search, [sources[i] for i in chunk]): chunk for chunk in chunks}
+            running = {pool.submit(run, chunk): chunk for chunk in chunks}
             for future in as_completed(running):
                 finish(running[future], future.result())
     if warn is not None and too_long:
