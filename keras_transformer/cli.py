@@ -9,6 +9,7 @@ import os
 import sys
 import typing
 
+from keras_transformer_runtime.constraints import add_constraints_flag, read_constraints_flag
 from keras_transformer_runtime.text import read_input_lines, warn
 
 
@@ -132,16 +133,20 @@ def _translate(args):
     length_penalty = _length_penalty(args)
     model, tokenizer = _load(args.run_dir)
     lines = read_input_lines(sys.stdin, warn)
-    outputs = translate_lines(
-        model,
-        tokenizer,
-        lines,
-        beam_size=beam,
-        length_penalty=length_penalty,
-        batch_size=args.batch_size,
-        progress=not sys.stdin.isatty() and len(lines) > args.batch_size,
-        warn=warn,
-    )
+    try:
+        outputs = translate_lines(
+            model,
+            tokenizer,
+            lines,
+            beam_size=beam,
+            length_penalty=length_penalty,
+            batch_size=args.batch_size,
+            progress=not sys.stdin.isatty() and len(lines) > args.batch_size,
+            warn=warn,
+            constraints=read_constraints_flag(args.constraints, len(lines)),
+        )
+    except ValueError as error:
+        raise SystemExit(f"error: {error}") from None
     sys.stdout.write("".join(line + "\n" for line in outputs))
     sys.stdout.flush()
     if args.plot_attention:
@@ -277,6 +282,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     translate.add_argument("run_dir", help="run directory with model.keras and its tokenizer")
     _add_search_flags(translate)
+    add_constraints_flag(translate)
     translate.add_argument(
         "--plot-attention",
         metavar="PNG",

@@ -24,6 +24,7 @@ import logging
 import keras
 import numpy as np
 from keras import ops
+from keras_transformer_runtime.constraints import constrained_beam_loop
 from keras_transformer_runtime.search import (
     EXTRA_OUTPUT_TOKENS,
     banned_ids,
@@ -45,6 +46,7 @@ __all__ = [
     "EXTRA_OUTPUT_TOKENS",
     "PAD_ID",
     "beam_search",
+    "constrained_beam_search",
     "greedy_search",
     "length_penalty_factor",
     "sequence_log_probs",
@@ -315,6 +317,61 @@ def beam_search(
         state["caches"] = [ops.take(cache, rows, axis=0) for cache in state["caches"]]
 
     return beam_loop(step, reorder, limits, beam_size, length_penalty, ignore_eos)
+
+
+def constrained_beam_search(
+    model, source_ids, constraints, beam_size=4, length_penalty=0.6, max_length=None
+):
+    """Beam search whose outputs hold given target phrases (terminology constraints).
+
+    The rules of `keras_transformer_runtime.constraints` (per-hypothesis
+    phrase progress, dynamic beam allocation), applied to this model's
+    cached decoder step; the ONNX Runtime translator's `constrained_search`
+    applies the same rules to the exported step.
+
+    Args:
+        model: a model from `build_transformer` (or loaded from a `.keras` file).
+        source_ids: as for `beam_search`.
+        constraints: per sentence, a list of phrases, each a list of target
+            token ids (or a `keras_transformer_runtime.constraints.Constraints`).
+        beam_size, length_penalty, max_length: as for `beam_search`.
+
+    Returns:
+        `(tokens, scores)` as `beam_search` returns them.
+
+    Raises:
+        ValueError: a sentence's phrases do not fit in its output limit.
+    """
+    check_beam_arguments(beam_size, length_penalty)
+    decoder = _decoder_for(model)
+    cap = decoder.config.max_length
+    source, lengths = _as_source_array(source_ids, cap)
+    limits = output_limits(lengths, max_length, cap)
+    if (limits == 0).all():
+        return constrained_beam_loop(None, None, limits, beam_size, constraints)
+    tiled = np.repeat(source, beam_size, axis=0)
+    _, source_mask, cross_caches = decoder._encode(ops.convert_to_tensor(tiled))
+    steps = int(limits.max())
+    state = {"caches": decoder.empty_self_caches(len(tiled), -(-steps // 8) * 8)}
+
+    def step(last, t):
+        log_probs, state["caches"] = decoder._step(
+            ops.convert_to_tensor(last[:, None]),
+            ops.convert_to_tensor(t, "int32"),
+            state["caches"],
+            cross_caches,
+            source_mask,
+        )
+        return _to_numpy(log_probs)
+
+    def reorder(rows):
+        rows = ops.convert_to_tensor(rows)
+        state["caches"] = [ops.take(cache, rows, axis=0) for cache in state["caches"]]
+
+    # The state keeps every sentence: the compiled step is traced once per batch shape.
+    return constrained_beam_loop(
+        step, reorder, limits, beam_size, constraints, length_penalty, drop_finished=False
+    )
 
 
 def sequence_log_probs(model, source_ids, target_tokens, ended=True):

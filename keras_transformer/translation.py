@@ -5,9 +5,10 @@ from __future__ import annotations
 import os
 
 import keras
+from keras_transformer_runtime.constraints import sentence_constraints
 from keras_transformer_runtime.search import translate_texts
 
-from keras_transformer.decoding import beam_search, greedy_search
+from keras_transformer.decoding import beam_search, constrained_beam_search, greedy_search
 from keras_transformer.model import transformer_parts
 
 
@@ -90,10 +91,15 @@ def translate_lines(
     progress=False,
     warn=None,
     length_penalty=0.6,
+    constraints=None,
 ):
     """Translates `lines` in order; `beam_size=1` (or `None`) is greedy search.
 
     `length_penalty` is the beam search's alpha (see `decoding.beam_search`).
+    `constraints`, one entry per line (a list of target phrases, or None or
+    `[]` for none), makes every translation hold its phrases
+    (`decoding.constrained_beam_search`); a phrase that cannot be met raises
+    a `ValueError` naming it and its line before anything is translated.
 
     Sentences are sorted by length into batches, so padding stays small, and
     the outputs are put back in input order. Empty lines give empty lines;
@@ -101,8 +107,17 @@ def translate_lines(
     reported to `warn(message)` when given.
     """
     limit = transformer_parts(model).config.max_length
+    per_sentence = None
+    if constraints is not None:
+        per_sentence = sentence_constraints(
+            lines, list(constraints), tokenizer.encode, limit, max_length
+        )
 
-    def search(batch):
+    def search(batch, entries=None):
+        if entries is not None:
+            return constrained_beam_search(
+                model, batch, entries, beam_size or 1, length_penalty, max_length
+            )[0]
         if beam_size is None or beam_size == 1:
             return greedy_search(model, batch, max_length=max_length)[0]
         return beam_search(
@@ -110,5 +125,13 @@ def translate_lines(
         )[0]
 
     return translate_texts(
-        lines, tokenizer.encode, tokenizer.decode, search, limit, batch_size, progress, warn
+        lines,
+        tokenizer.encode,
+        tokenizer.decode,
+        search,
+        limit,
+        batch_size,
+        progress,
+        warn,
+        per_sentence=per_sentence,
     )

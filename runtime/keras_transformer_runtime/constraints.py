@@ -22,16 +22,18 @@ decoder step, for the Keras decoder and the ONNX Runtime translator):
   tokens (padding and BOS never) and by every token that advances one of
   its unmet phrases (the next token of each). EOS is a candidate only for a
   hypothesis that has met every phrase.
-- Finishing. All candidates are ranked by summed log-probability (ties: the
-  earlier beam, then the lower id). An EOS among the first `beam_size`
-  finishes its hypothesis, scored as plain beam search scores it (summed
-  log-probability divided by the length penalty).
-- Dynamic beam allocation. The other candidates are grouped in banks by
-  their met tokens. The `beam_size` that live on are taken in stripes: the
-  best of each bank from the most met tokens down, then the second best of
-  each, and so on. A bank with fewer candidates leaves its places to the
-  others. So a phrase never needs the whole beam, and the hypothesis that
-  has met the most is always kept.
+- Dynamic beam allocation. The candidates are grouped in banks by their
+  met tokens (an EOS candidate: its hypothesis's), each bank ranked by
+  summed log-probability (ties: the earlier beam, then the lower id), and
+  put in stripe order: the best of each bank from the most met tokens
+  down, then the second best of each, and so on. A bank with fewer
+  candidates leaves its places to the others. So a phrase never needs the
+  whole beam, and the hypothesis that has met the most is always kept.
+- Finishing. In stripe order, an EOS among the first `beam_size`
+  candidates finishes its hypothesis, scored as plain beam search scores it
+  (summed log-probability divided by the length penalty); the first
+  `beam_size` others live on. With one bank (no phrases) the stripe order
+  is the score order, and these are plain beam search's rules.
 - Stopping, as plain beam search: at the limit the live hypotheses finish
   as they are; a sentence stops early when no live hypothesis can beat the
   best finished one, or when `beam_size` have finished and none beats the
@@ -352,24 +354,34 @@ class _SentenceSearch:
                     candidates[j * vocab + token] = score + value
         ranked = sorted(candidates.items(), key=lambda item: (-item[1], item[0]))
         banks = {}  # met tokens -> [(key, score, progress)], best first
-        for rank, (key, score) in enumerate(ranked):
+        for key, score in ranked:
             beam, token = divmod(key, vocab)
-            tokens, _, progress = self.alive[beam]
-            if token == EOS_ID:
-                if rank < k:
-                    self.finished.append(
-                        (rules.met_tokens(progress), score / self._penalty(t + 1), tokens)
-                    )
-                continue
-            progress = rules.advance(progress, token)
+            progress = self.alive[beam][2]
+            if token != EOS_ID:
+                progress = rules.advance(progress, token)
             banks.setdefault(rules.met_tokens(progress), []).append((key, score, progress))
-        grown = []
+        # The stripes: the best of each bank from the most met tokens down, then
+        # the second best of each, and so on. With one bank, the score order.
         order = sorted(banks, reverse=True)
-        for stripe in range(k):
-            for met in order:
-                if stripe < len(banks[met]) and len(grown) < k:
-                    grown.append(banks[met][stripe])
-        # Stripes are taken bank by bank; the new beams keep the score order.
+        striped = [
+            banks[met][stripe]
+            for stripe in range(max(map(len, banks.values()), default=0))
+            for met in order
+            if stripe < len(banks[met])
+        ]
+        grown = []
+        for position, (key, score, progress) in enumerate(striped):
+            beam, token = divmod(key, vocab)
+            if token == EOS_ID:
+                if position < k:
+                    met = rules.met_tokens(progress)
+                    tokens = self.alive[beam][0]
+                    self.finished.append((met, score / self._penalty(t + 1), tokens))
+                continue
+            grown.append((key, score, progress))
+            if len(grown) == k:
+                break
+        # The new beams in score order (ties: the earlier beam, the lower id).
         grown.sort(key=lambda item: (-item[1], item[0]))
         new_alive, origins = [], []
         for key, score, progress in grown:

@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from keras_transformer_runtime import tokenizers
+from keras_transformer_runtime.constraints import constrained_beam_loop, sentence_constraints
 from keras_transformer_runtime.search import (
     beam_loop,
     check_beam_arguments,
@@ -612,6 +613,52 @@ class OnnxTranslator:
             shared_first_step=True,
         )
 
+    def constrained_search(
+        self, source_ids, constraints, beam_size=4, length_penalty=0.6, max_length=None
+    ):
+        """Beam search whose outputs hold given target phrases (terminology constraints).
+
+        The rules of `keras_transformer_runtime.constraints` (dynamic beam
+        allocation), as `keras_transformer.decoding.constrained_beam_search`
+        applies them. The search steps from Python over the decoder step's
+        whole log-probabilities (a phrase's next token may be outside the
+        step's own selection); finished sentences leave the batch.
+
+        Args:
+            source_ids: as for `beam_search`.
+            constraints: per sentence, a list of phrases, each a list of
+                target token ids (or a `constraints.Constraints`).
+            beam_size, length_penalty, max_length: as for `beam_search`.
+
+        Returns:
+            `(tokens, scores)` as `beam_search` returns them.
+        """
+        check_beam_arguments(beam_size, length_penalty)
+        source, limits = self._prepare(source_ids, max_length)
+        if (limits == 0).all():
+            return constrained_beam_loop(None, None, limits, beam_size, constraints)
+        _, mask, cross = self.encode(source)
+        state = {
+            "feeds": self._search_feeds(mask, cross),
+            "caches": self.empty_self_caches(len(mask) * beam_size),
+        }
+
+        def step(last, t):
+            feeds = dict(state["feeds"], token_ids=last[:, None].copy())
+            feeds.update(zip(self._self_names, state["caches"], strict=True))
+            log_probs, state["caches"] = self._run_log_probs(feeds)
+            return log_probs
+
+        def reorder(rows):
+            previous = len(state["caches"][0])
+            state["caches"] = [cache[rows] for cache in state["caches"]]
+            sentences = len(state["feeds"]["source_mask"])
+            kept = rows[::beam_size] // (previous // sentences)  # each sentence's first beam
+            if len(kept) != sentences:
+                state["feeds"] = self._kept_feeds(state["feeds"], kept)
+
+        return constrained_beam_loop(step, reorder, limits, beam_size, constraints, length_penalty)
+
     def _beam_in_graph(self, mask, cross, limits, beam_size, length_penalty, graph="beam_search"):
         """The beam search as one call of the `graph` graph (same results)."""
         feeds = self._search_feeds(mask, cross)
@@ -631,6 +678,7 @@ class OnnxTranslator:
         warn=None,
         length_penalty=0.6,
         parallel_batches=1,
+        constraints=None,
     ):
         """Translates a list of strings; `beam_size=1` is greedy search.
 
@@ -648,6 +696,13 @@ class OnnxTranslator:
         An empty (or whitespace-only) string gives an empty string; a sentence
         longer than the model's `max_length` is translated whole; `warn(message)`
         hears about each one (see `translate_texts`).
+
+        `constraints`, one entry per sentence (a list of target phrases, or
+        None or `[]` for none), makes every translation hold its phrases
+        (`constrained_search`; with `beam_size=1` too). A phrase that
+        tokenizes to nothing or to the unknown token, or that cannot fit in
+        the sentence's output, raises a `ValueError` naming it and its line
+        before anything is translated.
         """
         if isinstance(sentences, str):
             raise TypeError("translate takes a list of strings, not one string.")
@@ -659,7 +714,17 @@ class OnnxTranslator:
             if not isinstance(text, str):
                 raise TypeError(f"Sentence {i} is a {type(text).__name__}, not a string.")
 
-        def one_search(translator, batch):
+        per_sentence = None
+        if constraints is not None:
+            per_sentence = sentence_constraints(
+                sentences, list(constraints), self.tokenizer.encode, self.max_length, max_length
+            )
+
+        def one_search(translator, batch, entries=None):
+            if entries is not None:
+                return translator.constrained_search(
+                    batch, entries, beam_size, length_penalty, max_length
+                )[0]
             if beam_size == 1:
                 return translator.greedy_search(batch, max_length=max_length)[0]
             return translator.beam_search(
@@ -672,16 +737,16 @@ class OnnxTranslator:
             for translator in self._parallel_translators(parallel_batches, beam_size):
                 free.put(translator)
 
-            def search(batch):
+            def search(batch, entries=None):
                 translator = free.get()
                 try:
-                    return one_search(translator, batch)
+                    return one_search(translator, batch, entries)
                 finally:
                     free.put(translator)
         else:
 
-            def search(batch):
-                return one_search(self, batch)
+            def search(batch, entries=None):
+                return one_search(self, batch, entries)
 
         return translate_texts(
             sentences,
@@ -693,4 +758,5 @@ class OnnxTranslator:
             progress=progress,
             warn=warn,
             parallel_batches=parallel_batches,
+            per_sentence=per_sentence,
         )

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from keras_transformer_runtime.constraints import add_constraints_flag, read_constraints_flag
 from keras_transformer_runtime.runtime import ExportFileError, OnnxTranslator, available_cores
 from keras_transformer_runtime.text import read_input_lines, warn
 
@@ -57,6 +58,7 @@ def build_parser():
         help="graphs to run: float32 (default), float16 (GPU) or int8 (CPU), where exported",
     )
     parser.add_argument("--cpu", action="store_true", help="run on CPU even when CUDA is usable")
+    add_constraints_flag(parser)
     return parser
 
 
@@ -82,6 +84,7 @@ def main(argv=None):
             split_batches=False if args.whole_batches else None,
         )
         lines = read_input_lines(sys.stdin, warn)
+        constraints = read_constraints_flag(args.constraints, len(lines))
         outputs = translator.translate(
             lines,
             beam_size=args.beam,
@@ -91,6 +94,7 @@ def main(argv=None):
             progress=not sys.stdin.isatty() and len(lines) > args.batch_size,
             warn=warn,
             parallel_batches=args.parallel_batches,
+            constraints=constraints,
         )
     except (ExportFileError, ValueError) as error:
         raise SystemExit(f"error: {error}") from None
