@@ -24,17 +24,22 @@ import logging
 import keras
 import numpy as np
 from keras import ops
-from keras_transformer_runtime.constraints import constrained_beam_loop
 from keras_transformer_runtime.search import (
     EXTRA_OUTPUT_TOKENS,
     banned_ids,
     beam_loop,
     check_beam_arguments,
+    forced_scores,
     greedy_loop,
     length_penalty_factor,
+    options_loop,
     output_limits,
+    plain_hypotheses,
+    prefixed_limits,
     source_array,
+    teacher_inputs,
 )
+from keras_transformer_runtime.spec import SearchOptions, truncate_source
 from keras_transformer_runtime.specials import BOS_ID, EOS_ID, PAD_ID
 
 from keras_transformer.model import TransformerParts, transformer_parts
@@ -46,9 +51,10 @@ __all__ = [
     "EXTRA_OUTPUT_TOKENS",
     "PAD_ID",
     "beam_search",
-    "constrained_beam_search",
     "greedy_search",
     "length_penalty_factor",
+    "score",
+    "search",
     "sequence_log_probs",
 ]
 
@@ -319,37 +325,59 @@ def beam_search(
     return beam_loop(step, reorder, limits, beam_size, length_penalty, ignore_eos)
 
 
-def constrained_beam_search(
-    model, source_ids, constraints, beam_size=4, length_penalty=0.6, max_length=None
-):
-    """Beam search whose outputs hold given target phrases (terminology constraints).
+def search(model, source_ids, options=None, prefixes=None, indices=None, constraints=None):
+    """The best hypotheses of each source under `options` (a `SearchOptions`).
 
-    The rules of `keras_transformer_runtime.constraints` (per-hypothesis
-    phrase progress, dynamic beam allocation), applied to this model's
-    cached decoder step; the ONNX Runtime translator's `constrained_search`
-    applies the same rules to the exported step.
+    The same search as `OnnxTranslator.search`, by the rules of
+    `keras_transformer_runtime.spec.SentenceSearch`: plain options without
+    prefixes run `greedy_search` / `beam_search`; any other runs
+    `search.options_loop` over the cached decoder step (one compiled shape:
+    `beam_size` rows per sentence).
 
     Args:
-        model: a model from `build_transformer` (or loaded from a `.keras` file).
-        source_ids: as for `beam_search`.
-        constraints: per sentence, a list of phrases, each a list of target
-            token ids (or a `keras_transformer_runtime.constraints.Constraints`).
-        beam_size, length_penalty, max_length: as for `beam_search`.
+        model: a model from `build_transformer`.
+        source_ids: as for `greedy_search`.
+        options: default `SearchOptions()` (beam 4).
+        prefixes: per-sentence target prefix ids, or None.
+        indices: each sentence's index in its input, which seeds its sampling.
+        constraints: per-sentence terminology constraints (lists of target
+            phrases as token-id lists), or None: every output holds its
+            phrases (`keras_transformer_runtime.constraints`).
 
     Returns:
-        `(tokens, scores)` as `beam_search` returns them.
-
-    Raises:
-        ValueError: a sentence's phrases do not fit in its output limit.
+        per sentence, its `spec.Hypothesis` list (`options.n_best` at most), best first.
     """
-    check_beam_arguments(beam_size, length_penalty)
+    options = options if options is not None else SearchOptions()
     decoder = _decoder_for(model)
     cap = decoder.config.max_length
+    if options.max_input_length is not None:
+        source, _ = _as_source_array(source_ids, cap)
+        rows = [row[row != PAD_ID].tolist() for row in source]
+        source_ids = [truncate_source(row, options.max_input_length) for row in rows]
+    if prefixes is not None and len(prefixes) != len(source_ids):
+        raise ValueError(f"{len(prefixes)} target prefixes for {len(source_ids)} sentences.")
+    options.check_ids(decoder.config.vocabulary_size, prefixes)
     source, lengths = _as_source_array(source_ids, cap)
-    limits = output_limits(lengths, max_length, cap)
+    limits = output_limits(lengths, options.max_length, cap)
+    if constraints is not None and len(constraints) != len(source_ids):
+        raise ValueError(f"{len(constraints)} constraint lists for {len(source_ids)} sentences.")
+    if options.is_plain() and not any(prefixes or ()) and not any(map(len, constraints or ())):
+        if options.beam_size == 1:
+            found = greedy_search(model, source, max_length=options.max_length)
+        else:
+            found = beam_search(
+                model,
+                source,
+                beam_size=options.beam_size,
+                length_penalty=options.length_penalty,
+                max_length=options.max_length,
+            )
+        return plain_hypotheses(*found, limits, options)
+    limits = prefixed_limits(limits, prefixes, options.max_length)
     if (limits == 0).all():
-        return constrained_beam_loop(None, None, limits, beam_size, constraints)
-    tiled = np.repeat(source, beam_size, axis=0)
+        return options_loop(None, None, limits, options, prefixes, indices, constraints=constraints)
+    k = options.beam_size
+    tiled = np.repeat(source, k, axis=0)  # row p * k + j: hypothesis j of sentence p
     _, source_mask, cross_caches = decoder._encode(ops.convert_to_tensor(tiled))
     steps = int(limits.max())
     state = {"caches": decoder.empty_self_caches(len(tiled), -(-steps // 8) * 8)}
@@ -368,10 +396,29 @@ def constrained_beam_search(
         rows = ops.convert_to_tensor(rows)
         state["caches"] = [ops.take(cache, rows, axis=0) for cache in state["caches"]]
 
-    # The state keeps every sentence: the compiled step is traced once per batch shape.
-    return constrained_beam_loop(
-        step, reorder, limits, beam_size, constraints, length_penalty, drop_finished=False
+    return options_loop(step, reorder, limits, options, prefixes, indices, constraints=constraints)
+
+
+def score(model, source_ids, target_ids):
+    """Forced decoding: per sentence `(log_prob, token_scores)` of `target_ids[i]`
+    (no BOS, no EOS) given `source_ids[i]`, EOS scored last; `(None, None)` for
+    an empty source. The model's log-probabilities, as `OnnxTranslator.score_ids`."""
+    if len(source_ids) != len(target_ids):
+        raise ValueError(f"{len(target_ids)} targets for {len(source_ids)} sources.")
+    parts = transformer_parts(model)
+    source, lengths = _as_source_array(source_ids, parts.config.max_length)
+    found = [(None, None)] * len(source)
+    rows = np.flatnonzero(lengths)
+    if not len(rows):
+        return found
+    targets = [[int(t) for t in target_ids[i]] for i in rows]
+    logits = model(
+        {"source_ids": source[rows], "target_ids": teacher_inputs(targets)}, training=False
     )
+    log_probs = _to_numpy(ops.log_softmax(ops.cast(logits, "float32"), axis=-1))
+    for i, result in zip(rows, forced_scores(log_probs.astype(np.float64), targets), strict=True):
+        found[i] = result
+    return found
 
 
 def sequence_log_probs(model, source_ids, target_tokens, ended=True):

@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 from keras_transformer_runtime.constraints import Constraints, constrained_beam
 from keras_transformer_runtime.search import output_limits
+from keras_transformer_runtime.spec import SearchOptions
 
-from keras_transformer import cli
-from keras_transformer.decoding import beam_search, constrained_beam_search
+from keras_transformer import cli, decoding
+from keras_transformer.decoding import beam_search
 from keras_transformer.translation import translate_lines
 from tests.onnx_helpers import (
     SPEC_SCORE_TOLERANCE,
@@ -47,8 +48,11 @@ def test_keras_reference_and_onnx_give_the_same_constrained_translations(exporte
     phrases = [
         [tokenizer.encode(p) for p in entry] for entry in _phrases(tokenizer, plain, len(lines))
     ]
-    onnx_tokens, onnx_scores = translator.constrained_search(sources, phrases, beam_size)
-    keras_tokens, keras_scores = constrained_beam_search(model, sources, phrases, beam_size)
+    options = SearchOptions(beam_size=beam_size)
+    onnx_tokens, onnx_scores = _best(translator.search(sources, options, constraints=phrases))
+    keras_tokens, keras_scores = _best(
+        decoding.search(model, sources, options, constraints=phrases)
+    )
     assert onnx_tokens == keras_tokens
     np.testing.assert_allclose(onnx_scores, keras_scores, atol=1e-3)
     for i, (source, entry) in enumerate(zip(sources, phrases, strict=True)):
@@ -60,8 +64,13 @@ def test_keras_reference_and_onnx_give_the_same_constrained_translations(exporte
             assert _contains(tokens, phrase)
         assert tokens != plain[i]
     # No constraints: the plain beam search.
-    tokens, scores = translator.constrained_search(sources, [[]] * len(sources), 4)
-    assert tokens == plain
+    empty = [[]] * len(sources)
+    assert _best(translator.search(sources, SearchOptions(), constraints=empty))[0] == plain
+
+
+def _best(found):
+    """The best hypothesis of each sentence as `(tokens, scores)`."""
+    return [h[0].tokens for h in found], np.array([h[0].score for h in found])
 
 
 def test_translate_commands_read_constraints_files(
@@ -117,8 +126,9 @@ def test_bad_constraints_are_refused_naming_the_line(exported, tmp_path):
     long_phrase = " ".join([word] * (translator.max_length + 1))
     with pytest.raises(ValueError, match=r"is \d+ tokens, longer than"):
         translator.translate(lines, constraints=[[long_phrase], [], []])
-    with pytest.raises(ValueError, match="sentence 0 need 2 tokens"):
-        translator.constrained_search([[5, 2]], [[[5], [6]]], 2, max_length=2)
+    with pytest.raises(ValueError, match="need 2 tokens"):
+        options = SearchOptions(beam_size=2, max_length=2)
+        translator.search([[5, 2]], options, constraints=[[[5], [6]]])
 
     terms = tmp_path / "terms.tsv"
     terms.write_text(f"{word}\n\n", encoding="utf-8")
@@ -129,5 +139,5 @@ def test_bad_constraints_are_refused_naming_the_line(exported, tmp_path):
     result = translate_command(out, lines, "--constraints", str(terms))
     assert "error: The constraint 'zzz-unknown' of line 2" in result.stderr
     result = translate_command(out, lines, "--constraints", str(tmp_path / "missing.tsv"))
-    assert "Cannot read the constraints file" in result.stderr
+    assert "error: --constraints" in result.stderr and "No such file" in result.stderr
     assert Constraints([tokenizer.encode(word)]).total == 1

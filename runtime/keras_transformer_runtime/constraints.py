@@ -5,12 +5,13 @@ must be translated as that target term"). Each phrase is tokenized with the
 target tokenizer; the search then keeps only finished translations that
 contain every phrase as a run of consecutive tokens.
 
-The search is beam search with constraints as one more per-hypothesis state
-(Post and Vilar 2018, "Fast Lexically Constrained Decoding with Dynamic Beam
-Allocation"; Hu et al. 2019, "Improved Lexically Constrained Decoding"). The
-rules, applied to every sentence by both `constrained_beam` (one sentence,
-written plainly, for the tests) and `constrained_beam_loop` (a batch over a
-decoder step, for the Keras decoder and the ONNX Runtime translator):
+The search is the beam search of `spec.SentenceSearch` with constraints as
+one more per-hypothesis state (Post and Vilar 2018, "Fast Lexically
+Constrained Decoding with Dynamic Beam Allocation"; Hu et al. 2019,
+"Improved Lexically Constrained Decoding"): `ConstrainedSearch`, which
+`search.options_loop` runs for every sentence of a batch (for the Keras
+decoder and the ONNX Runtime translator) and `constrained_beam` for one
+sentence (the reference of the tests). The rules:
 
 - Progress. A hypothesis tracks, for every phrase, how many of its tokens
   the end of the output matches (as a string search does: a mismatch falls
@@ -18,9 +19,11 @@ decoder step, for the Keras decoder and the ONNX Runtime translator):
   phrase). A phrase matched to its end is met, and stays met. The
   hypothesis's *met tokens* are the lengths of its met phrases plus the
   longest partial match of the others.
-- Candidates. Each live hypothesis is extended by its `2 * beam_size` best
-  tokens (padding and BOS never) and by every token that advances one of
-  its unmet phrases (the next token of each). EOS is a candidate only for a
+- Candidates. Each live hypothesis ranks its next token by
+  `spec.step_scores` (so a prefix, masks and penalties apply as without
+  constraints) and is extended by its `2 * beam_size` best tokens and by
+  every token that advances one of its unmet phrases (the next token of
+  each), unless those rules forbid it. EOS is a candidate only for a
   hypothesis that has met every phrase.
 - Dynamic beam allocation. The candidates are grouped in banks by their
   met tokens (an EOS candidate: its hypothesis's), each bank ranked by
@@ -34,12 +37,13 @@ decoder step, for the Keras decoder and the ONNX Runtime translator):
   (summed log-probability divided by the length penalty); the first
   `beam_size` others live on. With one bank (no phrases) the stripe order
   is the score order, and these are plain beam search's rules.
-- Stopping, as plain beam search: at the limit the live hypotheses finish
-  as they are; a sentence stops early when no live hypothesis can beat the
-  best finished one, or when `beam_size` have finished and none beats the
-  best at its current length.
+- Stopping, as `spec.SentenceSearch`: at the limit the live hypotheses
+  finish as they are; a sentence stops early when no live hypothesis can
+  beat the `n_best`-th best finished one, or when `beam_size` have
+  finished and none beats it at its current length.
 - The winner (the fallback rule): the finished hypothesis with the most met
-  tokens, then the best score (the first found of equal ones). Whenever the
+  tokens, then the best score (the first found of equal ones); the n best
+  are ranked the same way. Whenever the
   phrases fit in the limit (their tokens together at most `limit - 1`, room
   left for EOS), the hypothesis with the most met tokens gains one at every
   step and is never dropped, so the winner has met every phrase; the
@@ -56,19 +60,16 @@ import os
 
 import numpy as np
 
-from keras_transformer_runtime.search import DROP_FRACTION, check_beam_arguments, output_limits
-from keras_transformer_runtime.spec import banned_ids, length_penalty_factor
+from keras_transformer_runtime.spec import Hypothesis, SearchOptions, SentenceSearch, step_scores
 from keras_transformer_runtime.specials import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 
 __all__ = [
+    "ConstrainedSearch",
     "Constraints",
-    "add_constraints_flag",
     "check_fits",
     "constrained_beam",
-    "constrained_beam_loop",
     "encode_constraints",
     "read_constraints_file",
-    "read_constraints_flag",
     "sentence_constraints",
 ]
 
@@ -217,6 +218,8 @@ def sentence_constraints(texts, phrases, encode, model_max_length, max_length=No
         raise ValueError(
             f"constraints has {len(phrases)} entries for {len(texts)} sentences (one each)."
         )
+    from keras_transformer_runtime.search import output_limits  # search imports this module
+
     lengths = [len(encode(text)) + 1 if text.strip() else 0 for text in texts]
     limits = output_limits(lengths, max_length, model_max_length)
     return [
@@ -283,83 +286,83 @@ def read_constraints_file(path, count=None):
     return rows
 
 
-def add_constraints_flag(parser):
-    """`--constraints FILE`, the same in both translate commands."""
-    parser.add_argument(
-        "--constraints",
-        metavar="FILE",
-        help="target phrases each translation must hold, line N for input line N: "
-        "tab-separated phrases per line, or a JSON list of strings per line in a .jsonl "
-        "file; an empty line for none (docs/constraints.md)",
-    )
-
-
-def read_constraints_flag(path, count):
-    """The `--constraints` file's phrases for `count` input lines (None without the flag)."""
-    if path is None:
-        return None
-    try:
-        return read_constraints_file(path, count)
-    except OSError as error:
-        raise ValueError(f"Cannot read the constraints file {path}: {error}") from error
-
-
 # --------------------------------------------------------------------------- the search rules
 
 
-def top_tokens(log_probs, width):
+def top_tokens(scores, width):
     """Each row's `width` best tokens, best first (ties: the lower id): `(ids, scores)`."""
-    width = min(width, log_probs.shape[-1])
-    part = np.argpartition(-log_probs, width - 1, axis=-1)[..., :width]
-    values = np.take_along_axis(log_probs, part, axis=-1)
+    width = min(width, scores.shape[-1])
+    part = np.argpartition(-scores, width - 1, axis=-1)[..., :width]
+    values = np.take_along_axis(scores, part, axis=-1)
     order = np.lexsort((part, -values), axis=-1)
     return np.take_along_axis(part, order, axis=-1), np.take_along_axis(values, order, axis=-1)
 
 
-class _SentenceSearch:
-    """The constrained beam search of one sentence, one step at a time.
+class ConstrainedSearch(SentenceSearch):
+    """`spec.SentenceSearch` with terminology constraints: the rules of this module.
 
-    `alive` holds the live hypotheses `(tokens, summed log-probability,
-    progress)`; `step` takes their next-token log-probabilities (one row
-    each, in order) and returns the rows the new live hypotheses grow from.
+    Every other option applies as in `SentenceSearch`: each hypothesis ranks
+    its next token by `spec.step_scores` (a prefix is forced first, masks
+    and penalties apply), and a phrase token that those rules forbid is no
+    candidate. A beam of one follows the same rules as a wider beam (its
+    score is length-penalized). Sampling is refused: a constraint needs a
+    search. `results()` ranks by met tokens, then score (the fallback
+    rule), and returns `options.n_best`.
+
+    Args:
+        limit: the most tokens generated, EOS included; 0 for an empty source.
+        options: a `spec.SearchOptions`.
+        constraints: a `Constraints` (or a list of token-id phrases).
+        prefix: target prefix ids, forced first.
     """
 
-    def __init__(self, constraints, limit, beam_size, length_penalty):
+    def __init__(self, limit, options, constraints, prefix=()):
+        if options.sampling:
+            raise ValueError(
+                "constraints need a search, not sampling: set sampling_topk to 1. "
+                f"Received: sampling_topk={options.sampling_topk}"
+            )
+        super().__init__(limit, options, prefix)
+        if not isinstance(constraints, Constraints):
+            constraints = Constraints(constraints)
         self.constraints = constraints
-        self.limit = int(limit)
-        self.beam_size = beam_size
-        self.alpha = length_penalty
-        self.alive = [([], 0.0, constraints.start())]
-        self.finished = []  # (met tokens, normalized score, tokens)
-        self.done = self.limit == 0
+        if self.limit:
+            check_fits(constraints, self.limit - len(self.prefix))
+        self.progress = [constraints.start()] * len(self.live)  # one per live hypothesis
+        self.met = []  # the met tokens of each finished hypothesis
 
-    def _penalty(self, length):
-        return length_penalty_factor(length, self.alpha)
+    def _finish(self, t, tokens, total, steps, progress):
+        self.finished.append((total / self._penalty(t + 1), tokens, total, steps))
+        self.met.append(self.constraints.met_tokens(progress))
 
-    def step(self, t, log_probs, top_ids, top_scores):
-        """One step. `log_probs` is `(len(alive), vocab)`, float; `top_ids`/`top_scores`
-        its rows' `2 * beam_size` best allowed tokens (`top_tokens`). Returns the
-        origin row of each new live hypothesis (empty once done)."""
-        k, rules = self.beam_size, self.constraints
-        vocab = log_probs.shape[-1]
-        candidates = {}  # beam * vocab + token -> summed log-probability
-        for j, (_, score, progress) in enumerate(self.alive):
-            ends = rules.all_met(progress)
-            for token, value in zip(top_ids[j], top_scores[j], strict=True):
-                if np.isfinite(value) and (token != EOS_ID or ends):
-                    candidates[j * vocab + int(token)] = score + float(value)
-            for token in rules.next_tokens(progress):
-                value = float(log_probs[j, token])
-                if np.isfinite(value):
-                    candidates[j * vocab + token] = score + value
-        ranked = sorted(candidates.items(), key=lambda item: (-item[1], item[0]))
-        banks = {}  # met tokens -> [(key, score, progress)], best first
-        for key, score in ranked:
+    def advance(self, rows):
+        """One step: `rows[j]` are the log-probabilities after `live[j]`; returns the
+        index of the live hypothesis each new one extends."""
+        t, k, rules = self.step, self.options.beam_size, self.constraints
+        scored = np.stack(
+            [
+                step_scores(row, tokens, self.options, self.prefix)
+                for row, (tokens, _, _) in zip(rows, self.live, strict=True)
+            ]
+        )
+        self.step += 1
+        vocab = scored.shape[-1]
+        top_ids, top_values = top_tokens(scored, 2 * k)
+        candidates = {}  # beam * vocab + token -> summed score
+        for j, (_, total, _) in enumerate(self.live):
+            ends = rules.all_met(self.progress[j])
+            tokens = [int(i) for i in top_ids[j] if i != EOS_ID or ends]
+            tokens += rules.next_tokens(self.progress[j])
+            for token in tokens:
+                if np.isfinite(scored[j, token]):
+                    candidates[j * vocab + token] = total + float(scored[j, token])
+        banks = {}  # met tokens -> [(key, summed score, progress)], best first
+        for key, total in sorted(candidates.items(), key=lambda item: (-item[1], item[0])):
             beam, token = divmod(key, vocab)
-            progress = self.alive[beam][2]
+            progress = self.progress[beam]
             if token != EOS_ID:
                 progress = rules.advance(progress, token)
-            banks.setdefault(rules.met_tokens(progress), []).append((key, score, progress))
+            banks.setdefault(rules.met_tokens(progress), []).append((key, total, progress))
         # The stripes: the best of each bank from the most met tokens down, then
         # the second best of each, and so on. With one bank, the score order.
         order = sorted(banks, reverse=True)
@@ -370,152 +373,67 @@ class _SentenceSearch:
             if stripe < len(banks[met])
         ]
         grown = []
-        for position, (key, score, progress) in enumerate(striped):
+        for position, (key, total, progress) in enumerate(striped):
             beam, token = divmod(key, vocab)
+            tokens, _, steps = self.live[beam]
             if token == EOS_ID:
                 if position < k:
-                    met = rules.met_tokens(progress)
-                    tokens = self.alive[beam][0]
-                    self.finished.append((met, score / self._penalty(t + 1), tokens))
+                    self._finish(t, tokens, total, steps + [float(scored[beam, token])], progress)
                 continue
-            grown.append((key, score, progress))
+            grown.append((key, total, progress))
             if len(grown) == k:
                 break
-        # The new beams in score order (ties: the earlier beam, the lower id).
-        grown.sort(key=lambda item: (-item[1], item[0]))
-        new_alive, origins = [], []
-        for key, score, progress in grown:
+        grown.sort(key=lambda item: (-item[1], item[0]))  # score order, as plain beams
+        live, progress, parents = [], [], []
+        for key, total, after in grown:
             beam, token = divmod(key, vocab)
-            new_alive.append((self.alive[beam][0] + [token], score, progress))
-            origins.append(beam)
+            tokens, _, steps = self.live[beam]
+            live.append((tokens + [token], total, steps + [float(scored[beam, token])]))
+            progress.append(after)
+            parents.append(beam)
         if t + 1 >= self.limit:  # out of room: live hypotheses end here, without EOS
-            for tokens, score, progress in new_alive:
-                self.finished.append(
-                    (rules.met_tokens(progress), score / self._penalty(t + 1), tokens)
-                )
-            new_alive = []
-        best = max((s for _, s, _ in self.finished), default=-np.inf)
-        top = max((score for _, score, _ in new_alive), default=-np.inf)
+            for (tokens, total, steps), after in zip(live, progress, strict=True):
+                self._finish(t, tokens, total, steps, after)
+            live = []
+        ranks = sorted((f[0] for f in self.finished), reverse=True)
+        bar = ranks[self.options.n_best - 1] if len(ranks) >= self.options.n_best else -np.inf
+        top = max((total for _, total, _ in live), default=-np.inf)
         if (
-            not new_alive
-            or top / self._penalty(self.limit) <= best
-            or (len(self.finished) >= k and top / self._penalty(t + 1) <= best)
+            not live
+            or top / self._penalty(self.limit) <= bar
+            or (len(self.finished) >= k and top / self._penalty(t + 1) <= bar)
         ):
-            self.done = True
+            self.done, self.live, self.progress = True, [], []
             return []
-        self.alive = new_alive
-        return origins
+        self.live, self.progress = live, progress
+        return parents
 
-    def result(self):
-        """`(tokens, score)` of the winner: the most met tokens, then the best score."""
-        if not self.finished:
-            return [], 0.0 if self.limit == 0 else -np.inf
-        met, score, tokens = max(self.finished, key=lambda f: (f[0], f[1]))
-        return tokens, score
+    def results(self):
+        """The `n_best` finished hypotheses with the most met tokens, then the best
+        scores (the first found of equal ones), best first."""
+        if not self.limit or not self.finished:
+            return super().results()
+        order = sorted(
+            range(len(self.finished)), key=lambda i: (-self.met[i], -self.finished[i][0])
+        )
+        best = [self.finished[i] for i in order[: self.options.n_best]]
+        return [
+            Hypothesis(
+                list(tokens),
+                float(score),
+                float(log_prob),
+                list(steps) if self.options.token_scores else None,
+            )
+            for score, tokens, log_prob, steps in best
+        ]
 
 
 def constrained_beam(log_probs, limit, beam_size, constraints, length_penalty=0.6):
     """Constrained beam search for one sentence: `(tokens, length-penalized score)`.
 
-    The reference the batched search is tested against: the model is
-    queried one hypothesis at a time.
-
-    Args:
-        log_probs: `log_probs(prefix) -> (vocabulary,)`, as for `spec.beam`.
-        limit: the most tokens generated, EOS included; 0 for an empty source.
-        beam_size: live hypotheses kept.
-        constraints: a `Constraints` (or a list of token-id phrases).
-        length_penalty: alpha of the length penalty; 0 disables it.
+    The reference the batched searches are tested against, shaped as
+    `spec.beam`: the model is queried one hypothesis at a time.
     """
-    check_beam_arguments(beam_size, length_penalty)
-    if not isinstance(constraints, Constraints):
-        constraints = Constraints(constraints)
-    if limit:
-        check_fits(constraints, limit)
-    search = _SentenceSearch(constraints, limit, beam_size, length_penalty)
-    t = 0
-    while not search.done:
-        rows = np.stack(
-            [np.asarray(log_probs(tokens), np.float64) for tokens, _, _ in search.alive]
-        )
-        rows[:, banned_ids()] = -np.inf
-        ids, scores = top_tokens(rows, 2 * beam_size)
-        search.step(t, rows, ids, scores)
-        t += 1
-    return search.result()
-
-
-def constrained_beam_loop(
-    step, reorder, limits, beam_size, constraints, length_penalty=0.6, drop_finished=True
-):
-    """Constrained beam search over a decoder step; row `p * beam_size + j` is beam j of sentence p.
-
-    Args:
-        step: `step(last, t) -> log_probs`: `last` is the int32 newest token
-            of every row of the decoder state, `(sentences * beam_size,)`;
-            the result is the whole `(sentences * beam_size, vocab)`
-            log-probabilities (the phrases' tokens need theirs).
-        reorder: `reorder(rows)`, called before every step after the first:
-            row i of the decoder state becomes row `rows[i]` of the previous
-            state. With `drop_finished`, finished sentences leave the state
-            (once more than `search.DROP_FRACTION` of it is finished), so
-            `rows` covers only the sentences still searched, in input order.
-        limits: per-sentence maximum output length (EOS included); 0 = empty.
-        beam_size: beams kept per sentence.
-        constraints: per sentence, a `Constraints` (or a list of token-id
-            phrases); an empty one is plain beam search.
-        length_penalty: alpha of the length penalty; 0 disables it.
-        drop_finished: shrink the decoder state as sentences finish (for a
-            step that takes any batch size; the results are the same).
-
-    Returns:
-        `(tokens, scores)` as `search.beam_loop` returns them.
-    """
-    check_beam_arguments(beam_size, length_penalty)
-    limits = np.asarray(limits)
-    if len(constraints) != len(limits):
-        raise ValueError(
-            f"constraints has {len(constraints)} entries for {len(limits)} sentences (one each)."
-        )
-    k = beam_size
-    searches = []
-    for i, (c, limit) in enumerate(zip(constraints, limits, strict=True)):
-        c = c if isinstance(c, Constraints) else Constraints(c)
-        if limit:
-            check_fits(c, limit, f"sentence {i}")
-        searches.append(_SentenceSearch(c, limit, k, length_penalty))
-    if all(s.done for s in searches):
-        return [[] for _ in searches], np.zeros(len(searches), np.float64)
-    active = np.arange(len(searches))  # the sentences the decoder state holds, in order
-    last = np.full(len(active) * k, BOS_ID, np.int32)
-    banned = banned_ids()
-    t = 0
-    while len(active):
-        log_probs = np.array(step(last, t), dtype=np.float64)
-        log_probs[:, banned] = -np.inf
-        ids, scores = top_tokens(log_probs, 2 * k)
-        # By default a row keeps its sentence's first row (a beam not alive, or a
-        # sentence done but still in the state): its next step is not read.
-        rows = np.repeat(np.arange(len(active)) * k, k)
-        for p, b in enumerate(active):
-            search = searches[b]
-            if search.done:
-                continue
-            n = len(search.alive)
-            rows_of = slice(p * k, p * k + n)
-            origins = search.step(t, log_probs[rows_of], ids[rows_of], scores[rows_of])
-            for j, origin in enumerate(origins):
-                rows[p * k + j] = p * k + origin
-                last[p * k + j] = search.alive[j][0][-1]
-        t += 1
-        done = np.array([searches[b].done for b in active])
-        if done.all():
-            break
-        if drop_finished and done.sum() > DROP_FRACTION * len(active):
-            keep = np.flatnonzero(~done)
-            rows = rows.reshape(-1, k)[keep].reshape(-1)
-            last = last.reshape(-1, k)[keep].reshape(-1)
-            active = active[keep]
-        reorder(rows.astype(np.int32))
-    results = [s.result() for s in searches]
-    return [r[0] for r in results], np.array([r[1] for r in results], np.float64)
+    options = SearchOptions(beam_size=beam_size, length_penalty=length_penalty)
+    best = ConstrainedSearch(limit, options, constraints).run(log_probs)[0]
+    return best.tokens, best.score

@@ -1,6 +1,6 @@
 """Terminology constraints (`keras_transformer_runtime.constraints`) on the toy decoder
-of the search tests: the rules, the batched search against the one-sentence one,
-and the constraints file."""
+of the search tests: the rules, the batched search (`search.options_loop`) against
+the one-sentence one, other options beside constraints, and the constraints file."""
 
 import json
 
@@ -8,12 +8,14 @@ import numpy as np
 import pytest
 from keras_transformer_runtime import spec
 from keras_transformer_runtime.constraints import (
+    ConstrainedSearch,
     Constraints,
     constrained_beam,
-    constrained_beam_loop,
     encode_constraints,
     read_constraints_file,
 )
+from keras_transformer_runtime.search import options_loop
+from keras_transformer_runtime.spec import SearchOptions, SentenceSearch
 from keras_transformer_runtime.specials import BOS_ID, EOS_ID, UNK_ID
 
 from tests.runtime.test_search import VOCAB, ToyDecoder, _log_probs
@@ -24,12 +26,19 @@ def _contains(tokens, phrase):
     return any(list(tokens[i : i + n]) == list(phrase) for i in range(len(tokens) - n + 1))
 
 
-def _loop(limits, beam_size, constraints, alpha=0.6):
+def _loop(limits, beam_size, constraints, alpha=0.6, **options):
+    """`options_loop` over the toy decoder: `((best tokens, best scores), step batch sizes)`."""
     decoder = ToyDecoder(len(limits), beam_size)
-    result = constrained_beam_loop(
-        decoder.step, decoder.reorder, limits, beam_size, constraints, alpha
+    found = options_loop(
+        decoder.step,
+        decoder.reorder,
+        limits,
+        SearchOptions(beam_size=beam_size, length_penalty=alpha, **options),
+        drop_finished=True,
+        constraints=constraints,
     )
-    return result, decoder.batch_sizes
+    tokens = [hypotheses[0].tokens for hypotheses in found]
+    return (tokens, np.array([h[0].score for h in found])), decoder.batch_sizes
 
 
 def test_progress_restarts_a_phrase_and_finds_overlapping_matches():
@@ -64,9 +73,6 @@ def test_without_constraints_it_is_plain_beam_search(beam_size, alpha):
         )
         assert single[0] == expected[s][0]
         assert single[1] == pytest.approx(expected[s][1], rel=1e-12)
-    (tokens, scores), _ = _loop(limits, beam_size, [[]] * len(limits), alpha)
-    assert tokens == [e[0] for e in expected]
-    np.testing.assert_allclose(scores, [e[1] for e in expected], rtol=1e-12)
 
 
 # Per sentence: phrases the toy decoder rarely produces on its own, some multi-token,
@@ -109,10 +115,13 @@ def test_constraints_appear_whenever_they_fit(beam_size):
 def test_the_batched_search_is_the_one_sentence_search(beam_size, alpha):
     limits = np.array([12, 9, 6, 14, 5, 8, 2, 4, 0, 11])
     phrases = [*PHRASES, [[4]], [[9, 9], [4, 6]]]
-    expected = [
-        constrained_beam(lambda prefix, s=s: _log_probs(s, prefix), limit, beam_size, p, alpha)
-        for s, (limit, p) in enumerate(zip(limits, phrases, strict=True))
-    ]
+    options = SearchOptions(beam_size=beam_size, length_penalty=alpha)
+    expected = []
+    for s, (limit, p) in enumerate(zip(limits, phrases, strict=True)):
+        # A sentence without phrases runs the options' plain search.
+        search = ConstrainedSearch(limit, options, p) if p else SentenceSearch(limit, options)
+        best = search.run(lambda prefix, s=s: _log_probs(s, prefix))[0]
+        expected.append((best.tokens, best.score))
     (tokens, scores), _ = _loop(limits, beam_size, phrases, alpha)
     assert tokens == [e[0] for e in expected]
     np.testing.assert_allclose(scores, [e[1] for e in expected], rtol=1e-12)
@@ -144,14 +153,56 @@ def test_a_constraint_does_not_need_the_whole_beam():
 def test_constraints_that_cannot_fit_are_refused():
     with pytest.raises(ValueError, match=r"need 5 tokens \(3 \+ 2\).*at most 5 tokens"):
         constrained_beam(lambda prefix: _log_probs(0, prefix), 5, 2, [[4, 5, 6], [7, 8]])
-    with pytest.raises(ValueError, match="sentence 1 need 3 tokens"):
+    with pytest.raises(ValueError, match="need 3 tokens"):
         _loop(np.array([6, 3]), 2, [[], [[4, 5, 6]]])
-    with pytest.raises(ValueError, match="one each"):
+    with pytest.raises(ValueError, match="1 constraint lists for 2 sentences"):
         _loop(np.array([6, 3]), 2, [[]])
+    with pytest.raises(ValueError, match="need a search, not sampling"):
+        ConstrainedSearch(6, SearchOptions(beam_size=1, sampling_topk=0), [[4]])
     with pytest.raises(ValueError, match="padding, BOS or EOS"):
         Constraints([[4, EOS_ID]])
     with pytest.raises(ValueError, match="at least one token"):
         Constraints([[]])
+
+
+def _met(rules, tokens):
+    progress = rules.start()
+    for token in tokens:
+        progress = rules.advance(progress, token)
+    return rules.met_tokens(progress)
+
+
+def test_constraints_with_a_prefix_n_best_and_suppressed_tokens():
+    """Constraints are one more rule of the options' search: a prefix is forced
+    first, a suppressed token stays out, and the n best are ranked by the
+    fallback rule: the most met tokens, then the best score (the first holds
+    every phrase)."""
+    limits = np.array([12, 10, 14])
+    phrases = [[[7, 8]], [[4], [9, 10]], [[11]]]
+    decoder = ToyDecoder(len(limits), 4)
+    options = SearchOptions(beam_size=4, n_best=3, suppress_sequences=[[6]], token_scores=True)
+    found = options_loop(
+        decoder.step,
+        decoder.reorder,
+        limits,
+        options,
+        prefixes=[[5], [], [3, 4]],
+        constraints=phrases,
+    )
+    for s, (hypotheses, entry) in enumerate(zip(found, phrases, strict=True)):
+        assert len(hypotheses) == 3
+        rules = Constraints(entry)
+        assert rules.found_in(hypotheses[0].tokens)
+        keys = [(_met(rules, h.tokens), h.score) for h in hypotheses]
+        assert keys == sorted(keys, reverse=True)
+        for h in hypotheses:
+            assert 6 not in h.tokens
+            assert h.tokens[: [1, 0, 2][s]] == [[5], [], [3, 4]][s]
+            assert sum(h.token_scores) == pytest.approx(h.log_prob, rel=1e-12)
+        single = ConstrainedSearch(limits[s], options, entry, [[5], [], [3, 4]][s]).run(
+            lambda prefix, s=s: _log_probs(s, prefix)
+        )
+        assert [h.tokens for h in single] == [h.tokens for h in hypotheses]
 
 
 class _Words:
