@@ -31,6 +31,7 @@ import asyncio
 import gzip
 import json
 import os
+import resource
 import signal
 import socket
 import subprocess
@@ -90,13 +91,18 @@ class ServerProcess:
                 time.sleep(0.2)
 
     def batch_stats(self):
-        """`(batches, sentences)` searched so far, from /metrics."""
+        """`(batches, sentences, search seconds)` so far, from /metrics."""
+        names = (
+            "kt_serve_batch_sentences_count",
+            "kt_serve_batch_sentences_sum",
+            "kt_serve_batch_seconds_sum",
+        )
         values = {}
         for line in get(self.port, "/metrics").decode().splitlines():
-            for name in ("kt_serve_batch_sentences_count", "kt_serve_batch_sentences_sum"):
-                if line.startswith(name + " "):
-                    values[name] = float(line.split()[1])
-        return values["kt_serve_batch_sentences_count"], values["kt_serve_batch_sentences_sum"]
+            name, _, value = line.partition(" ")
+            if name in names:
+                values[name] = float(value)
+        return tuple(values[name] for name in names)
 
     def cpu_seconds(self):
         with open(f"/proc/{self.process.pid}/stat") as f:
@@ -239,6 +245,8 @@ def load_cell(server, sentences, clients, beam_size, name):
         "mean_batch_sentences": round((batches_after[1] - batches_before[1]) / batches, 2)
         if batches
         else None,
+        # The share of the time a batch was being searched (one worker).
+        "searching_fraction": round((batches_after[2] - batches_before[2]) / seconds, 3),
         "server_cpu_s": round(server.cpu_seconds() - server_cpu, 2),
         "load_generator_cpu_s": round(sum(os.times()[:2]) - own_cpu, 2),
         "load_average_before": [round(x, 2) for x in load_before],
@@ -248,8 +256,20 @@ def load_cell(server, sentences, clients, beam_size, name):
     return row
 
 
-def offline(onnx_dir, source, limit, beam_size, batch_size):
-    """The offline translator in a process of its own: `{seconds, sentences_per_s}`."""
+def offline(onnx_dir, source, limit, beam_size, batch_size, in_order=False):
+    """The offline translator in a process of its own.
+
+    All the sentences in one call (sorted by length into batches: the
+    ceiling), or with `in_order` one call per `batch_size` sentences in
+    their order, as a server gets them from that many concurrent clients.
+    """
+    if in_order:
+        run = (
+            f"for i in range(0, len(sentences), {batch_size}):\n"
+            f"    translator.translate(sentences[i : i + {batch_size}], beam_size={beam_size})\n"
+        )
+    else:
+        run = f"translator.translate(sentences, beam_size={beam_size}, batch_size={batch_size})\n"
     code = (
         "import json, sys, time\n"
         "from benchmarks.serve_load import read_sentences\n"
@@ -257,23 +277,25 @@ def offline(onnx_dir, source, limit, beam_size, batch_size):
         f"sentences = read_sentences({source!r}, {limit!r})\n"
         f"translator = OnnxTranslator({onnx_dir!r})\n"
         f"translator.translate(sentences[:64], beam_size={beam_size}, batch_size={batch_size})\n"
-        "started = time.perf_counter()\n"
-        f"translator.translate(sentences, beam_size={beam_size}, batch_size={batch_size})\n"
-        "seconds = time.perf_counter() - started\n"
+        "started = time.perf_counter()\n" + run + "seconds = time.perf_counter() - started\n"
         "print(json.dumps({'seconds': seconds, 'sentences': len(sentences)}))\n"
     )
     load_before = os.getloadavg()
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
     result = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     )
     measured = json.loads(result.stdout.strip().splitlines()[-1])
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = after.ru_utime + after.ru_stime - children.ru_utime - children.ru_stime
     row = {
-        "system": f"offline batch {batch_size}",
+        "system": f"offline batch {batch_size}" + (", in order" if in_order else ""),
         "beam_size": beam_size,
         "clients": None,
         "sentences": measured["sentences"],
         "seconds": round(measured["seconds"], 3),
         "sentences_per_s": round(measured["sentences"] / measured["seconds"], 2),
+        "process_cpu_s": round(cpu, 2),
         "load_average_before": [round(x, 2) for x in load_before],
         "load_average_after": [round(x, 2) for x in os.getloadavg()],
     }
@@ -393,7 +415,8 @@ def main(argv=None):
     os.makedirs(log_dir, exist_ok=True)
     if "offline" in systems:
         for beam_size in beams:
-            rows.append(offline(args.onnx, args.source, args.limit, beam_size, 32))
+            for in_order in (False, True):
+                rows.append(offline(args.onnx, args.source, args.limit, beam_size, 32, in_order))
     servers = {
         "batching": args.server_flags.split(),
         "no-batching": NO_BATCHING_FLAGS,
@@ -428,8 +451,14 @@ def main(argv=None):
             if served is None:
                 continue
             ceiling = find("offline batch 32", beam_size, None)
+            in_order = find("offline batch 32, in order", beam_size, None)
             alone = find("no-batching", beam_size, count)
             ratios[f"beam {beam_size}, {count} clients"] = {
+                "of_offline_batch_32_in_order": round(
+                    served["sentences_per_s"] / in_order["sentences_per_s"], 3
+                )
+                if in_order
+                else None,
                 "of_offline_batch_32": round(
                     served["sentences_per_s"] / ceiling["sentences_per_s"], 3
                 )

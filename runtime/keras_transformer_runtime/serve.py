@@ -35,13 +35,14 @@ from keras_transformer_runtime.runtime import (
     OnnxTranslator,
     available_cores,
 )
+from keras_transformer_runtime.search import encode_prefixes, hypothesis_records
 from keras_transformer_runtime.serve_batching import Batcher, BatchLimits, QueueFull
+from keras_transformer_runtime.spec import SearchOptions, truncate_source
 from keras_transformer_runtime.specials import EOS_ID
 
-# The request's fields and their defaults (those of keras-transformer-translate).
+# The defaults of keras-transformer-translate.
 DEFAULT_BEAM_SIZE = 4
 DEFAULT_LENGTH_PENALTY = 0.6
-REQUEST_FIELDS = ("texts", "beam_size", "length_penalty", "max_decoding_length", "return_scores")
 # Tokenizing a request of more texts than this runs on a thread, so that a
 # request of thousands of lines does not hold up the event loop.
 TOKENIZE_INLINE_TEXTS = 64
@@ -74,7 +75,7 @@ def build_parser():
         "--workers",
         type=int,
         help="batches searched at once, each on its own thread with a translator of its own "
-        "(default: on a CPU, one per core; on a GPU, 1)",
+        "(default 1: a batch on a CPU already runs as one part per thread)",
     )
     add(
         "--threads",
@@ -103,8 +104,15 @@ def build_parser():
     add(
         "--max-wait-ms",
         type=float,
-        default=5.0,
-        help="how long the oldest waiting sentence waits for a batch to fill (default 5)",
+        default=25.0,
+        help="how long the oldest waiting sentence waits at most for a batch to fill (default 25)",
+    )
+    add(
+        "--quiet-ms",
+        type=float,
+        default=2.0,
+        help="a batch that is not full leaves once no sentence has arrived for this long "
+        "(default 2)",
     )
     add(
         "--max-queue-sentences",
@@ -167,7 +175,7 @@ def check_settings(args):
         value = getattr(args, name)
         if value is not None and (value < 1 or (name == "port" and value > 65535)):
             raise SystemExit(f"error: --{name.replace('_', '-')} must be a positive integer.")
-    for name in ("max_wait_ms", "request_timeout", "drain_timeout"):
+    for name in ("max_wait_ms", "quiet_ms", "request_timeout", "drain_timeout"):
         value = getattr(args, name)
         if not 0 <= value < math.inf:
             raise SystemExit(f"error: --{name.replace('_', '-')} must be a non-negative number.")
@@ -200,34 +208,45 @@ class Engine:
             raise ExportFileError(f"The export in {onnx_dir} has no tokenizer file.")
         self.tokenizer = first.tokenizer
         self.max_length = first.max_length
+        self.vocabulary_size = first.vocabulary_size
         self.provider = first.provider
 
-    def encode(self, text):
-        """Token ids of `text` with EOS; none for an empty or whitespace-only text."""
+    def encode(self, text, max_input_length=None):
+        """Token ids of `text` with EOS (none for an empty or whitespace-only text), and
+        whether they were cut to `max_input_length`."""
         ids = self.tokenizer.encode(text) if text.strip() else []
-        return ids + [EOS_ID] if ids else []
+        ids = ids + [EOS_ID] if ids else []
+        if max_input_length is not None and len(ids) > max_input_length:
+            return truncate_source(ids, max_input_length), True
+        return ids, False
 
-    def run_batch(self, worker, key, sources):
-        """Searches `sources` on worker `worker`'s translator: `[(text, score), ...]` in order."""
-        beam_size, length_penalty, max_length = key
+    def run_batch(self, worker, options, sentences):
+        """Searches `sentences` (`(source ids, prefix ids, index in its request)` each) under
+        `options` on worker `worker`'s translator: per sentence its hypothesis records
+        (`search.hypothesis_records`), best first."""
         translator = self.translators[worker]
-        if beam_size == 1:
-            tokens, scores = translator.greedy_search(sources, max_length=max_length)
-        else:
-            tokens, scores = translator.beam_search(
-                sources, beam_size=beam_size, length_penalty=length_penalty, max_length=max_length
-            )
+        sources = [source for source, _, _ in sentences]
+        prefixes = [prefix for _, prefix, _ in sentences]
+        indices = [index for _, _, index in sentences]
+        found = translator.search(sources, options, prefixes if any(prefixes) else None, indices)
         decode = translator.tokenizer.decode
-        return [(decode(ids), float(score)) for ids, score in zip(tokens, scores, strict=True)]
+        return [hypothesis_records(hypotheses, decode) for hypotheses in found]
+
+    def empty_result(self, options):
+        """What a search of an empty source gives (no model call)."""
+        return hypothesis_records(
+            self.translators[0].search([[]], options)[0], self.tokenizer.decode
+        )
 
     def warm_up(self, batch_sentences):
         """Loads every search graph's session and the split search's copies before serving."""
-        texts = [" ".join(["a"] * 3)] * max(batch_sentences, 1)
-        sources = [self.encode(text) or [EOS_ID] for text in texts]
+        source = self.encode("a a a")[0] or [EOS_ID]
+        sentences = [(source, [], i) for i in range(max(batch_sentences, 1))]
         for worker in range(len(self.translators)):
             for beam_size in (1, DEFAULT_BEAM_SIZE):
-                self.run_batch(worker, (beam_size, DEFAULT_LENGTH_PENALTY, 2), sources)
-                self.run_batch(worker, (beam_size, DEFAULT_LENGTH_PENALTY, 2), sources[:1])
+                options = SearchOptions(beam_size=beam_size, max_length=2)
+                self.run_batch(worker, options, sentences)
+                self.run_batch(worker, options, sentences[:1])
 
 
 # --------------------------------------------------------------------------- requests
@@ -237,11 +256,75 @@ def _is_int(value):
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def parse_request(data, settings):
-    """The checked fields of a decoded JSON body: `(texts, key, return_scores)`.
+def _is_number(value):
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
-    Raises `Refusal` 400 for a wrong shape, type or value, 413 for too many
-    texts or characters.
+
+# The search options a request may set, with the JSON type each takes; their
+# names, meanings and defaults are `spec.SearchOptions`'s and the translate
+# commands' flags' (docs/decoding.md).
+OPTION_TYPES = {
+    "beam_size": (_is_int, "an integer"),
+    "length_penalty": (_is_number, "a number"),
+    "n_best": (_is_int, "an integer"),
+    "max_length": (_is_int, "an integer"),
+    "min_length": (_is_int, "an integer"),
+    "disable_unk": (lambda v: isinstance(v, bool), "true or false"),
+    "repetition_penalty": (_is_number, "a number"),
+    "no_repeat_ngram_size": (_is_int, "an integer"),
+    "sampling_topk": (_is_int, "an integer"),
+    "sampling_topp": (_is_number, "a number"),
+    "sampling_temperature": (_is_number, "a number"),
+    "seed": (_is_int, "an integer"),
+    "max_input_length": (_is_int, "an integer"),
+    "token_scores": (lambda v: isinstance(v, bool), "true or false"),
+}
+OPTION_HELP = {
+    "beam_size": "live hypotheses kept; 1 is greedy search (or sampling)",
+    "length_penalty": "beam search's alpha: scores divided by ((5 + length) / 6) ** alpha",
+    "n_best": "hypotheses answered per text, best first (at most beam_size)",
+    "max_length": "most output tokens per sentence, EOS included; null: the source length + 50",
+    "min_length": "EOS is not allowed before this many tokens",
+    "disable_unk": "never generate the unknown token",
+    "repetition_penalty": "> 1 makes tokens already generated less likely",
+    "no_repeat_ngram_size": "no n-gram of this size twice in an output (0: off)",
+    "sampling_topk": "1: search; 0: sample from every token; k > 1: from the k best",
+    "sampling_topp": "sample from the smallest set of this probability mass",
+    "sampling_temperature": "sampling divides the log-probabilities by this",
+    "seed": "sampling: text i of the request draws from a generator seeded (seed, i)",
+    "max_input_length": "sources longer than this many tokens are truncated (with a warning)",
+    "token_scores": "answer hypotheses with each token's log-probability",
+}
+REQUEST_FIELDS = (
+    "texts",
+    "prefixes",
+    *OPTION_TYPES,
+    "max_decoding_length",
+    "suppress",
+    "return_scores",
+)
+
+
+def _strings(data, name, required=False):
+    value = data.get(name)
+    if value is None:
+        if required:
+            raise Refusal(400, f'the field "{name}" (a list of strings) is missing')
+        return None
+    if not isinstance(value, list):
+        raise Refusal(400, f'"{name}" must be a list of strings, not {_json_type(value)}')
+    for i, item in enumerate(value):
+        if not isinstance(item, str):
+            raise Refusal(400, f'"{name}"[{i}] must be a string, not {_json_type(item)}')
+    return value
+
+
+def parse_request(data, settings, tokenizer):
+    """The checked fields of a decoded JSON body: `(texts, prefixes, options, return_scores)`.
+
+    `options` is a `spec.SearchOptions`; `prefixes` is None or one text per
+    text. Raises `Refusal` 400 for a wrong shape, type or value, 413 for too
+    many texts or characters.
     """
     if not isinstance(data, dict):
         raise Refusal(400, f"the body must be a JSON object, not {_json_type(data)}")
@@ -252,62 +335,72 @@ def parse_request(data, settings):
             f"unknown field(s) {', '.join(map(repr, unknown))}; the fields are "
             f"{', '.join(REQUEST_FIELDS)}",
         )
-    if "texts" not in data:
-        raise Refusal(400, 'the field "texts" (a list of strings) is missing')
-    texts = data["texts"]
-    if not isinstance(texts, list):
-        raise Refusal(400, f'"texts" must be a list of strings, not {_json_type(texts)}')
+    texts = _strings(data, "texts", required=True)
     if len(texts) > settings.max_texts:
         raise Refusal(
             413,
             f"{len(texts)} texts in one request; this server takes at most "
             f"{settings.max_texts} (--max-texts): split the request",
         )
-    chars = 0
-    for i, text in enumerate(texts):
-        if not isinstance(text, str):
-            raise Refusal(400, f'"texts"[{i}] must be a string, not {_json_type(text)}')
-        chars += len(text)
+    prefixes = _strings(data, "prefixes")
+    if prefixes is not None and len(prefixes) != len(texts):
+        raise Refusal(
+            400, f'{len(prefixes)} "prefixes" for {len(texts)} texts: give one each ("" for none)'
+        )
+    suppress = _strings(data, "suppress") or []
+    chars = sum(map(len, texts)) + sum(map(len, prefixes or ())) + sum(map(len, suppress))
     if chars > settings.max_chars:
         raise Refusal(
             413,
             f"{chars} characters in one request; this server takes at most "
             f"{settings.max_chars} (--max-chars): split the request",
         )
-    beam_size = data.get("beam_size", DEFAULT_BEAM_SIZE)
-    if not _is_int(beam_size) or not 1 <= beam_size <= settings.max_beam_size:
+    if "max_decoding_length" in data:
+        if "max_length" in data:
+            raise Refusal(
+                400, 'give "max_length" or its other name "max_decoding_length", not both'
+            )
+        data = dict(data, max_length=data["max_decoding_length"])
+    values = {"beam_size": DEFAULT_BEAM_SIZE, "length_penalty": DEFAULT_LENGTH_PENALTY}
+    for name, (check, kind) in OPTION_TYPES.items():
+        value = data.get(name)
+        if value is None:
+            continue
+        if not check(value) or (_is_number(value) and not math.isfinite(value)):
+            raise Refusal(400, f'"{name}" must be {kind}. Received: {json.dumps(value)}')
+        values[name] = value
+    if not 1 <= values["beam_size"] <= settings.max_beam_size:
         raise Refusal(
             400,
             f'"beam_size" must be an integer from 1 (greedy) to {settings.max_beam_size}. '
-            f"Received: {json.dumps(beam_size)}",
+            f"Received: {values['beam_size']}",
         )
-    length_penalty = data.get("length_penalty", DEFAULT_LENGTH_PENALTY)
-    if (
-        isinstance(length_penalty, bool)
-        or not isinstance(length_penalty, (int, float))
-        or not 0 <= length_penalty < math.inf
-    ):
+    max_length = values.get("max_length")
+    if max_length is not None and not 1 <= max_length <= settings.max_decoding_length:
         raise Refusal(
             400,
-            f'"length_penalty" must be a non-negative number. Received: {json.dumps(length_penalty)}',
-        )
-    max_length = data.get("max_decoding_length")
-    if max_length is not None and (
-        not _is_int(max_length) or not 1 <= max_length <= settings.max_decoding_length
-    ):
-        raise Refusal(
-            400,
-            f'"max_decoding_length" must be an integer from 1 to {settings.max_decoding_length}'
-            f" (or null: the source length + 50). Received: {json.dumps(max_length)}",
+            f'"max_length" must be an integer from 1 to {settings.max_decoding_length} '
+            f"(or null: the source length + 50). Received: {max_length}",
         )
     return_scores = data.get("return_scores", False)
     if not isinstance(return_scores, bool):
         raise Refusal(
             400, f'"return_scores" must be true or false. Received: {json.dumps(return_scores)}'
         )
-    # Greedy search has no length penalty: greedy requests share batches whatever they say.
-    key = (beam_size, float(length_penalty) if beam_size > 1 else None, max_length)
-    return texts, key, return_scores
+    sequences = []
+    for text in suppress:
+        ids = tokenizer.encode(text)
+        if not ids:
+            raise Refusal(400, f'"suppress" holds {text!r}, which has no tokens')
+        sequences.append(ids)
+    if values["beam_size"] == 1:
+        # Greedy search has no length penalty: greedy requests share batches whatever they say.
+        values["length_penalty"] = DEFAULT_LENGTH_PENALTY
+    try:
+        options = SearchOptions(suppress_sequences=sequences, **values)
+    except ValueError as error:
+        raise Refusal(400, str(error)) from None
+    return texts, prefixes, options, return_scores
 
 
 def _json_type(value):
@@ -373,6 +466,7 @@ def create_app(engine, settings):
         max_batch_sentences=settings.max_batch_sentences,
         max_batch_tokens=settings.max_batch_tokens,
         max_wait_ms=settings.max_wait_ms,
+        quiet_ms=settings.quiet_ms,
         max_queue_sentences=settings.max_queue_sentences,
     )
     state = {}
@@ -417,41 +511,64 @@ def create_app(engine, settings):
             data = json.loads(text)
         except json.JSONDecodeError as error:
             raise Refusal(400, f"the body is not valid JSON: {error}") from None
-        texts, key, return_scores = parse_request(data, settings)
+        texts, prefixes, options, return_scores = parse_request(data, settings, engine.tokenizer)
         warnings = [warning] if warning else []
-        replaced = clean_texts(texts)
+        replaced = clean_texts(texts) + clean_texts(prefixes or [])
         if replaced:
-            shown = ", ".join(map(str, replaced[:MAX_WARNINGS]))
             warnings.append(
-                f"texts {shown} held lone surrogates (not Unicode text); they read as U+FFFD"
+                "some texts held lone surrogates (escapes such as \\ud800, not Unicode text); "
+                "they read as U+FFFD"
             )
-        if len(texts) > TOKENIZE_INLINE_TEXTS:
-            sources = await asyncio.to_thread(lambda: [engine.encode(t) for t in texts])
-        else:
-            sources = [engine.encode(t) for t in texts]
-        long = [i for i, s in enumerate(sources) if len(s) > engine.max_length]
-        if long:
-            shown = ", ".join(map(str, long[:MAX_WARNINGS])) + (", ..." if len(long) > 10 else "")
-            warnings.append(
-                f"texts {shown} are longer than the model's max_length={engine.max_length} "
-                "tokens; translated whole, quality may suffer"
-            )
-        outputs = [("", 0.0)] * len(texts)
+
+        def prepare():
+            encoded = [engine.encode(t, options.max_input_length) for t in texts]
+            prefix_ids = encode_prefixes(engine.tokenizer, prefixes) if prefixes else None
+            return encoded, prefix_ids
+
+        try:
+            if len(texts) > TOKENIZE_INLINE_TEXTS:
+                encoded, prefix_ids = await asyncio.to_thread(prepare)
+            else:
+                encoded, prefix_ids = prepare()
+            options.check_ids(engine.vocabulary_size, prefix_ids)
+        except ValueError as error:
+            raise Refusal(400, str(error).replace("line ", "text ")) from None
+        sources = [ids for ids, _ in encoded]
+        for name, rows, reason in (
+            ("max_input_length", [i for i, (_, cut) in enumerate(encoded) if cut], "truncated"),
+            (
+                "the model's max_length",
+                [i for i, s in enumerate(sources) if len(s) > engine.max_length],
+                "translated whole, quality may suffer",
+            ),
+        ):
+            if rows:
+                shown = ", ".join(map(str, rows[:MAX_WARNINGS])) + (
+                    ", ..." if len(rows) > MAX_WARNINGS else ""
+                )
+                warnings.append(f"texts {shown} have more tokens than {name}: {reason}")
         wanted = [i for i, s in enumerate(sources) if s]
+        outputs = [None] * len(texts)
+        if len(wanted) < len(texts):
+            empty = engine.empty_result(options)
+            for i, source in enumerate(sources):
+                if not source:
+                    outputs[i] = empty
         if wanted:
             batcher = state["batcher"]
+            sentences = [(sources[i], prefix_ids[i] if prefix_ids else [], i) for i in wanted]
             try:
-                ticket = batcher.submit(
-                    key, [len(sources[i]) for i in wanted], [sources[i] for i in wanted]
-                )
+                ticket = batcher.submit(options, [len(sources[i]) for i in wanted], sentences)
             except QueueFull as error:
                 raise Refusal(503, str(error), {"Retry-After": str(error.retry_after)}) from None
             results = await wait_for_ticket(request, batcher, ticket, len(wanted))
             for i, result in zip(wanted, results, strict=True):
                 outputs[i] = result
-        payload = {"translations": [text for text, _ in outputs]}
+        payload = {"translations": [hypotheses[0]["text"] for hypotheses in outputs]}
         if return_scores:
-            payload["scores"] = [score for _, score in outputs]
+            payload["scores"] = [hypotheses[0]["score"] for hypotheses in outputs]
+        if options.n_best > 1 or options.token_scores:
+            payload["hypotheses"] = outputs
         if warnings:
             payload["warnings"] = warnings
         return 200, payload, None, len(texts)
@@ -587,25 +704,16 @@ def openapi_schema(settings):
                 f"empty string translates to an empty string; at most {settings.max_chars} "
                 "characters in all",
             },
-            "beam_size": {
-                "type": "integer",
-                "minimum": 1,
-                "maximum": settings.max_beam_size,
-                "default": DEFAULT_BEAM_SIZE,
-                "description": "1 is greedy search",
+            "prefixes": {
+                "type": "array",
+                "items": {"type": "string"},
+                "description": 'target prefixes, one per text ("" for none): each '
+                "translation starts with its prefix",
             },
-            "length_penalty": {
-                "type": "number",
-                "minimum": 0,
-                "default": DEFAULT_LENGTH_PENALTY,
-                "description": "beam search's alpha: scores divided by ((5 + length) / 6) ** alpha",
-            },
-            "max_decoding_length": {
-                "type": ["integer", "null"],
-                "minimum": 1,
-                "maximum": settings.max_decoding_length,
-                "default": None,
-                "description": "most output tokens per sentence; null: the source length + 50",
+            "suppress": {
+                "type": "array",
+                "items": {"type": "string"},
+                "description": "words or phrases never generated (their tokens in a row)",
             },
             "return_scores": {
                 "type": "boolean",
@@ -613,14 +721,36 @@ def openapi_schema(settings):
                 "description": "also answer each translation's score (greedy: summed "
                 "log-probability; beam: length-penalized)",
             },
+            "max_decoding_length": {
+                "type": ["integer", "null"],
+                "description": "another name of max_length",
+            },
         },
     }
+    described = request["properties"]
+    kinds = {"an integer": "integer", "a number": "number", "true or false": "boolean"}
+    defaults = SearchOptions()
+    for name, (_, kind) in OPTION_TYPES.items():
+        entry = {"type": kinds[kind], "description": OPTION_HELP[name]}
+        default = getattr(defaults, name)
+        if default is not None:
+            entry["default"] = default
+        described.setdefault(name, entry)
+    described["beam_size"]["maximum"] = settings.max_beam_size
+    described["max_length"]["maximum"] = settings.max_decoding_length
+    described["max_length"]["type"] = ["integer", "null"]
     response = {
         "type": "object",
         "required": ["translations"],
         "properties": {
             "translations": {"type": "array", "items": {"type": "string"}},
             "scores": {"type": "array", "items": {"type": "number"}},
+            "hypotheses": {
+                "type": "array",
+                "items": {"type": "array", "items": {"type": "object"}},
+                "description": "with n_best > 1 or token_scores: per text its hypotheses, best "
+                "first, each {text, score, log_prob[, token_scores]}",
+            },
             "warnings": {
                 "type": "array",
                 "items": {"type": "string"},
@@ -710,7 +840,7 @@ def main(argv=None):
         on_cpu = probe.provider == "CPUExecutionProvider"
         del probe
         cores = available_cores()
-        workers = args.workers or (cores if on_cpu else 1)
+        workers = args.workers or 1
         threads = args.threads or (max(1, cores // workers) if on_cpu else None)
         engine = Engine(args.onnx_dir, workers, threads, args.precision, providers)
         engine.warm_up(min(args.max_batch_sentences, 16))

@@ -12,10 +12,17 @@ releases the GIL. Its rules, and why:
   longest source, at most `max_batch_tokens` source tokens: the token
   budget keeps a batch of long sentences from taking the memory and time of
   many short ones.
-- A batch is sent when its queue holds a full batch, or when the oldest
-  waiting sentence has waited `max_wait_ms` with a worker free: a short
-  wait lets concurrent requests arrive and share a batch, and bounds the
-  latency it adds.
+- A batch is sent, once a worker is free, when its queue holds a full
+  batch; or when no sentence has arrived for `quiet_ms`; or `max_wait_ms`
+  after the wait began: when the oldest waiting sentence arrived, or when
+  the worker came free if that was later. Concurrent requests arrive in
+  bursts (the clients of a batch, answered together, send again
+  together): the quiet gap ends a burst, so a batch gathers the whole
+  burst without waiting longer than it lasts, and a lone request waits
+  only the gap. Sentences left over from a full batch wait for the burst
+  that batch's answers bring back, rather than leave at once as a small
+  batch that the burst then waits behind. `max_wait_ms` bounds the
+  latency a steady trickle of requests could add.
 - A batch takes one sentence from each waiting request in turn (round
   robin, requests in arrival order) until it is full. With k requests
   waiting, each gets at least `max_batch_sentences // k` places in a batch,
@@ -57,14 +64,17 @@ class BatchLimits:
         max_batch_tokens: a batch's sentences times its longest source
             (the padded source tokens) at most; a single sentence longer
             than this still runs, alone.
-        max_wait_ms: how long the oldest waiting sentence waits for a batch
-            to fill while a worker is free.
+        max_wait_ms: how long the oldest waiting sentence waits at most for
+            a batch to fill while a worker is free.
+        quiet_ms: a batch that is not full is sent once no sentence has
+            arrived for this long (at most `max_wait_ms`).
         max_queue_sentences: sentences waiting (not yet in a batch) at most.
     """
 
     max_batch_sentences: int = 32
     max_batch_tokens: int = 4096
-    max_wait_ms: float = 5.0
+    max_wait_ms: float = 25.0
+    quiet_ms: float = 2.0
     max_queue_sentences: int = 20000
 
     def __post_init__(self):
@@ -72,11 +82,12 @@ class BatchLimits:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive integer. Received: {name}={value!r}")
-        if not self.max_wait_ms >= 0 or math.isinf(self.max_wait_ms):
-            raise ValueError(
-                "max_wait_ms must be a non-negative number. "
-                f"Received: max_wait_ms={self.max_wait_ms!r}"
-            )
+        for name in ("max_wait_ms", "quiet_ms"):
+            value = getattr(self, name)
+            if not value >= 0 or math.isinf(value):
+                raise ValueError(
+                    f"{name} must be a non-negative number. Received: {name}={value!r}"
+                )
 
 
 class QueueFull(Exception):
@@ -126,6 +137,8 @@ class Batcher:
         self._observe_batch = observe_batch
         self._queues = {}  # key -> OrderedDict(id(ticket) -> ticket) with unbatched sentences
         self._queued = 0  # unbatched sentences
+        self._last_arrival = {}  # key -> when its latest request arrived
+        self._free_since = 0.0  # when a worker last came free
         self._free = list(range(workers - 1, -1, -1))  # free worker indices (a stack)
         self.workers = workers
         self._running = 0
@@ -196,6 +209,7 @@ class Batcher:
                 retry_after=self._retry_after(),
             )
         self._queues.setdefault(key, collections.OrderedDict())[id(ticket)] = ticket
+        self._last_arrival[key] = ticket.arrived
         self._queued += len(payloads)
         self._wake.set()
         return ticket
@@ -241,9 +255,20 @@ class Batcher:
             queue = self._queues[key]
             waiting = sum(len(t.pending) for t in queue.values())
             oldest = next(iter(queue.values())).arrived
-            wait = oldest + limits.max_wait_ms / 1000 - time.monotonic()
+            # The wait for a batch to fill starts when its oldest sentence arrived,
+            # or when a worker last came free if later: the requests a batch
+            # just answered are about to come back, and the sentences left over
+            # from the batch before should not leave without them.
+            start = max(oldest, self._free_since)
+            deadline = start + limits.max_wait_ms / 1000
+            last = self._last_arrival[key]
+            if last >= start:
+                deadline = min(deadline, last + limits.quiet_ms / 1000)
+            wait = deadline - time.monotonic()
+
             if waiting < limits.max_batch_sentences and wait > 0:
-                # Not a full batch yet: wait for more, or until the oldest has waited enough.
+                # Not a full batch yet: wait for more, until arrivals pause or the oldest
+                # has waited enough.
                 self._wake.clear()
                 try:
                     await asyncio.wait_for(self._wake.wait(), wait)
@@ -297,6 +322,7 @@ class Batcher:
 
         def done(future):
             self._free.append(worker)
+            self._free_since = time.monotonic()
             self._running -= 1
             self._wake.set()
             error = future.exception()

@@ -143,6 +143,40 @@ def test_translations_are_the_translators_in_input_order(server, translator, bea
         assert nonempty == pytest.approx(list(scores), abs=1e-5)
 
 
+@pytest.mark.parametrize(
+    ("options", "prefixes"),
+    [
+        (dict(beam_size=4, n_best=2, token_scores=True, max_length=12, min_length=2), None),
+        (dict(beam_size=1, sampling_topk=0, seed=7, no_repeat_ngram_size=2), True),
+    ],
+)
+def test_decoding_options_answer_as_the_translator(server, translator, options, prefixes):
+    from keras_transformer_runtime.spec import SearchOptions
+
+    if prefixes:
+        prefixes = ["ko" if i % 2 else "" for i in range(len(TEXTS))]
+    request = {"texts": TEXTS, **options, "return_scores": True}
+    if prefixes:
+        request["prefixes"] = prefixes
+    status, answer, _ = post(server.port, request)
+    assert status == 200, answer
+    expected = translator.translate_hypotheses(TEXTS, SearchOptions(**options), prefixes)
+    assert answer["translations"] == [hypotheses[0]["text"] for hypotheses in expected]
+    assert answer["scores"] == pytest.approx([h[0]["score"] for h in expected], abs=1e-5)
+    if options.get("n_best", 1) > 1:
+        got = answer["hypotheses"]
+        assert [[h["text"] for h in hs] for hs in got] == [
+            [h["text"] for h in hs] for hs in expected
+        ]
+        assert [len(hs[0]["token_scores"]) for hs in got] == [
+            len(hs[0]["token_scores"]) for hs in expected
+        ]
+    else:
+        assert "hypotheses" not in answer
+        prefixed = [i for i, p in enumerate(prefixes) if p and TEXTS[i].strip()]
+        assert prefixed and all(answer["translations"][i].startswith("ko") for i in prefixed)
+
+
 def test_concurrent_requests_share_one_batch(server, translator):
     before = server.metrics()
     texts = TEXTS[:3] + TEXTS[4:]
@@ -178,9 +212,14 @@ REFUSALS = [
     ({"texts": ["a"], "beam_size": 0}, 400, '"beam_size" must be an integer from 1'),
     ({"texts": ["a"], "beam_size": True}, 400, '"beam_size" must be an integer'),
     ({"texts": ["a"], "beam_size": 9}, 400, "from 1 (greedy) to 8. Received: 9"),
-    ({"texts": ["a"], "length_penalty": -1}, 400, '"length_penalty" must be a non-negative'),
+    ({"texts": ["a"], "length_penalty": -1}, 400, "length_penalty must be a non-negative"),
     ({"texts": ["a"], "length_penalty": "0.6"}, 400, '"length_penalty" must be'),
-    ({"texts": ["a"], "max_decoding_length": 0}, 400, '"max_decoding_length" must be'),
+    ({"texts": ["a"], "max_decoding_length": 0}, 400, '"max_length" must be an integer from 1'),
+    ({"texts": ["a"], "n_best": 5}, 400, "n_best must be at most beam_size"),
+    ({"texts": ["a"], "sampling_topk": 5}, 400, "it needs beam_size=1"),
+    ({"texts": ["a", "b"], "prefixes": ["a"]}, 400, '1 "prefixes" for 2 texts'),
+    ({"texts": ["a"], "suppress": [" "]}, 400, "which has no tokens"),
+    ({"texts": ["a"], "seed": 1.5}, 400, '"seed" must be an integer. Received: 1.5'),
     ({"texts": ["a"], "return_scores": "yes"}, 400, '"return_scores" must be true or false'),
     ({"texts": ["a"] * 51}, 413, "51 texts in one request; this server takes at most 50"),
     ({"texts": ["a" * 80_000]}, 413, "bytes; this server takes at most"),
@@ -225,13 +264,7 @@ def test_health_ready_schema_and_metrics(server):
     schema = json.loads(body)
     assert status == 200 and schema["openapi"].startswith("3.")
     fields = schema["components"]["schemas"]["TranslateRequest"]["properties"]
-    assert set(fields) == {
-        "texts",
-        "beam_size",
-        "length_penalty",
-        "max_decoding_length",
-        "return_scores",
-    }
+    assert {"texts", "prefixes", "beam_size", "n_best", "sampling_topk", "seed"} <= set(fields)
     metrics = server.metrics()  # parses as Prometheus text
     for name in (
         "kt_serve_sentences_total{}",

@@ -115,6 +115,25 @@ def test_a_request_is_taken_shortest_first_within_the_token_budget():
     assert batches[0] == [5, 1, 3, 2]  # 4 x 5 = 20 tokens; a fifth of 9 would be 45
 
 
+def test_sentences_left_over_wait_for_the_burst_their_batch_brings_back():
+    async def main():
+        gate = threading.Event()
+        recorder = Recorder(gate)
+        batcher = await started(recorder, max_batch_sentences=4, max_wait_ms=2000)
+        first = [submit(batcher, GREEDY, [p]) for p in "abcdef"]  # a full batch and 2 over
+        await asyncio.sleep(0.05)
+        gate.set()
+        await asyncio.gather(*(t.future for t in first[:4]))
+        # The clients answered send again: the 2 left over leave with them.
+        again = [submit(batcher, GREEDY, [p]) for p in "gh"]
+        await asyncio.gather(*(t.future for t in first[4:] + again))
+        await batcher.close()
+        return recorder
+
+    batches = [payloads for _, _, payloads in run(main()).batches]
+    assert batches == [list("abcd"), list("efgh")]
+
+
 def test_free_workers_share_the_waiting_sentences():
     async def main():
         recorder = Recorder()

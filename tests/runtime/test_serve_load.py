@@ -22,6 +22,7 @@ def test_the_load_benchmark_measures_every_system_and_the_soak(tiny_export, tmp_
     systems = [(row["system"], row["clients"]) for row in report["rows"]]
     assert systems == [
         ("offline batch 32", None),
+        ("offline batch 32, in order", None),
         ("batching", 1),
         ("batching", 4),
         ("no-batching", 1),
