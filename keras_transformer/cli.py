@@ -13,6 +13,7 @@ from keras_transformer_runtime.search_flags import (
     add_search_flags,
     is_plain_run,
     options_from_args,
+    read_constraints,
     read_lines_file,
     run_and_write,
 )
@@ -170,8 +171,16 @@ def _translate(args):
                 args,
                 lines,
                 options,
-                lambda texts, options, prefixes: translate_hypotheses(
-                    model, tokenizer, texts, options, prefixes, args.batch_size, progress, warn
+                lambda texts, options, prefixes, constraints: translate_hypotheses(
+                    model,
+                    tokenizer,
+                    texts,
+                    options,
+                    prefixes,
+                    args.batch_size,
+                    progress,
+                    warn,
+                    constraints,
                 ),
                 lambda texts, targets: score_lines(
                     model, tokenizer, texts, targets, args.batch_size, progress, warn
@@ -235,9 +244,18 @@ def _evaluate(args):
         )
     else:
         prefixes = read_lines_file(args.prefix, len(sources), "--prefix") if args.prefix else None
+        constraints = read_constraints(args.constraints, len(sources)) if args.constraints else None
         try:
             found = translate_hypotheses(
-                model, tokenizer, sources, options, prefixes, args.batch_size, True, warn
+                model,
+                tokenizer,
+                sources,
+                options,
+                prefixes,
+                args.batch_size,
+                True,
+                warn,
+                constraints,
             )
         except ValueError as error:
             raise SystemExit(f"error: {error}") from None

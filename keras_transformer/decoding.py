@@ -325,7 +325,7 @@ def beam_search(
     return beam_loop(step, reorder, limits, beam_size, length_penalty, ignore_eos)
 
 
-def search(model, source_ids, options=None, prefixes=None, indices=None):
+def search(model, source_ids, options=None, prefixes=None, indices=None, constraints=None):
     """The best hypotheses of each source under `options` (a `SearchOptions`).
 
     The same search as `OnnxTranslator.search`, by the rules of
@@ -340,6 +340,9 @@ def search(model, source_ids, options=None, prefixes=None, indices=None):
         options: default `SearchOptions()` (beam 4).
         prefixes: per-sentence target prefix ids, or None.
         indices: each sentence's index in its input, which seeds its sampling.
+        constraints: per-sentence terminology constraints (lists of target
+            phrases as token-id lists), or None: every output holds its
+            phrases (`keras_transformer_runtime.constraints`).
 
     Returns:
         per sentence, its `spec.Hypothesis` list (`options.n_best` at most), best first.
@@ -356,7 +359,9 @@ def search(model, source_ids, options=None, prefixes=None, indices=None):
     options.check_ids(decoder.config.vocabulary_size, prefixes)
     source, lengths = _as_source_array(source_ids, cap)
     limits = output_limits(lengths, options.max_length, cap)
-    if options.is_plain() and not any(prefixes or ()):
+    if constraints is not None and len(constraints) != len(source_ids):
+        raise ValueError(f"{len(constraints)} constraint lists for {len(source_ids)} sentences.")
+    if options.is_plain() and not any(prefixes or ()) and not any(map(len, constraints or ())):
         if options.beam_size == 1:
             found = greedy_search(model, source, max_length=options.max_length)
         else:
@@ -370,7 +375,7 @@ def search(model, source_ids, options=None, prefixes=None, indices=None):
         return plain_hypotheses(*found, limits, options)
     limits = prefixed_limits(limits, prefixes, options.max_length)
     if (limits == 0).all():
-        return options_loop(None, None, limits, options, prefixes, indices)
+        return options_loop(None, None, limits, options, prefixes, indices, constraints=constraints)
     k = options.beam_size
     tiled = np.repeat(source, k, axis=0)  # row p * k + j: hypothesis j of sentence p
     _, source_mask, cross_caches = decoder._encode(ops.convert_to_tensor(tiled))
@@ -391,7 +396,7 @@ def search(model, source_ids, options=None, prefixes=None, indices=None):
         rows = ops.convert_to_tensor(rows)
         state["caches"] = [ops.take(cache, rows, axis=0) for cache in state["caches"]]
 
-    return options_loop(step, reorder, limits, options, prefixes, indices)
+    return options_loop(step, reorder, limits, options, prefixes, indices, constraints=constraints)
 
 
 def score(model, source_ids, target_ids):
