@@ -39,7 +39,12 @@ from keras_transformer_runtime.search import (
     source_array,
     teacher_inputs,
 )
-from keras_transformer_runtime.spec import SearchOptions, truncate_source
+from keras_transformer_runtime.spec import (
+    SearchOptions,
+    alignment_layer,
+    alignments,
+    truncate_source,
+)
 from keras_transformer_runtime.specials import BOS_ID, EOS_ID, PAD_ID
 
 from keras_transformer.model import TransformerParts, transformer_parts
@@ -50,6 +55,7 @@ __all__ = [
     "EOS_ID",
     "EXTRA_OUTPUT_TOKENS",
     "PAD_ID",
+    "align",
     "beam_search",
     "greedy_search",
     "length_penalty_factor",
@@ -414,6 +420,22 @@ def score(model, source_ids, target_ids):
     for i, result in zip(rows, forced_scores(log_probs.astype(np.float64), targets), strict=True):
         found[i] = result
     return found
+
+
+def align(model, source_ids, target_ids):
+    """Per sentence, the source position each token of `target_ids[i]` attends to most:
+    `spec.alignments` of the cross-attention of `spec.alignment_layer`, averaged
+    over heads, teacher-forced, as `OnnxTranslator.align_ids`."""
+    if len(source_ids) != len(target_ids):
+        raise ValueError(f"{len(target_ids)} targets for {len(source_ids)} sources.")
+    if not len(source_ids):
+        return []
+    parts = transformer_parts(model)
+    source, lengths = _as_source_array(source_ids, parts.config.max_length)
+    targets = [[int(t) for t in target] for target in target_ids]
+    _, weights = parts.logits_and_cross_attention(source, teacher_inputs(targets))
+    layer = _to_numpy(weights[alignment_layer(parts.config.num_layers)])  # (B, N, T, S)
+    return alignments(layer.mean(1), lengths, [len(t) for t in targets])
 
 
 def sequence_log_probs(model, source_ids, target_tokens, ended=True):

@@ -6,6 +6,7 @@ import os
 
 import keras
 from keras_transformer_runtime.search import (
+    add_alignments,
     encode_prefixes,
     hypothesis_records,
     search_texts,
@@ -137,7 +138,10 @@ def translate_hypotheses(
 
     def search(sources, indices):
         chosen = None if prefix_ids is None else [prefix_ids[i] for i in indices]
-        return decoding.search(model, sources, options, chosen, indices)
+        found = decoding.search(model, sources, options, chosen, indices)
+        if options.alignment:
+            add_alignments(found, sources, lambda s, t: decoding.align(model, s, t))
+        return found
 
     found = search_texts(
         lines,

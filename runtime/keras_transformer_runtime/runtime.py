@@ -22,6 +22,7 @@ import numpy as np
 
 from keras_transformer_runtime import tokenizers
 from keras_transformer_runtime.search import (
+    add_alignments,
     beam_loop,
     check_beam_arguments,
     encode_prefixes,
@@ -36,7 +37,7 @@ from keras_transformer_runtime.search import (
     teacher_inputs,
     translate_texts,
 )
-from keras_transformer_runtime.spec import SearchOptions, truncate_source
+from keras_transformer_runtime.spec import SearchOptions, alignments, truncate_source
 from keras_transformer_runtime.specials import EOS_ID, PAD_ID
 
 MANIFEST = "manifest.json"
@@ -44,8 +45,9 @@ MANIFEST = "manifest.json"
 # into the manifest as `format_version` (the exporter imports it from here),
 # and an export of any other version is refused. 5: the encoder, the decoder
 # step with its `top_k` selection and cross keys and values once per
-# sentence, the four search graphs, and one weights file per precision.
-FORMAT_VERSION = 5
+# sentence, the four search graphs, and one weights file per precision;
+# 6: `model.onnx` also returns the alignment layer's cross-attention.
+FORMAT_VERSION = 6
 # Greedy batches of at most this many sentences run as one call of the
 # greedy_search graph (the loop inside ONNX Runtime, which computes a finished
 # sentence's row to the end); larger ones as one call of greedy_batch_search,
@@ -721,6 +723,21 @@ class OnnxTranslator:
             found[i] = result
         return found
 
+    def align_ids(self, source_ids, target_ids):
+        """Per sentence, the source position each token of `target_ids[i]` attends to
+        most (`spec.alignments`, from `model.onnx`'s `alignment_weights`)."""
+        if len(source_ids) != len(target_ids):
+            raise ValueError(
+                f"{len(target_ids)} targets for {len(source_ids)} sources: give one each."
+            )
+        if not len(source_ids):
+            return []
+        source, lengths = source_array(source_ids, self.max_length, multiple=1)
+        targets = [[int(t) for t in target] for target in target_ids]
+        feeds = {"source_ids": source, "target_ids": teacher_inputs(targets)}
+        (weights,) = self.session("model").run(["alignment_weights"], feeds)
+        return alignments(weights, lengths, [len(t) for t in targets])
+
     def _checked_texts(self, sentences, name="sentences"):
         if isinstance(sentences, str):
             raise TypeError(f"{name} must be a list of strings, not one string.")
@@ -753,7 +770,10 @@ class OnnxTranslator:
 
         def search(sources, indices):
             chosen = None if prefix_ids is None else [prefix_ids[i] for i in indices]
-            return self.search(sources, options, chosen, indices)
+            found = self.search(sources, options, chosen, indices)
+            if options.alignment:
+                add_alignments(found, sources, self.align_ids)
+            return found
 
         found = search_texts(
             sentences,
