@@ -13,6 +13,7 @@ from keras_transformer_runtime.search_flags import (
     add_search_flags,
     is_plain_run,
     options_from_args,
+    read_constraints,
     read_lines_file,
     run_and_write,
 )
@@ -42,6 +43,16 @@ def _train(args):
     except (DataError, RunDirectoryError, ValueError, NotImplementedError) as error:
         raise SystemExit(f"error: {error}") from None
     return 0
+
+
+def _prepare(args):
+    from keras_transformer.data.pipeline import DataError
+    from keras_transformer.data.prepare import prepare_command
+
+    try:
+        return prepare_command(args)
+    except (DataError, ValueError) as error:
+        raise SystemExit(f"error: {error}") from None
 
 
 def _flag(name: str) -> str:
@@ -160,8 +171,16 @@ def _translate(args):
                 args,
                 lines,
                 options,
-                lambda texts, options, prefixes: translate_hypotheses(
-                    model, tokenizer, texts, options, prefixes, args.batch_size, progress, warn
+                lambda texts, options, prefixes, constraints: translate_hypotheses(
+                    model,
+                    tokenizer,
+                    texts,
+                    options,
+                    prefixes,
+                    args.batch_size,
+                    progress,
+                    warn,
+                    constraints,
                 ),
                 lambda texts, targets: score_lines(
                     model, tokenizer, texts, targets, args.batch_size, progress, warn
@@ -225,9 +244,18 @@ def _evaluate(args):
         )
     else:
         prefixes = read_lines_file(args.prefix, len(sources), "--prefix") if args.prefix else None
+        constraints = read_constraints(args.constraints, len(sources)) if args.constraints else None
         try:
             found = translate_hypotheses(
-                model, tokenizer, sources, options, prefixes, args.batch_size, True, warn
+                model,
+                tokenizer,
+                sources,
+                options,
+                prefixes,
+                args.batch_size,
+                True,
+                warn,
+                constraints,
             )
         except ValueError as error:
             raise SystemExit(f"error: {error}") from None
@@ -306,6 +334,18 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--num-train", type=int, default=20000, help="training sentence pairs")
     demo.add_argument("--num-test", type=int, default=500, help="held-out test pairs")
     demo.set_defaults(func=_demo)
+
+    from keras_transformer.data.prepare import add_prepare_arguments
+
+    prepare = sub.add_parser(
+        "prepare",
+        help="tokenize parallel text of any size into on-disk shards for train --data",
+        description="Train the joint SentencePiece model on a sample, encode every pair in "
+        "parallel and write the ids in shards (docs/data.md). Rerun the same command to "
+        "resume a killed run; on a finished directory it does nothing.",
+    )
+    add_prepare_arguments(prepare)
+    prepare.set_defaults(func=_prepare)
 
     train = sub.add_parser(
         "train",

@@ -26,6 +26,7 @@ import numpy as np
 from keras import ops
 from keras_transformer_runtime.search import (
     EXTRA_OUTPUT_TOKENS,
+    add_alignments,
     banned_ids,
     beam_loop,
     check_beam_arguments,
@@ -331,7 +332,7 @@ def beam_search(
     return beam_loop(step, reorder, limits, beam_size, length_penalty, ignore_eos)
 
 
-def search(model, source_ids, options=None, prefixes=None, indices=None):
+def search(model, source_ids, options=None, prefixes=None, indices=None, constraints=None):
     """The best hypotheses of each source under `options` (a `SearchOptions`).
 
     The same search as `OnnxTranslator.search`, by the rules of
@@ -346,23 +347,38 @@ def search(model, source_ids, options=None, prefixes=None, indices=None):
         options: default `SearchOptions()` (beam 4).
         prefixes: per-sentence target prefix ids, or None.
         indices: each sentence's index in its input, which seeds its sampling.
+        constraints: per-sentence terminology constraints (lists of target
+            phrases as token-id lists), or None: every output holds its
+            phrases (`keras_transformer_runtime.constraints`).
 
     Returns:
-        per sentence, its `spec.Hypothesis` list (`options.n_best` at most), best first.
+        per sentence, its `spec.Hypothesis` list (`options.n_best` at most), best
+        first, with their `alignment` when `options.alignment` asks for it (`align`).
     """
     options = options if options is not None else SearchOptions()
-    decoder = _decoder_for(model)
-    cap = decoder.config.max_length
+    cap = transformer_parts(model).config.max_length
     if options.max_input_length is not None:
         source, _ = _as_source_array(source_ids, cap)
         rows = [row[row != PAD_ID].tolist() for row in source]
         source_ids = [truncate_source(row, options.max_input_length) for row in rows]
+    found = _search(model, source_ids, options, prefixes, indices, constraints)
+    if options.alignment:  # read after the search: it never changes the search
+        add_alignments(found, source_ids, lambda s, t: align(model, s, t))
+    return found
+
+
+def _search(model, source_ids, options, prefixes, indices, constraints):
+    """`search` once the sources are truncated (no alignments)."""
+    decoder = _decoder_for(model)
+    cap = decoder.config.max_length
     if prefixes is not None and len(prefixes) != len(source_ids):
         raise ValueError(f"{len(prefixes)} target prefixes for {len(source_ids)} sentences.")
     options.check_ids(decoder.config.vocabulary_size, prefixes)
     source, lengths = _as_source_array(source_ids, cap)
     limits = output_limits(lengths, options.max_length, cap)
-    if options.is_plain() and not any(prefixes or ()):
+    if constraints is not None and len(constraints) != len(source_ids):
+        raise ValueError(f"{len(constraints)} constraint lists for {len(source_ids)} sentences.")
+    if options.is_plain() and not any(prefixes or ()) and not any(map(len, constraints or ())):
         if options.beam_size == 1:
             found = greedy_search(model, source, max_length=options.max_length)
         else:
@@ -376,7 +392,7 @@ def search(model, source_ids, options=None, prefixes=None, indices=None):
         return plain_hypotheses(*found, limits, options)
     limits = prefixed_limits(limits, prefixes, options.max_length)
     if (limits == 0).all():
-        return options_loop(None, None, limits, options, prefixes, indices)
+        return options_loop(None, None, limits, options, prefixes, indices, constraints=constraints)
     k = options.beam_size
     tiled = np.repeat(source, k, axis=0)  # row p * k + j: hypothesis j of sentence p
     _, source_mask, cross_caches = decoder._encode(ops.convert_to_tensor(tiled))
@@ -397,7 +413,7 @@ def search(model, source_ids, options=None, prefixes=None, indices=None):
         rows = ops.convert_to_tensor(rows)
         state["caches"] = [ops.take(cache, rows, axis=0) for cache in state["caches"]]
 
-    return options_loop(step, reorder, limits, options, prefixes, indices)
+    return options_loop(step, reorder, limits, options, prefixes, indices, constraints=constraints)
 
 
 def score(model, source_ids, target_ids):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 
 import keras
+from keras_transformer_runtime.constraints import sentence_constraints
 from keras_transformer_runtime.search import (
-    add_alignments,
     encode_prefixes,
     hypothesis_records,
     search_texts,
@@ -98,16 +98,26 @@ def translate_lines(
     progress=False,
     warn=None,
     length_penalty=0.6,
+    constraints=None,
 ):
     """Translates `lines` in order; `beam_size=1` (or `None`) is greedy search.
 
     `length_penalty` is the beam search's alpha (see `decoding.beam_search`).
+    `constraints`, one entry per line (a list of target phrases, or None or
+    `[]` for none), makes every translation hold its phrases
+    (`translate_hypotheses`; docs/constraints.md).
 
     Sentences are sorted by length into batches, so padding stays small, and
     the outputs are put back in input order. Empty lines give empty lines;
     a line longer than the model's `max_length` is translated whole and
     reported to `warn(message)` when given.
     """
+    if constraints is not None:
+        options = SearchOptions(beam_size or 1, length_penalty, max_length=max_length)
+        found = translate_hypotheses(
+            model, tokenizer, lines, options, None, batch_size, progress, warn, constraints
+        )
+        return [hypotheses[0]["text"] for hypotheses in found]
     limit = transformer_parts(model).config.max_length
 
     def search(batch):
@@ -123,25 +133,38 @@ def translate_lines(
 
 
 def translate_hypotheses(
-    model, tokenizer, lines, options=None, prefixes=None, batch_size=32, progress=False, warn=None
+    model,
+    tokenizer,
+    lines,
+    options=None,
+    prefixes=None,
+    batch_size=32,
+    progress=False,
+    warn=None,
+    constraints=None,
 ):
     """Translates `lines` under `options` (a `SearchOptions`), as
     `OnnxTranslator.translate_hypotheses` does: per line a list of dicts, best
     first, with `text`, `score`, `log_prob` (and `token_scores`). `prefixes`
-    are target texts forced first, one per line ("" for none)."""
+    are target texts forced first, one per line ("" for none); `constraints`,
+    per line, target phrases every translation must hold (docs/constraints.md)."""
     options = options if options is not None else SearchOptions()
     prefix_ids = None
     if prefixes is not None:
         if len(prefixes) != len(lines):
             raise ValueError(f"{len(prefixes)} prefixes for {len(lines)} lines.")
         prefix_ids = encode_prefixes(tokenizer, prefixes)
+    phrases = None
+    if constraints is not None:
+        limit = transformer_parts(model).config.max_length
+        phrases = sentence_constraints(
+            lines, constraints, tokenizer.encode, limit, options.max_length
+        )
 
     def search(sources, indices):
         chosen = None if prefix_ids is None else [prefix_ids[i] for i in indices]
-        found = decoding.search(model, sources, options, chosen, indices)
-        if options.alignment:
-            add_alignments(found, sources, lambda s, t: decoding.align(model, s, t))
-        return found
+        chosen_phrases = None if phrases is None else [phrases[i] for i in indices]
+        return decoding.search(model, sources, options, chosen, indices, chosen_phrases)
 
     found = search_texts(
         lines,

@@ -335,6 +335,16 @@ def test_onnx_vs_ctranslate2_runs_every_system_and_writes_json(trained_run, corp
         for name, peer in (("ort-float32", "ct2-float32"), ("ort-int8", "ct2-int8")):
             ratio = systems[name]["sentences_per_second"] / systems[peer]["sentences_per_second"]
             assert systems[name]["ratio_to_ct2"] == pytest.approx(ratio)
+        for entry in systems.values():
+            median = sorted(entry["seconds"])[0]  # one repeat
+            assert entry["target_tokens"] > 0
+            assert entry["target_tokens_per_second"] == pytest.approx(
+                entry["target_tokens"] / median
+            )
+    # CTranslate2's own protocol, one cell: beam 4 on batches of 32.
+    deploy_main(argv + ["--cells", "beam4-32"])
+    cells = json.loads(out.read_text())["cells"]
+    assert [(c["search"], c["batch_size"]) for c in cells] == [("beam 4", 32)]
     # (That CTranslate2 holds the same model is test_ctranslate2_peer_scores_as_the_keras_model:
     # this 3-epoch model's outputs are too uncertain to compare token for token.)
     assert set(report["size_bytes"]) == set(SYSTEMS)

@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from keras_transformer_runtime import tokenizers
+from keras_transformer_runtime.constraints import sentence_constraints
 from keras_transformer_runtime.search import (
     add_alignments,
     beam_loop,
@@ -632,7 +633,7 @@ class OnnxTranslator:
         tokens, lengths, scores = self.session(graph).run(None, feeds)
         return [tokens[i, : lengths[i]].tolist() for i in range(len(limits))], scores
 
-    def search(self, source_ids, options=None, prefixes=None, indices=None):
+    def search(self, source_ids, options=None, prefixes=None, indices=None, constraints=None):
         """The best hypotheses of each source under `options` (a `spec.SearchOptions`).
 
         Args:
@@ -641,10 +642,15 @@ class OnnxTranslator:
             prefixes: per-sentence target prefix ids (forced first), or None.
             indices: each sentence's index in its input, which seeds its
                 sampling (`spec.sentence_rng`); default 0, 1, ...
+            constraints: per-sentence terminology constraints, each a list
+                of target phrases as token-id lists (or a
+                `constraints.Constraints`), or None: every output holds its
+                phrases (`constraints.ConstrainedSearch`).
 
         Returns:
             per sentence, its `spec.Hypothesis` list (`options.n_best` at most),
-            best first. Plain options without prefixes run the search graphs
+            best first, with their `alignment` when `options.alignment` asks
+            for it (`align_ids`). Plain options without prefixes run the search graphs
             (`greedy_search`, `beam_search`), so options not used cost
             nothing; any other runs `search.options_loop` over the decoder
             step, by the rules of `spec.SentenceSearch`.
@@ -662,7 +668,19 @@ class OnnxTranslator:
                 "per sentence (an empty one for none)."
             )
         options.check_ids(self.vocabulary_size, prefixes)
-        if options.is_plain() and not any(prefixes or ()):
+        if constraints is not None and len(constraints) != len(source_ids):
+            raise ValueError(
+                f"{len(constraints)} constraint lists for {len(source_ids)} sentences: give "
+                "one per sentence (an empty one for none)."
+            )
+        found = self._search_checked(source_ids, options, prefixes, indices, constraints)
+        if options.alignment:  # read after the search: it never changes the search
+            add_alignments(found, source_ids, self.align_ids)
+        return found
+
+    def _search_checked(self, source_ids, options, prefixes, indices, constraints):
+        """`search` once its arguments are checked (no alignments)."""
+        if options.is_plain() and not any(prefixes or ()) and not any(map(len, constraints or ())):
             _, limits = self._prepare(source_ids, options.max_length)
             if options.beam_size == 1:
                 found = self.greedy_search(source_ids, max_length=options.max_length)
@@ -677,7 +695,9 @@ class OnnxTranslator:
         source, limits = self._prepare(source_ids, options.max_length)
         limits = prefixed_limits(limits, prefixes, options.max_length)
         if (limits == 0).all():
-            return options_loop(None, None, limits, options, prefixes, indices)
+            return options_loop(
+                None, None, limits, options, prefixes, indices, constraints=constraints
+            )
         _, mask, cross = self.encode(source)
         k = options.beam_size
         state = {
@@ -697,7 +717,16 @@ class OnnxTranslator:
             if len(kept) != len(state["feeds"]["source_mask"]):
                 state["feeds"] = self._kept_feeds(state["feeds"], kept)
 
-        return options_loop(step, reorder, limits, options, prefixes, indices, drop_finished=True)
+        return options_loop(
+            step,
+            reorder,
+            limits,
+            options,
+            prefixes,
+            indices,
+            drop_finished=True,
+            constraints=constraints,
+        )
 
     def score_ids(self, source_ids, target_ids):
         """Forced decoding: per sentence `(log_prob, token_scores)` of `target_ids[i]`
@@ -750,7 +779,14 @@ class OnnxTranslator:
         return sentences
 
     def translate_hypotheses(
-        self, sentences, options=None, prefixes=None, batch_size=32, progress=False, warn=None
+        self,
+        sentences,
+        options=None,
+        prefixes=None,
+        batch_size=32,
+        progress=False,
+        warn=None,
+        constraints=None,
     ):
         """Translates strings under `options`: per sentence a list of dicts, best first,
         with `text`, `score`, `log_prob` and (`options.token_scores`) `token_scores`.
@@ -758,6 +794,12 @@ class OnnxTranslator:
         `prefixes` are target-side texts, one per sentence ("" for none), each
         forced at the start of its translation; one with a word the vocabulary
         lacks is refused. Batching, order and long sentences: as `translate`.
+
+        `constraints`, one entry per sentence (a list of target phrases, or
+        None or `[]` for none), makes every translation hold its phrases
+        (docs/constraints.md). A phrase that tokenizes to nothing or to the
+        unknown token, or that cannot fit in its sentence's output, raises a
+        `ValueError` naming it and its line before anything is translated.
         """
         options = options if options is not None else SearchOptions()
         sentences = self._checked_texts(sentences)
@@ -767,13 +809,16 @@ class OnnxTranslator:
             if len(prefixes) != len(sentences):
                 raise ValueError(f"{len(prefixes)} prefixes for {len(sentences)} sentences.")
             prefix_ids = encode_prefixes(self.tokenizer, prefixes)
+        phrases = None
+        if constraints is not None:
+            phrases = sentence_constraints(
+                sentences, constraints, self.tokenizer.encode, self.max_length, options.max_length
+            )
 
         def search(sources, indices):
             chosen = None if prefix_ids is None else [prefix_ids[i] for i in indices]
-            found = self.search(sources, options, chosen, indices)
-            if options.alignment:
-                add_alignments(found, sources, self.align_ids)
-            return found
+            chosen_phrases = None if phrases is None else [phrases[i] for i in indices]
+            return self.search(sources, options, chosen, indices, chosen_phrases)
 
         found = search_texts(
             sentences,
@@ -815,12 +860,15 @@ class OnnxTranslator:
         parallel_batches=1,
         options=None,
         prefixes=None,
+        constraints=None,
     ):
         """Translates a list of strings; `beam_size=1` is greedy search.
 
         `options` (a `spec.SearchOptions`), when given, replaces `beam_size`,
-        `length_penalty` and `max_length`; with `prefixes` (target texts),
-        the search is `translate_hypotheses`'s and its best text is kept.
+        `length_penalty` and `max_length`; with `prefixes` (target texts) or
+        `constraints` (per sentence, target phrases every translation must
+        hold; docs/constraints.md), the search is `translate_hypotheses`'s
+        and its best text is kept.
 
         `length_penalty` is the beam search's alpha (see `beam_search`).
         `parallel_batches` > 1 searches that many batches at once, each on
@@ -839,10 +887,10 @@ class OnnxTranslator:
         """
         if isinstance(sentences, str):
             raise TypeError("translate takes a list of strings, not one string.")
-        if options is not None or prefixes is not None:
+        if options is not None or prefixes is not None or constraints is not None:
             options = options or SearchOptions(beam_size, length_penalty, max_length=max_length)
             found = self.translate_hypotheses(
-                sentences, options, prefixes, batch_size, progress, warn
+                sentences, options, prefixes, batch_size, progress, warn, constraints
             )
             return [hypotheses[0]["text"] for hypotheses in found]
         sentences = self._checked_texts(sentences)

@@ -22,6 +22,7 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 
 import numpy as np
 
+from keras_transformer_runtime.constraints import ConstrainedSearch
 from keras_transformer_runtime.progress import Progress
 from keras_transformer_runtime.spec import (
     Hypothesis,
@@ -347,7 +348,16 @@ def prefixed_limits(limits, prefixes, max_length):
     return limits
 
 
-def options_loop(step, reorder, limits, options, prefixes=None, indices=None, drop_finished=False):
+def options_loop(
+    step,
+    reorder,
+    limits,
+    options,
+    prefixes=None,
+    indices=None,
+    drop_finished=False,
+    constraints=None,
+):
     """The search of `keras_transformer_runtime.spec.SentenceSearch` for a batch of sentences.
 
     Each sentence's `SentenceSearch` decides (the rules are written once,
@@ -367,6 +377,9 @@ def options_loop(step, reorder, limits, options, prefixes=None, indices=None, dr
         prefixes: per-sentence target prefix ids, or None.
         indices: each sentence's index in its input, which seeds its
             sampling generator (`spec.sentence_rng`); default 0, 1, ...
+        constraints: per-sentence terminology constraints (a
+            `constraints.Constraints`, or a list of token-id phrases), or
+            None: a sentence with phrases runs `constraints.ConstrainedSearch`.
         drop_finished: leave finished sentences out of the state (as
             `beam_loop` does; `rows` then covers only the sentences still
             searched, in input order), for decoders whose step takes any batch.
@@ -379,11 +392,16 @@ def options_loop(step, reorder, limits, options, prefixes=None, indices=None, dr
     k = options.beam_size
     prefixes = prefixes if prefixes is not None else [()] * len(limits)
     indices = indices if indices is not None else range(len(limits))
+    constraints = constraints if constraints is not None else [()] * len(limits)
+    if len(constraints) != len(limits):
+        raise ValueError(f"{len(constraints)} constraint lists for {len(limits)} sentences.")
     searches = [
-        SentenceSearch(
+        ConstrainedSearch(limit, options, phrases, prefix)
+        if len(phrases)
+        else SentenceSearch(
             limit, options, prefix, sentence_rng(options.seed, i) if options.sampling else None
         )
-        for limit, prefix, i in zip(limits, prefixes, indices, strict=True)
+        for limit, prefix, i, phrases in zip(limits, prefixes, indices, constraints, strict=True)
     ]
     active = np.arange(len(searches))  # the sentences the state holds, in state order
     last = np.full(len(searches) * k, BOS_ID, np.int32)

@@ -53,6 +53,13 @@ def add_search_flags(parser, outputs=True):
         metavar="TEXT",
         help="a word or phrase never generated (its tokens in a row); repeatable",
     )
+    add(
+        "--constraints",
+        metavar="FILE",
+        help="target phrases each translation must hold, line N for input line N: "
+        "tab-separated phrases, or a JSON list of strings per line in a .jsonl file; an "
+        "empty line for none (docs/constraints.md)",
+    )
     add("--disable-unk", action="store_true", help="never generate the unknown token")
     add(
         "--repetition-penalty",
@@ -147,6 +154,7 @@ def is_plain_run(args, options):
         and options.max_input_length is None
         and not (args.prefix or getattr(args, "score", None) or getattr(args, "scores", False))
         and not options.alignment
+        and not args.constraints
         and getattr(args, "format", "text") == "text"
     )
 
@@ -171,8 +179,8 @@ def run_and_write(args, lines, options, translate, score, write):
     """Translates (or, with --score, scores) `lines` and writes them in --format.
 
     Args:
-        translate: `translate(lines, options, prefixes) -> per line a list of
-            hypothesis dicts` (`OnnxTranslator.translate_hypotheses`).
+        translate: `translate(lines, options, prefixes, constraints) -> per line
+            a list of hypothesis dicts` (`OnnxTranslator.translate_hypotheses`).
         score: `score(lines, targets) -> per line a dict` (`OnnxTranslator.score`).
         write: takes the output text.
     """
@@ -181,8 +189,22 @@ def run_and_write(args, lines, options, translate, score, write):
         write("".join(format_score(i, s, args) for i, s in enumerate(score(lines, targets))))
         return
     prefixes = read_lines_file(args.prefix, len(lines), "--prefix") if args.prefix else None
-    found = translate(lines, options, prefixes)
+    constraints = read_constraints(args.constraints, len(lines)) if args.constraints else None
+    found = translate(lines, options, prefixes, constraints)
     write("".join(format_hypotheses(i, hs, args) for i, hs in enumerate(found)))
+
+
+def read_constraints(path, count):
+    """The phrases of a --constraints file for `count` input lines; a bad file exits
+    with an error naming it and its line (`constraints.read_constraints_file`)."""
+    from keras_transformer_runtime.constraints import read_constraints_file
+
+    try:
+        return read_constraints_file(path, count)
+    except OSError as error:
+        raise SystemExit(f"error: --constraints {path}: {error.strerror}") from None
+    except ValueError as error:
+        raise SystemExit(f"error: --constraints {error}") from None
 
 
 def _numbers(values):

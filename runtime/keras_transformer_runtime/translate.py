@@ -108,8 +108,8 @@ def main(argv=None):
                 args,
                 lines,
                 options,
-                lambda texts, options, prefixes: translator.translate_hypotheses(
-                    texts, options, prefixes, args.batch_size, progress, warn
+                lambda texts, options, prefixes, constraints: translator.translate_hypotheses(
+                    texts, options, prefixes, args.batch_size, progress, warn, constraints
                 ),
                 lambda texts, targets: translator.score(
                     texts, targets, args.batch_size, progress, warn
