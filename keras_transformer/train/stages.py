@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import shutil
 import sys
 import time
 import zlib
@@ -20,13 +21,7 @@ from keras_transformer.data.pipeline import (
     read_parallel,
 )
 from keras_transformer.data.tokenizer import SentencePieceTokenizer
-from keras_transformer.distribute import (
-    SyncWithChief,
-    check_workers_agree,
-    chief_value,
-    make_strategy,
-    share_global_batches,
-)
+from keras_transformer.distribute import make_strategy
 from keras_transformer.io_utils import atomic_save_model, atomic_write_json
 from keras_transformer.precision import (
     gpu_compute_capabilities,
@@ -53,6 +48,12 @@ from keras_transformer.train.checkpoints import (
     ranked_epochs,
 )
 from keras_transformer.train.compile import build_and_compile
+from keras_transformer.train.data_parallel import (
+    SINGLE_PROCESS,
+    SyncFromFirstProcess,
+    share_of_each_batch,
+    start_data_parallel,
+)
 from keras_transformer.train.run_dir import (
     _epochs_done,
     _load_or_train_tokenizer,
@@ -74,8 +75,9 @@ from keras_transformer.train.settings import (
 class _Data:
     tokenizer: SentencePieceTokenizer
     config: TransformerConfig
-    train: object  # tf.data.Dataset
+    train: object  # tf.data.Dataset: this process's share of the global batches
     valid: object
+    valid_whole: object  # the global validation batches, for a one-device copy
     train_stats: object  # keras_transformer.data.pipeline.DataStats
     valid_stats: object
     valid_text: tuple  # (sources, targets): the validation files' lines
@@ -123,22 +125,24 @@ def train(settings: TrainSettings, out_dir: str, verbose: int = 1, strategy=None
     """Trains (or resumes) the run in `out_dir` and returns its metrics.
 
     `strategy` (a `tf.distribute.Strategy`) overrides `settings.strategy`. In
-    a multi-worker run only the chief writes `out_dir`; the other workers keep
-    their files in a private temporary folder (see
-    `keras_transformer.distribute.working_directory`) and return `{}`.
+    a data-parallel run of several processes only process 0 writes `out_dir`
+    and returns the metrics; the others train, then remove their temporary
+    folder and return `{}`.
     """
-    strategy = _strategy(settings, strategy)
+    strategy, processes = _strategy(settings, strategy)
     # Both pairs of files readable and parallel before anything is written.
     texts = (
         *read_parallel(settings.src_train, settings.tgt_train),
         *read_parallel(settings.src_valid, settings.tgt_valid),
     )
-    run = _open_run(settings, out_dir, verbose, strategy)
+    run = _open_run(settings, out_dir, verbose, strategy, processes)
     data = _load_data(run, settings, *texts)
     recipe = _recipe(run, settings, data)
     model = build_and_compile(data.config, run.strategy, **recipe.compile_args(settings))
     history = _fit(run, settings, model, data, recipe)
+    processes.leave()
     if not run.chief:
+        shutil.rmtree(run.out_dir, ignore_errors=True)
         return {}
     if run.replicas > 1:
         # Choose, decode and save on a one-device copy: the distributed
@@ -146,6 +150,7 @@ def train(settings: TrainSettings, out_dir: str, verbose: int = 1, strategy=None
         trained = model
         model = build_and_compile(data.config, None, **recipe.compile_args(settings))
         model.set_weights(trained.get_weights())
+        data = dataclasses.replace(data, valid=data.valid_whole)
     final, greedy = _choose_final(run, settings, model, data, history)
     atomic_save_model(model, os.path.join(run.out_dir, "model.keras"))
     atomic_write_json(os.path.join(run.out_dir, "config.json"), data.config.to_dict())
@@ -153,13 +158,19 @@ def train(settings: TrainSettings, out_dir: str, verbose: int = 1, strategy=None
 
 
 def _strategy(settings, strategy):
-    """The given strategy, or the one `settings` names (None: Keras' default, off TensorFlow)."""
-    if strategy is None and (
-        settings.strategy != "default" or keras.backend.backend() == "tensorflow"
-    ):
-        # First, before other TensorFlow work: multi-worker setup needs a fresh runtime.
-        strategy = make_strategy(settings.strategy)
-    return strategy
+    """`(strategy, processes)`: the given `tf.distribute` strategy, or the one `settings` names
+    (None: Keras' default, off TensorFlow), or a data-parallel run's distribution and place."""
+    if strategy is not None:
+        return strategy, SINGLE_PROCESS
+    if settings.strategy == "data-parallel":
+        # First, before any JAX computation: joining the group starts JAX's runtime.
+        processes = start_data_parallel(
+            settings.coordinator, settings.num_processes, settings.process_id
+        )
+        return processes.distribution, processes
+    if settings.strategy != "default" or keras.backend.backend() == "tensorflow":
+        return make_strategy(settings.strategy), SINGLE_PROCESS
+    return None, SINGLE_PROCESS
 
 
 def _load_data(run, settings, src_train, tgt_train, src_valid, tgt_valid) -> _Data:
@@ -200,8 +211,7 @@ def _load_data(run, settings, src_train, tgt_train, src_valid, tgt_valid) -> _Da
         tokens_per_batch,
         shuffle=False,
     )
-    check_workers_agree(
-        run.strategy,
+    run.processes.check_agree(
         **{
             "SentencePiece model (CRC-32)": zlib.crc32(tokenizer.model_proto),
             "training settings (CRC-32)": zlib.crc32(_portable_identity(settings)),
@@ -224,15 +234,25 @@ def _load_data(run, settings, src_train, tgt_train, src_valid, tgt_valid) -> _Da
         run.log(
             f"R-Drop: every sentence twice per batch, consistency alpha {settings.rdrop_alpha:g}."
         )
-    if run.replicas > 1:
-        train_data = share_global_batches(train_data)
-        valid_data = share_global_batches(valid_data)
+    valid_whole = valid_data
+    processes = run.processes
+    if processes.distribution is not None:
+        paired = bool(settings.rdrop_alpha)
+        train_data = share_of_each_batch(train_data, processes, paired_rows=paired)
+        valid_data = share_of_each_batch(valid_data, processes, paired_rows=paired)
+        run.log(
+            f"Training on {processes.devices} devices of {processes.count} "
+            f"process{'es' * (processes.count > 1)} (keras.distribution.DataParallel); "
+            "this process writes the run directory."
+        )
+    elif run.replicas > 1:
         run.log(f"Training on {run.replicas} replicas ({type(run.strategy).__name__}).")
     return _Data(
         tokenizer,
         config,
         train_data,
         valid_data,
+        valid_whole,
         train_stats,
         valid_stats,
         (src_valid, tgt_valid),
@@ -274,48 +294,56 @@ def _fit(run, settings, model, data, recipe) -> list:
         settings.max_steps,
         settings.max_minutes,
         keep=max(KEEP_CHECKPOINTS, settings.average),
-        strategy=run.strategy,
+        processes=run.processes,
         select_by=settings.select_by,
         patience=settings.patience,
         # A resumed run may continue on another machine: each epoch says where it ran.
         epoch_fields={"precision": recipe.precision, "device": recipe.device},
     )
-    callbacks = [
-        # The recorder writes its checkpoint before the backup is taken: a
-        # kill in between makes the resumed run redo that epoch, never skip it.
-        recorder,
-        keras.callbacks.BackupAndRestore(
-            os.path.join(run.out_dir, "backup"), delete_checkpoint=False
-        ),
-        # Multi-worker: everyone resumes from the chief's backup, whatever its own holds.
-        SyncWithChief(run.strategy),
-        keras.callbacks.TensorBoard(os.path.join(run.out_dir, "logs"), update_freq="epoch"),
+    # The recorder writes its checkpoint before the backup is taken: a kill
+    # in between makes the resumed run redo that epoch, never skip it.
+    callbacks = [recorder]
+    if run.chief:
+        callbacks += [
+            keras.callbacks.BackupAndRestore(
+                os.path.join(run.out_dir, "backup"), delete_checkpoint=False
+            ),
+            keras.callbacks.TensorBoard(os.path.join(run.out_dir, "logs"), update_freq="epoch"),
+        ]
+    callbacks += [
+        # Several processes: all resume from process 0's backup (the others keep none).
+        SyncFromFirstProcess(run.processes),
         _EpochProgress(settings.budget()),
     ]
     if settings.select_by == "bleu":
-        callbacks.insert(0, _ValidationBleu(data.tokenizer, data.valid_pairs))
+        callbacks.insert(0, _ValidationBleu(data.tokenizer, data.valid_pairs, run.processes))
     steps_done = history[-1]["steps"] if history else 0
     spent = (
         recorder.budget_spent()
         or bool(settings.max_steps and steps_done >= settings.max_steps)
         or patience_spent(history, settings.select_by, settings.patience)
     )
-    if chief_value(run.strategy, spent):  # the workers follow the chief's history
+    if run.processes.first_value(spent):  # the others follow process 0's history
         run.log(f"{run.out_dir}: the training budget is already spent; finishing the run.")
     else:
         if run.resume and history:
             run.log(f"Resuming {run.out_dir} after epoch {len(history)}.")
-        model.fit(
-            data.train,
-            validation_data=data.valid,
-            epochs=settings.epochs if settings.epochs is not None else 10_000,
-            callbacks=callbacks,
-            verbose=fit_verbosity(run.verbose, sys.stdout.isatty()),
-            shuffle=False,  # the dataset shuffles itself, each epoch
-        )
+        with run.processes.scope():
+            _fit_model(run, settings, model, data, callbacks)
     if run.chief and not history:
         raise RuntimeError("Training stopped before completing an epoch; nothing to save.")
     return history
+
+
+def _fit_model(run, settings, model, data, callbacks):
+    model.fit(
+        data.train,
+        validation_data=data.valid,
+        epochs=settings.epochs if settings.epochs is not None else 10_000,
+        callbacks=callbacks,
+        verbose=fit_verbosity(run.verbose, sys.stdout.isatty()),
+        shuffle=False,  # the dataset shuffles itself, each epoch
+    )
 
 
 def _choose_final(run, settings, model, data, history) -> tuple[dict, dict | None]:
