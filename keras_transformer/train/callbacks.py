@@ -55,8 +55,8 @@ class _RunRecorder(keras.callbacks.Callback):
     (summed over restarts) would be exceeded by one more epoch like the last,
     after `max_steps` optimizer updates, and when `patience` epochs passed
     without a better validation measure. In a run of several processes
-    (`processes`), only process 0 writes, and its decisions to stop hold
-    for all.
+    (`processes`), every process writes to its own folder (saving is a
+    collective), and process 0's decisions to stop hold for all.
     """
 
     def __init__(
@@ -110,8 +110,7 @@ class _RunRecorder(keras.callbacks.Callback):
         entry.update({k: float(v) for k, v in (logs or {}).items()})
         entry.update(self.epoch_fields)
         self.history.append(entry)
-        if self.processes.first:
-            self._write(epoch)
+        self._write(epoch)
         # Each process times itself; all stop when process 0 does.
         spent = self.budget_spent() or patience_spent(self.history, self.select_by, self.patience)
         if self.processes.first_value(spent):

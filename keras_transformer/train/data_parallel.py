@@ -11,10 +11,12 @@ share of padding: the update equals one device's on the same batch.
 
 Every process reads the same files and builds the same global batches (same
 seed); each keeps its rows of every batch (`share_of_each_batch`), padded with
-empty rows to a multiple of the device count. Process 0 owns the run
-directory; the others write only to a temporary folder of their own and take
-process 0's state and decisions (`Processes.first_value`,
-`SyncFromFirstProcess`).
+empty rows to a multiple of the device count. Every process runs the same
+callbacks: saving and restoring distributed variables are collectives, which
+all processes must enter in the same order. Process 0 owns the run directory;
+the others write the same files to a temporary folder of their own, start
+from a copy of process 0's backup (`share_backup`) and follow process 0's
+decisions (`Processes.first_value`).
 
 One process without a coordinator is a group of one: `data-parallel` then
 splits each batch over the local devices (e.g. the GPUs of one machine).
@@ -246,25 +248,24 @@ def share_of_each_batch(dataset, processes: Processes, paired_rows: bool = False
     return dataset.map(keep_share)
 
 
-class SyncFromFirstProcess(keras.callbacks.Callback):
-    """Makes every process start `fit` from process 0's weights, optimizer state and epoch.
+def share_backup(processes: Processes, backup_dir: str) -> None:
+    """Copies process 0's `keras.callbacks.BackupAndRestore` files into `backup_dir` of every
+    other process (a collective: all must call it), before `fit`.
 
-    Goes after `keras.callbacks.BackupAndRestore` in the callback list: only
-    process 0 keeps backups, and a resumed run continues from them on every
-    process. A no-op in a run of one process.
+    Restoring assigns every variable, and assigning a distributed variable is
+    itself a collective: every process must restore the same state, in the
+    same order. Process 0's backup is the run's; the others' folders are new.
     """
-
-    def __init__(self, processes: Processes):
-        super().__init__()
-        self.processes = processes
-
-    def on_train_begin(self, logs=None):
-        if self.processes.count == 1:
-            return
-        variables = list(self.model.weights) + list(self.model.optimizer.variables)
-        # `_initial_epoch` is where Keras' own BackupAndRestore tells `fit` to start.
-        epoch = np.asarray(getattr(self.model, "_initial_epoch", None) or 0, np.int64)
-        values = self.processes.first_arrays([np.asarray(v.numpy()) for v in variables] + [epoch])
-        for variable, value in zip(variables, values, strict=False):
-            variable.assign(value)
-        self.model._initial_epoch = int(values[-1]) or None
+    if processes.count == 1:
+        return
+    for name in ("latest.weights.h5", "training_metadata.json"):
+        path = os.path.join(backup_dir, name)
+        size = os.path.getsize(path) if processes.first and os.path.isfile(path) else -1
+        size = processes.first_value(size)
+        if size < 0:
+            continue
+        local = np.fromfile(path, np.uint8) if processes.first else np.zeros(size, np.uint8)
+        (data,) = processes.first_arrays([local])
+        if not processes.first:
+            os.makedirs(backup_dir, exist_ok=True)
+            data.astype(np.uint8).tofile(path)

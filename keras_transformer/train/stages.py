@@ -50,7 +50,7 @@ from keras_transformer.train.checkpoints import (
 from keras_transformer.train.compile import build_and_compile
 from keras_transformer.train.data_parallel import (
     SINGLE_PROCESS,
-    SyncFromFirstProcess,
+    share_backup,
     share_of_each_batch,
     start_data_parallel,
 )
@@ -300,19 +300,15 @@ def _fit(run, settings, model, data, recipe) -> list:
         # A resumed run may continue on another machine: each epoch says where it ran.
         epoch_fields={"precision": recipe.precision, "device": recipe.device},
     )
-    # The recorder writes its checkpoint before the backup is taken: a kill
-    # in between makes the resumed run redo that epoch, never skip it.
-    callbacks = [recorder]
-    if run.chief:
-        callbacks += [
-            keras.callbacks.BackupAndRestore(
-                os.path.join(run.out_dir, "backup"), delete_checkpoint=False
-            ),
-            keras.callbacks.TensorBoard(os.path.join(run.out_dir, "logs"), update_freq="epoch"),
-        ]
-    callbacks += [
-        # Several processes: all resume from process 0's backup (the others keep none).
-        SyncFromFirstProcess(run.processes),
+    # Several processes: every one restores process 0's backup (restoring is a collective).
+    backup = os.path.join(run.out_dir, "backup")
+    share_backup(run.processes, backup)
+    callbacks = [
+        # The recorder writes its checkpoint before the backup is taken: a
+        # kill in between makes the resumed run redo that epoch, never skip it.
+        recorder,
+        keras.callbacks.BackupAndRestore(backup, delete_checkpoint=False),
+        keras.callbacks.TensorBoard(os.path.join(run.out_dir, "logs"), update_freq="epoch"),
         _EpochProgress(settings.budget()),
     ]
     if settings.select_by == "bleu":
