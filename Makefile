@@ -11,7 +11,7 @@ $(BIN)/python:
 
 $(STAMP): $(BIN)/python pyproject.toml runtime/pyproject.toml
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet -e ./runtime -e ".[dev]"
+	$(BIN)/python -m pip install --quiet -e "./runtime[serve]" -e ".[dev]"
 	touch $(STAMP)
 
 install: $(STAMP)

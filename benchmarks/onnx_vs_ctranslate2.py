@@ -30,6 +30,10 @@ import sys
 import time
 
 CELLS = (("greedy", 1, 1), ("greedy", 1, 32), ("beam 4", 4, 1), ("beam 4", 4, 32))
+# The names --cells takes: "greedy-32", "beam4-32" (CTranslate2's own protocol), ...
+CELL_NAMES = {
+    f"{label.replace(' ', '')}-{batch}": (label, beam, batch) for label, beam, batch in CELLS
+}
 SYSTEMS = ("ort-float32", "ort-int8", "ct2-float32", "ct2-int8")
 PEER = {"ort-float32": "ct2-float32", "ort-int8": "ct2-int8"}
 
@@ -58,9 +62,25 @@ def build_parser():
     )
     parser.add_argument("--repeats", type=int, default=3, help="interleaved repetitions")
     parser.add_argument(
+        "--cells",
+        type=_cells,
+        default=CELLS,
+        help="comma-separated searches to run, of " + ", ".join(CELL_NAMES) + " (default: all)",
+    )
+    parser.add_argument(
         "--out", default=os.path.join("benchmarks", "results", "onnx_vs_ctranslate2.json")
     )
     return parser
+
+
+def _cells(text):
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in CELL_NAMES]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown cell {', '.join(unknown) or text!r}; choose from {', '.join(CELL_NAMES)}"
+        )
+    return tuple(CELL_NAMES[name] for name in names)
 
 
 def _systems(run_dir, tokenizer, model, threads, parallel_batches, split_batches=None):
@@ -121,7 +141,7 @@ def run(args):
         False if args.whole_batches else None,
     )
     results = []
-    for label, beam, batch in CELLS:
+    for label, beam, batch in args.cells:
         times = {name: [] for name in SYSTEMS}
         outputs = {}
         for _ in range(args.repeats):
@@ -133,8 +153,13 @@ def run(args):
                 times[name].append(time.perf_counter() - start)
         cell = {"search": label, "beam_size": beam, "batch_size": batch, "systems": {}}
         for name in SYSTEMS:
+            # Target tokens as CTranslate2's benchmark counts them: the pieces
+            # of each output, without BOS and EOS.
+            tokens = sum(len(ids) for ids in tokenizer.encode_batch(outputs[name]))
             entry = {
                 "sentences_per_second": len(lines) / statistics.median(times[name]),
+                "target_tokens_per_second": tokens / statistics.median(times[name]),
+                "target_tokens": tokens,
                 "seconds": times[name],
                 "identical_to_ort_float32": sum(
                     a == b for a, b in zip(outputs[name], outputs["ort-float32"], strict=True)

@@ -9,6 +9,14 @@ import os
 import sys
 import typing
 
+from keras_transformer_runtime.search_flags import (
+    add_search_flags,
+    is_plain_run,
+    options_from_args,
+    read_constraints,
+    read_lines_file,
+    run_and_write,
+)
 from keras_transformer_runtime.text import read_input_lines, warn
 
 
@@ -35,6 +43,16 @@ def _train(args):
     except (DataError, RunDirectoryError, ValueError, NotImplementedError) as error:
         raise SystemExit(f"error: {error}") from None
     return 0
+
+
+def _prepare(args):
+    from keras_transformer.data.pipeline import DataError
+    from keras_transformer.data.prepare import prepare_command
+
+    try:
+        return prepare_command(args)
+    except (DataError, ValueError) as error:
+        raise SystemExit(f"error: {error}") from None
 
 
 def _flag(name: str) -> str:
@@ -126,23 +144,51 @@ def _load(run_dir):
 
 
 def _translate(args):
-    from keras_transformer.translation import translate_lines
+    from keras_transformer.translation import score_lines, translate_hypotheses, translate_lines
 
     beam = _beam_size(args)
     length_penalty = _length_penalty(args)
     model, tokenizer = _load(args.run_dir)
     lines = read_input_lines(sys.stdin, warn)
-    outputs = translate_lines(
-        model,
-        tokenizer,
-        lines,
-        beam_size=beam,
-        length_penalty=length_penalty,
-        batch_size=args.batch_size,
-        progress=not sys.stdin.isatty() and len(lines) > args.batch_size,
-        warn=warn,
-    )
-    sys.stdout.write("".join(line + "\n" for line in outputs))
+    options = options_from_args(args, beam, length_penalty, tokenizer)
+    progress = not sys.stdin.isatty() and len(lines) > args.batch_size
+    try:
+        if is_plain_run(args, options):
+            outputs = translate_lines(
+                model,
+                tokenizer,
+                lines,
+                beam_size=beam,
+                length_penalty=length_penalty,
+                max_length=args.max_length,
+                batch_size=args.batch_size,
+                progress=progress,
+                warn=warn,
+            )
+            sys.stdout.write("".join(line + "\n" for line in outputs))
+        else:
+            run_and_write(
+                args,
+                lines,
+                options,
+                lambda texts, options, prefixes, constraints: translate_hypotheses(
+                    model,
+                    tokenizer,
+                    texts,
+                    options,
+                    prefixes,
+                    args.batch_size,
+                    progress,
+                    warn,
+                    constraints,
+                ),
+                lambda texts, targets: score_lines(
+                    model, tokenizer, texts, targets, args.batch_size, progress, warn
+                ),
+                sys.stdout.write,
+            )
+    except ValueError as error:
+        raise SystemExit(f"error: {error}") from None
     sys.stdout.flush()
     if args.plot_attention:
         _plot(args, model, tokenizer, lines, beam)
@@ -172,7 +218,7 @@ def _plot(args, model, tokenizer, lines, beam):
 def _evaluate(args):
     from keras_transformer.evaluation import score_translations
     from keras_transformer.io_utils import atomic_write_json, atomic_write_text
-    from keras_transformer.translation import translate_lines
+    from keras_transformer.translation import translate_hypotheses, translate_lines
 
     beam = _beam_size(args)
     length_penalty = _length_penalty(args)
@@ -183,16 +229,37 @@ def _evaluate(args):
     except DataError as error:
         raise SystemExit(f"error: {error}") from None
     model, tokenizer = _load(args.run_dir)
-    hypotheses = translate_lines(
-        model,
-        tokenizer,
-        sources,
-        beam_size=beam,
-        length_penalty=length_penalty,
-        batch_size=args.batch_size,
-        progress=True,
-        warn=warn,
-    )
+    options = options_from_args(args, beam, length_penalty, tokenizer)
+    if is_plain_run(args, options):
+        hypotheses = translate_lines(
+            model,
+            tokenizer,
+            sources,
+            beam_size=beam,
+            length_penalty=length_penalty,
+            max_length=args.max_length,
+            batch_size=args.batch_size,
+            progress=True,
+            warn=warn,
+        )
+    else:
+        prefixes = read_lines_file(args.prefix, len(sources), "--prefix") if args.prefix else None
+        constraints = read_constraints(args.constraints, len(sources)) if args.constraints else None
+        try:
+            found = translate_hypotheses(
+                model,
+                tokenizer,
+                sources,
+                options,
+                prefixes,
+                args.batch_size,
+                True,
+                warn,
+                constraints,
+            )
+        except ValueError as error:
+            raise SystemExit(f"error: {error}") from None
+        hypotheses = [h[0]["text"] for h in found]
     name = os.path.basename(args.src).removesuffix(".gz")
     output = args.output or os.path.join(args.run_dir, f"{name}.hyp")
     atomic_write_text(output, "".join(h + "\n" for h in hypotheses))
@@ -206,6 +273,11 @@ def _evaluate(args):
             "hypotheses": output,
         }
     )
+    if not options.is_plain() or args.prefix:
+        scores["search_options"] = {
+            **dataclasses.asdict(options),
+            "prefix": args.prefix,
+        }
     atomic_write_json(output + ".json", scores)
     print(json.dumps(scores, indent=2))
     return 0
@@ -263,6 +335,18 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--num-test", type=int, default=500, help="held-out test pairs")
     demo.set_defaults(func=_demo)
 
+    from keras_transformer.data.prepare import add_prepare_arguments
+
+    prepare = sub.add_parser(
+        "prepare",
+        help="tokenize parallel text of any size into on-disk shards for train --data",
+        description="Train the joint SentencePiece model on a sample, encode every pair in "
+        "parallel and write the ids in shards (docs/data.md). Rerun the same command to "
+        "resume a killed run; on a finished directory it does nothing.",
+    )
+    add_prepare_arguments(prepare)
+    prepare.set_defaults(func=_prepare)
+
     train = sub.add_parser(
         "train",
         help="train on parallel text files; rerun the same command to resume",
@@ -277,6 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     translate.add_argument("run_dir", help="run directory with model.keras and its tokenizer")
     _add_search_flags(translate)
+    add_search_flags(translate)
     translate.add_argument(
         "--plot-attention",
         metavar="PNG",
@@ -296,6 +381,7 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--ref", required=True, help="reference translations, parallel to --src")
     evaluate.add_argument("--output", help="hypotheses file (default: RUN_DIR/<src name>.hyp)")
     _add_search_flags(evaluate)
+    add_search_flags(evaluate, outputs=False)
     evaluate.set_defaults(func=_evaluate)
 
     export = sub.add_parser(

@@ -26,13 +26,25 @@ import numpy as np
 from keras import ops
 from keras_transformer_runtime.search import (
     EXTRA_OUTPUT_TOKENS,
+    add_alignments,
     banned_ids,
     beam_loop,
     check_beam_arguments,
+    forced_scores,
     greedy_loop,
     length_penalty_factor,
+    options_loop,
     output_limits,
+    plain_hypotheses,
+    prefixed_limits,
     source_array,
+    teacher_inputs,
+)
+from keras_transformer_runtime.spec import (
+    SearchOptions,
+    alignment_layer,
+    alignments,
+    truncate_source,
 )
 from keras_transformer_runtime.specials import BOS_ID, EOS_ID, PAD_ID
 
@@ -44,9 +56,12 @@ __all__ = [
     "EOS_ID",
     "EXTRA_OUTPUT_TOKENS",
     "PAD_ID",
+    "align",
     "beam_search",
     "greedy_search",
     "length_penalty_factor",
+    "score",
+    "search",
     "sequence_log_probs",
 ]
 
@@ -315,6 +330,128 @@ def beam_search(
         state["caches"] = [ops.take(cache, rows, axis=0) for cache in state["caches"]]
 
     return beam_loop(step, reorder, limits, beam_size, length_penalty, ignore_eos)
+
+
+def search(model, source_ids, options=None, prefixes=None, indices=None, constraints=None):
+    """The best hypotheses of each source under `options` (a `SearchOptions`).
+
+    The same search as `OnnxTranslator.search`, by the rules of
+    `keras_transformer_runtime.spec.SentenceSearch`: plain options without
+    prefixes run `greedy_search` / `beam_search`; any other runs
+    `search.options_loop` over the cached decoder step (one compiled shape:
+    `beam_size` rows per sentence).
+
+    Args:
+        model: a model from `build_transformer`.
+        source_ids: as for `greedy_search`.
+        options: default `SearchOptions()` (beam 4).
+        prefixes: per-sentence target prefix ids, or None.
+        indices: each sentence's index in its input, which seeds its sampling.
+        constraints: per-sentence terminology constraints (lists of target
+            phrases as token-id lists), or None: every output holds its
+            phrases (`keras_transformer_runtime.constraints`).
+
+    Returns:
+        per sentence, its `spec.Hypothesis` list (`options.n_best` at most), best
+        first, with their `alignment` when `options.alignment` asks for it (`align`).
+    """
+    options = options if options is not None else SearchOptions()
+    cap = transformer_parts(model).config.max_length
+    if options.max_input_length is not None:
+        source, _ = _as_source_array(source_ids, cap)
+        rows = [row[row != PAD_ID].tolist() for row in source]
+        source_ids = [truncate_source(row, options.max_input_length) for row in rows]
+    found = _search(model, source_ids, options, prefixes, indices, constraints)
+    if options.alignment:  # read after the search: it never changes the search
+        add_alignments(found, source_ids, lambda s, t: align(model, s, t))
+    return found
+
+
+def _search(model, source_ids, options, prefixes, indices, constraints):
+    """`search` once the sources are truncated (no alignments)."""
+    decoder = _decoder_for(model)
+    cap = decoder.config.max_length
+    if prefixes is not None and len(prefixes) != len(source_ids):
+        raise ValueError(f"{len(prefixes)} target prefixes for {len(source_ids)} sentences.")
+    options.check_ids(decoder.config.vocabulary_size, prefixes)
+    source, lengths = _as_source_array(source_ids, cap)
+    limits = output_limits(lengths, options.max_length, cap)
+    if constraints is not None and len(constraints) != len(source_ids):
+        raise ValueError(f"{len(constraints)} constraint lists for {len(source_ids)} sentences.")
+    if options.is_plain() and not any(prefixes or ()) and not any(map(len, constraints or ())):
+        if options.beam_size == 1:
+            found = greedy_search(model, source, max_length=options.max_length)
+        else:
+            found = beam_search(
+                model,
+                source,
+                beam_size=options.beam_size,
+                length_penalty=options.length_penalty,
+                max_length=options.max_length,
+            )
+        return plain_hypotheses(*found, limits, options)
+    limits = prefixed_limits(limits, prefixes, options.max_length)
+    if (limits == 0).all():
+        return options_loop(None, None, limits, options, prefixes, indices, constraints=constraints)
+    k = options.beam_size
+    tiled = np.repeat(source, k, axis=0)  # row p * k + j: hypothesis j of sentence p
+    _, source_mask, cross_caches = decoder._encode(ops.convert_to_tensor(tiled))
+    steps = int(limits.max())
+    state = {"caches": decoder.empty_self_caches(len(tiled), -(-steps // 8) * 8)}
+
+    def step(last, t):
+        log_probs, state["caches"] = decoder._step(
+            ops.convert_to_tensor(last[:, None]),
+            ops.convert_to_tensor(t, "int32"),
+            state["caches"],
+            cross_caches,
+            source_mask,
+        )
+        return _to_numpy(log_probs)
+
+    def reorder(rows):
+        rows = ops.convert_to_tensor(rows)
+        state["caches"] = [ops.take(cache, rows, axis=0) for cache in state["caches"]]
+
+    return options_loop(step, reorder, limits, options, prefixes, indices, constraints=constraints)
+
+
+def score(model, source_ids, target_ids):
+    """Forced decoding: per sentence `(log_prob, token_scores)` of `target_ids[i]`
+    (no BOS, no EOS) given `source_ids[i]`, EOS scored last; `(None, None)` for
+    an empty source. The model's log-probabilities, as `OnnxTranslator.score_ids`."""
+    if len(source_ids) != len(target_ids):
+        raise ValueError(f"{len(target_ids)} targets for {len(source_ids)} sources.")
+    parts = transformer_parts(model)
+    source, lengths = _as_source_array(source_ids, parts.config.max_length)
+    found = [(None, None)] * len(source)
+    rows = np.flatnonzero(lengths)
+    if not len(rows):
+        return found
+    targets = [[int(t) for t in target_ids[i]] for i in rows]
+    logits = model(
+        {"source_ids": source[rows], "target_ids": teacher_inputs(targets)}, training=False
+    )
+    log_probs = _to_numpy(ops.log_softmax(ops.cast(logits, "float32"), axis=-1))
+    for i, result in zip(rows, forced_scores(log_probs.astype(np.float64), targets), strict=True):
+        found[i] = result
+    return found
+
+
+def align(model, source_ids, target_ids):
+    """Per sentence, the source position each token of `target_ids[i]` attends to most:
+    `spec.alignments` of the cross-attention of `spec.alignment_layer`, averaged
+    over heads, teacher-forced, as `OnnxTranslator.align_ids`."""
+    if len(source_ids) != len(target_ids):
+        raise ValueError(f"{len(target_ids)} targets for {len(source_ids)} sources.")
+    if not len(source_ids):
+        return []
+    parts = transformer_parts(model)
+    source, lengths = _as_source_array(source_ids, parts.config.max_length)
+    targets = [[int(t) for t in target] for target in target_ids]
+    _, weights = parts.logits_and_cross_attention(source, teacher_inputs(targets))
+    layer = _to_numpy(weights[alignment_layer(parts.config.num_layers)])  # (B, N, T, S)
+    return alignments(layer.mean(1), lengths, [len(t) for t in targets])
 
 
 def sequence_log_probs(model, source_ids, target_tokens, ended=True):

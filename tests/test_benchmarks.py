@@ -335,6 +335,16 @@ def test_onnx_vs_ctranslate2_runs_every_system_and_writes_json(trained_run, corp
         for name, peer in (("ort-float32", "ct2-float32"), ("ort-int8", "ct2-int8")):
             ratio = systems[name]["sentences_per_second"] / systems[peer]["sentences_per_second"]
             assert systems[name]["ratio_to_ct2"] == pytest.approx(ratio)
+        for entry in systems.values():
+            median = sorted(entry["seconds"])[0]  # one repeat
+            assert entry["target_tokens"] > 0
+            assert entry["target_tokens_per_second"] == pytest.approx(
+                entry["target_tokens"] / median
+            )
+    # CTranslate2's own protocol, one cell: beam 4 on batches of 32.
+    deploy_main(argv + ["--cells", "beam4-32"])
+    cells = json.loads(out.read_text())["cells"]
+    assert [(c["search"], c["batch_size"]) for c in cells] == [("beam 4", 32)]
     # (That CTranslate2 holds the same model is test_ctranslate2_peer_scores_as_the_keras_model:
     # this 3-epoch model's outputs are too uncertain to compare token for token.)
     assert set(report["size_bytes"]) == set(SYSTEMS)
@@ -359,3 +369,27 @@ def test_onnx_vs_ctranslate2_runs_every_system_and_writes_json(trained_run, corp
                 system.translate(lines, beam_size=beam, batch_size=4, parallel_batches=2)
                 == one_at_a_time
             )
+
+
+def test_data_scale_counts_the_memory_of_a_process_and_its_children():
+    import sys
+
+    from benchmarks.data_scale import run_measured, training_figures
+
+    # A parent and a child, each holding 200 MiB, then the marks a training child prints.
+    code = (
+        "import os, time\n"
+        "block = bytearray(200 * 2**20)\n"
+        "pid = os.fork()\n"
+        "held = bytearray(200 * 2**20) if pid == 0 else None\n"
+        "time.sleep(1.5)\n"
+        "if pid == 0:\n"
+        "    os._exit(0)\n"
+        "os.waitpid(pid, 0)\n"
+        "t = time.time(); print('FIRST_UPDATE', t); print('LAST_UPDATE', t + 1.9)\n"
+    )
+    result = run_measured([sys.executable, "-c", code])
+    figures = training_figures(result, tokens_per_batch=1000)
+    # The child's copy of `block` is shared, not counted twice; its own block is.
+    assert 0.39 < figures["peak_rss_gib"] < 0.6
+    assert figures["step_target_positions_per_second"] == round(1000 * 19 / 1.9)

@@ -286,3 +286,42 @@ def test_one_compiled_search_per_shape_does_not_warn_of_retracing(random_model, 
             double(tf.ones((n,)))
     retracing = [r.getMessage() for r in caplog.records if "retracing" in r.getMessage()]
     assert retracing and all("_Decoder." not in message for message in retracing)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"beam_size": 3, "n_best": 2, "token_scores": True, "disable_unk": True},
+        {"beam_size": 1, "min_length": 5, "no_repeat_ngram_size": 1},
+        {"beam_size": 1, "sampling_topk": 5, "sampling_temperature": 0.7, "seed": 3},
+    ],
+)
+def test_keras_search_with_options_follows_the_search_specification(random_model, options):
+    from keras_transformer_runtime.spec import SearchOptions, SentenceSearch, sentence_rng
+
+    from keras_transformer.decoding import score, search
+
+    options = SearchOptions(max_length=8, **options)
+    sources = [*random_sources(4, seed=9), []]
+    prefixes = [[5, 6], [], [7], [], [8]]
+    found = search(random_model, sources, options, prefixes, indices=[3, 1, 4, 1, 5])
+    for source, prefix, index, hypotheses in zip(
+        sources, prefixes, [3, 1, 4, 1, 5], found, strict=True
+    ):
+        rng = sentence_rng(options.seed, index) if options.sampling else None
+        expected = SentenceSearch(8 if source else 0, options, prefix, rng).run(
+            model_log_probs(random_model, source)
+        )
+        assert [h.tokens for h in hypotheses] == [h.tokens for h in expected]
+        np.testing.assert_allclose(
+            [h.score for h in hypotheses], [h.score for h in expected], atol=SPEC_SCORE_TOLERANCE
+        )
+        assert hypotheses[0].tokens[: len(prefix) if source else 0] == (prefix if source else [])
+    # forced decoding of the outputs gives their step scores (EOS scored last)
+    ended = [(s, h) for s, hs in zip(sources, found, strict=True) for h in hs if s]
+    forced = score(random_model, [s for s, _ in ended], [h.tokens for _, h in ended])
+    for (_, h), (total, steps) in zip(ended, forced, strict=True):
+        assert total == pytest.approx(sum(steps))
+        if options.token_scores and not options.sampling and len(h.tokens) < 8:
+            np.testing.assert_allclose(steps, h.token_scores, atol=SPEC_SCORE_TOLERANCE)
+    assert score(random_model, [[]], [[5]]) == [(None, None)]

@@ -138,14 +138,17 @@ class _ValidationBleu(keras.callbacks.Callback):
     of the model outside the distribution, and every process gets its scores.
     """
 
-    def __init__(self, tokenizer, pairs, processes=SINGLE_PROCESS):
+    def __init__(self, tokenizer, pairs, every=1, processes=SINGLE_PROCESS):
         super().__init__()
         self.tokenizer = tokenizer
         self.pairs = pairs
+        self.every = every  # epochs: as model.fit's validation_freq
         self.processes = processes
         self._copy = None
 
     def on_epoch_end(self, epoch, logs=None):
+        if (epoch + 1) % self.every:
+            return
         if self.processes.distribution is None:
             scores = _bleu_on(self.model, self.tokenizer, self.pairs, beam_size=1)
             values = [scores["bleu"], scores["bleu_lowercase"]]

@@ -143,8 +143,8 @@ def stream_seed(seed: int, epochs_done: int) -> int:
 def _portable_identity(settings) -> bytes:
     """The settings that every process of a run must share, without machine-specific file paths."""
     values = settings.identity()
-    for name in ("src_train", "tgt_train", "src_valid", "tgt_valid"):
-        values.pop(name)
+    for name in ("src_train", "tgt_train", "src_valid", "tgt_valid", "data"):
+        values.pop(name, None)
     return json.dumps(values, sort_keys=True).encode()
 
 

@@ -136,14 +136,29 @@ class TrainSettings:
     is generated from these fields, their defaults, help and choices.
     """
 
-    # Data: the parallel text files and the joint vocabulary.
-    src_train: str = option(group="data", help="source side (plain or .gz)")
-    tgt_train: str = option(group="data", help="target side, parallel to --src-train")
-    src_valid: str = option(
-        group="data",
-        help="validation source side (plain or .gz): ranks the epochs and gives the final BLEU",
+    # Data: the parallel text files (or a prepared directory) and the joint vocabulary.
+    src_train: str | None = option(
+        None, group="data", help="source side (plain or .gz); or give --data"
     )
-    tgt_valid: str = option(group="data", help="validation target side, parallel to --src-valid")
+    tgt_train: str | None = option(None, group="data", help="target side, parallel to --src-train")
+    src_valid: str | None = option(
+        None,
+        group="data",
+        help="validation source side (plain or .gz): ranks the epochs and gives the final BLEU "
+        "(default with --data: the validation files prepare copied)",
+    )
+    tgt_valid: str | None = option(
+        None, group="data", help="validation target side, parallel to --src-valid"
+    )
+    # A directory written by `keras-transformer prepare`: its shards are streamed
+    # from disk and its SentencePiece model is the run's (keras_transformer.data.shards).
+    data: str | None = option(
+        None,
+        group="data",
+        metavar="DIR",
+        help="train on a directory written by keras-transformer prepare, streamed from disk "
+        "in bounded memory, instead of --src-train/--tgt-train",
+    )
     vocab_size: int = option(
         DEFAULT_VOCABULARY_SIZE,
         group="data",
@@ -302,6 +317,24 @@ class TrainSettings:
         "last k and best k for k <= --average, and keeps the best on validation; last / "
         "best: the mean of the last / best --average epochs (default: %(default)s)",
     )
+    # Checkpoint (with the data position) and validate every N updates; None:
+    # once per epoch. Needs `data`: only a prepared dataset resumes mid-epoch.
+    save_every_steps: int | None = option(
+        None,
+        group="selection",
+        metavar="N",
+        help="with --data: validate and write a checkpoint every N updates instead of every "
+        "epoch; a killed run resumes at the last one, at the same batch of its epoch. The "
+        "checkpoints, history and --average then count these N-update spans",
+    )
+    # Validate every M updates, a multiple of save_every_steps; None: at every checkpoint.
+    validate_every_steps: int | None = option(
+        None,
+        group="selection",
+        metavar="M",
+        help="with --save-every-steps N: validate every M updates only (a multiple of N); "
+        "the checkpoints between are kept as the last ones but not ranked (default: M = N)",
+    )
     valid_beam: int = option(
         1,
         group="selection",
@@ -382,6 +415,8 @@ class TrainSettings:
             "accumulate_steps",
             "patience",
             "average",
+            "save_every_steps",
+            "validate_every_steps",
             *SHAPE_FIELDS,
         ):
             value = getattr(self, name)
@@ -417,8 +452,45 @@ class TrainSettings:
             raise ValueError(f"max_minutes must be positive. Received: {self.max_minutes}")
         if self.valid_beam < 1:
             raise ValueError(f"valid_beam must be a positive integer. Received: {self.valid_beam}")
-        for path in (self.src_train, self.tgt_train, self.src_valid, self.tgt_valid):
-            if not os.path.isfile(path):
+        self._check_data_files()
+
+    def _check_data_files(self):
+        """Text files or a prepared directory, and validation files, all present."""
+        if self.save_every_steps is not None and self.data is None:
+            raise ValueError(
+                "save_every_steps needs a prepared dataset (--data): only it resumes in the "
+                "middle of an epoch. Run keras-transformer prepare first."
+            )
+        if self.validate_every_steps is not None and (
+            self.save_every_steps is None or self.validate_every_steps % self.save_every_steps
+        ):
+            raise ValueError(
+                "validate_every_steps must be a multiple of save_every_steps (validation "
+                "comes with a checkpoint). Received: "
+                f"validate_every_steps={self.validate_every_steps}, "
+                f"save_every_steps={self.save_every_steps}"
+            )
+        if (self.src_valid is None) != (self.tgt_valid is None):
+            raise ValueError("Give both --src-valid and --tgt-valid, or neither.")
+        paths = [self.src_valid, self.tgt_valid]
+        if self.data is None:
+            for name in ("src_train", "tgt_train", "src_valid", "tgt_valid"):
+                if getattr(self, name) is None:
+                    raise ValueError(
+                        f"{name} is required (--{name.replace('_', '-')}), or train on a "
+                        "prepared directory with --data."
+                    )
+            paths += [self.src_train, self.tgt_train]
+        else:
+            if self.src_train is not None or self.tgt_train is not None:
+                raise ValueError(
+                    "Give either --data or --src-train/--tgt-train: the prepared directory "
+                    "holds the training pairs."
+                )
+            if not os.path.isdir(self.data):
+                raise DataError(f"Prepared data directory not found: {self.data}")
+        for path in paths:
+            if path is not None and not os.path.isfile(path):
                 raise DataError(f"File not found: {path}")
 
     def identity(self) -> dict:
@@ -426,8 +498,9 @@ class TrainSettings:
         values = dataclasses.asdict(self)
         for name in RESUMABLE_FIELDS:
             values.pop(name)
-        for name in ("src_train", "tgt_train", "src_valid", "tgt_valid"):
-            values[name] = os.path.abspath(values[name])
+        for name in ("src_train", "tgt_train", "src_valid", "tgt_valid", "data"):
+            if values[name] is not None:
+                values[name] = os.path.abspath(values[name])
         return values
 
     def schedule(self, updates_per_epoch: int) -> tuple[int, float]:

@@ -15,11 +15,13 @@ import keras
 
 from keras_transformer.config import TransformerConfig
 from keras_transformer.data.pipeline import (
+    DataError,
     batch_pairs,
     duplicate_rows,
     encode_pairs,
     read_parallel,
 )
+from keras_transformer.data.shards import PreparedData
 from keras_transformer.data.tokenizer import SentencePieceTokenizer
 from keras_transformer.distribute import make_strategy
 from keras_transformer.io_utils import atomic_save_model, atomic_write_json
@@ -69,6 +71,7 @@ from keras_transformer.train.settings import (
     automatic_batch_rule,
     automatic_tokens_per_batch,
 )
+from keras_transformer.train.streamed import DataPosition, PreparedBatches, streamed_inputs
 
 
 @dataclasses.dataclass
@@ -82,6 +85,7 @@ class _Data:
     valid_stats: object
     valid_text: tuple  # (sources, targets): the validation files' lines
     tokens_per_batch: int  # as given, or as chosen automatically
+    stream: object = None  # streamed.StreamPlan with --data: spans of the endless stream
 
     @functools.cached_property
     def valid_pairs(self) -> list[tuple[str, str]]:
@@ -130,13 +134,20 @@ def train(settings: TrainSettings, out_dir: str, verbose: int = 1, strategy=None
     folder and return `{}`.
     """
     strategy, processes = _strategy(settings, strategy)
-    # Both pairs of files readable and parallel before anything is written.
-    texts = (
-        *read_parallel(settings.src_train, settings.tgt_train),
-        *read_parallel(settings.src_valid, settings.tgt_valid),
-    )
-    run = _open_run(settings, out_dir, verbose, strategy, processes)
-    data = _load_data(run, settings, *texts)
+    if settings.data is not None:
+        # Checked before anything is written: complete, and its inputs unchanged.
+        prepared = PreparedData(settings.data, check_inputs=True)
+        _check_prepared(settings, prepared)
+        run = _open_run(settings, out_dir, verbose, strategy, processes)
+        data = _load_prepared(run, settings, prepared)
+    else:
+        # Both pairs of files readable and parallel before anything is written.
+        texts = (
+            *read_parallel(settings.src_train, settings.tgt_train),
+            *read_parallel(settings.src_valid, settings.tgt_valid),
+        )
+        run = _open_run(settings, out_dir, verbose, strategy, processes)
+        data = _load_data(run, settings, *texts)
     recipe = _recipe(run, settings, data)
     model = build_and_compile(data.config, run.strategy, **recipe.compile_args(settings))
     history = _fit(run, settings, model, data, recipe)
@@ -234,19 +245,7 @@ def _load_data(run, settings, src_train, tgt_train, src_valid, tgt_valid) -> _Da
         run.log(
             f"R-Drop: every sentence twice per batch, consistency alpha {settings.rdrop_alpha:g}."
         )
-    valid_whole = valid_data
-    processes = run.processes
-    if processes.distribution is not None:
-        paired = bool(settings.rdrop_alpha)
-        train_data = share_of_each_batch(train_data, processes, paired_rows=paired)
-        valid_data = share_of_each_batch(valid_data, processes, paired_rows=paired)
-        run.log(
-            f"Training on {processes.devices} devices of {processes.count} "
-            f"process{'es' * (processes.count > 1)} (keras.distribution.DataParallel); "
-            "this process writes the run directory."
-        )
-    elif run.replicas > 1:
-        run.log(f"Training on {run.replicas} replicas ({type(run.strategy).__name__}).")
+    train_data, valid_data, valid_whole = _shared(run, settings, train_data, valid_data)
     return _Data(
         tokenizer,
         config,
@@ -258,6 +257,92 @@ def _load_data(run, settings, src_train, tgt_train, src_valid, tgt_valid) -> _Da
         (src_valid, tgt_valid),
         tokens_per_batch,
     )
+
+
+def _check_prepared(settings, prepared) -> None:
+    """Refuses settings that the prepared directory cannot serve, before the run is written."""
+    requested = prepared.manifest["identity"]["vocab_size"]
+    if settings.vocab_size != requested:
+        raise DataError(
+            f"{settings.data} was prepared with vocab_size {requested}, not {settings.vocab_size}: "
+            "its SentencePiece model is the run's. Omit --vocab-size or give that value."
+        )
+    limit = settings.model_config(settings.vocab_size).max_length
+    if prepared.max_length > limit:
+        raise DataError(
+            f"{settings.data} was prepared with max_length {prepared.max_length}, longer than "
+            f"the model's {limit}: prepare it again with --max-length {limit} or less."
+        )
+    if settings.subword_sampling() is not None:
+        raise ValueError("subword_alpha re-segments text, which --data does not hold.")
+
+
+def _load_prepared(run, settings, prepared) -> _Data:
+    """`_load_data` for `--data`: the prepared tokenizer, the stream from this start's position."""
+    tokenizer = prepared.tokenizer()
+    tokenizer.save(os.path.join(run.out_dir, "spm.model"))
+    config = settings.model_config(tokenizer.vocabulary_size)
+    run.log(f"SentencePiece vocabulary: {tokenizer.vocabulary_size} pieces (from {settings.data})")
+    tokens_per_batch = settings.tokens_per_batch or automatic_tokens_per_batch(
+        PreparedBatches(prepared), settings.accumulate_steps
+    )
+    if not settings.tokens_per_batch:
+        run.log(f"Batches: {tokens_per_batch} tokens per side (auto: {automatic_batch_rule()}).")
+    train_data, valid_data, valid_stats, valid_text, plan = streamed_inputs(
+        run, settings, prepared, tokenizer, config, tokens_per_batch
+    )
+    # Dropout masks drawn anew each start; the data order depends on the seed alone.
+    keras.utils.set_random_seed(stream_seed(settings.seed, plan.start_batches))
+    train_stats = dataclasses.replace(prepared.stats(), batches=plan.batches_per_epoch)
+    run.processes.check_agree(
+        **{
+            "SentencePiece model (CRC-32)": zlib.crc32(tokenizer.model_proto),
+            "training settings (CRC-32)": zlib.crc32(_portable_identity(settings)),
+            "training pairs": train_stats.kept_pairs,
+            "data position (batches)": plan.start_batches,
+        },
+    )
+    run.log(train_stats.describe(f"train ({settings.data}, streamed)"))
+    run.log(valid_stats.describe("valid"))
+    if plan.span_batches != plan.batches_per_epoch:
+        run.log(
+            f"Checkpoints and validation every {settings.save_every_steps} updates "
+            f"({plan.span_batches} batches; an epoch is {plan.batches_per_epoch})."
+        )
+    if settings.rdrop_alpha:
+        train_data, valid_data = duplicate_rows(train_data), duplicate_rows(valid_data)
+    train_data, valid_data, valid_whole = _shared(run, settings, train_data, valid_data)
+    return _Data(
+        tokenizer,
+        config,
+        train_data,
+        valid_data,
+        valid_whole,
+        train_stats,
+        valid_stats,
+        valid_text,
+        tokens_per_batch,
+        stream=plan,
+    )
+
+
+def _shared(run, settings, train_data, valid_data):
+    """`(train, valid, valid_whole)`: this process's share of the global batches, and the
+    whole validation batches for a one-device copy."""
+    valid_whole = valid_data
+    processes = run.processes
+    if processes.distribution is not None:
+        paired = bool(settings.rdrop_alpha)
+        train_data = share_of_each_batch(train_data, processes, paired_rows=paired)
+        valid_data = share_of_each_batch(valid_data, processes, paired_rows=paired)
+        run.log(
+            f"Training on {processes.devices} devices of {processes.count} "
+            f"process{'es' * (processes.count > 1)} (keras.distribution.DataParallel); "
+            "process 0 writes the run directory."
+        )
+    elif run.replicas > 1:
+        run.log(f"Training on {run.replicas} replicas ({type(run.strategy).__name__}).")
+    return train_data, valid_data, valid_whole
 
 
 def _recipe(run, settings, data) -> _Recipe:
@@ -311,8 +396,25 @@ def _fit(run, settings, model, data, recipe) -> list:
         keras.callbacks.TensorBoard(os.path.join(run.out_dir, "logs"), update_freq="epoch"),
         _EpochProgress(settings.budget()),
     ]
+    # Validate every `every` spans (`--validate-every-steps`), else at each one.
+    every = 1
+    if settings.validate_every_steps:
+        every = settings.validate_every_steps // settings.save_every_steps
     if settings.select_by == "bleu":
-        callbacks.insert(0, _ValidationBleu(data.tokenizer, data.valid_pairs, run.processes))
+        callbacks.insert(0, _ValidationBleu(data.tokenizer, data.valid_pairs, every, run.processes))
+    fit_args = {"epochs": settings.epochs if settings.epochs is not None else 10_000}
+    if data.stream is not None:
+        plan = data.stream
+        fit_args = {
+            "epochs": plan.keras_epochs,
+            "steps_per_epoch": plan.span_batches,
+            "validation_freq": every,
+        }
+        # Before the recorder's checkpoint and the backup: see `streamed`.
+        position = DataPosition(
+            run.out_dir, plan.start_batches, plan.batches_per_epoch, plan.max_batches, run.chief
+        )
+        callbacks.insert(0, position)
     steps_done = history[-1]["steps"] if history else 0
     spent = (
         recorder.budget_spent()
@@ -325,20 +427,20 @@ def _fit(run, settings, model, data, recipe) -> list:
         if run.resume and history:
             run.log(f"Resuming {run.out_dir} after epoch {len(history)}.")
         with run.processes.scope():
-            _fit_model(run, settings, model, data, callbacks)
+            _fit_model(run, settings, model, data, callbacks, fit_args)
     if run.chief and not history:
         raise RuntimeError("Training stopped before completing an epoch; nothing to save.")
     return history
 
 
-def _fit_model(run, settings, model, data, callbacks):
+def _fit_model(run, settings, model, data, callbacks, fit_args):
     model.fit(
         data.train,
         validation_data=data.valid,
-        epochs=settings.epochs if settings.epochs is not None else 10_000,
         callbacks=callbacks,
         verbose=fit_verbosity(run.verbose, sys.stdout.isatty()),
         shuffle=False,  # the dataset shuffles itself, each epoch
+        **fit_args,
     )
 
 
@@ -393,15 +495,17 @@ def _validate_and_record(run, settings, model, data, history, recipe, final, gre
     train_seconds = float(sum(e["seconds"] for e in history))
     epochs_done = len(history)
     stats = data.train_stats
+    # Passes over the data: epochs, or with --data the spans' share of one (`streamed`).
+    passes = history[-1].get("data_epochs", epochs_done)
     ranked = ranked_epochs(history, settings.select_by)
     metrics = {
         "epochs": epochs_done,
         "steps": history[-1]["steps"],
         "history": history,
         "train_seconds": round(train_seconds, 1),
-        "target_tokens_per_second": round(stats.target_tokens * epochs_done / train_seconds),
+        "target_tokens_per_second": round(stats.target_tokens * passes / train_seconds),
         "tokens_per_second": round(
-            (stats.source_tokens + stats.target_tokens) * epochs_done / train_seconds
+            (stats.source_tokens + stats.target_tokens) * passes / train_seconds
         ),
         "train_data": dataclasses.asdict(stats),
         "valid_data": dataclasses.asdict(data.valid_stats),

@@ -21,13 +21,24 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from keras_transformer_runtime import tokenizers
+from keras_transformer_runtime.constraints import sentence_constraints
 from keras_transformer_runtime.search import (
+    add_alignments,
     beam_loop,
     check_beam_arguments,
+    encode_prefixes,
+    forced_scores,
+    hypothesis_records,
+    options_loop,
     output_limits,
+    plain_hypotheses,
+    prefixed_limits,
+    search_texts,
     source_array,
+    teacher_inputs,
     translate_texts,
 )
+from keras_transformer_runtime.spec import SearchOptions, alignments, truncate_source
 from keras_transformer_runtime.specials import EOS_ID, PAD_ID
 
 MANIFEST = "manifest.json"
@@ -35,8 +46,9 @@ MANIFEST = "manifest.json"
 # into the manifest as `format_version` (the exporter imports it from here),
 # and an export of any other version is refused. 5: the encoder, the decoder
 # step with its `top_k` selection and cross keys and values once per
-# sentence, the four search graphs, and one weights file per precision.
-FORMAT_VERSION = 5
+# sentence, the four search graphs, and one weights file per precision;
+# 6: `model.onnx` also returns the alignment layer's cross-attention.
+FORMAT_VERSION = 6
 # Greedy batches of at most this many sentences run as one call of the
 # greedy_search graph (the loop inside ONNX Runtime, which computes a finished
 # sentence's row to the end); larger ones as one call of greedy_batch_search,
@@ -621,6 +633,221 @@ class OnnxTranslator:
         tokens, lengths, scores = self.session(graph).run(None, feeds)
         return [tokens[i, : lengths[i]].tolist() for i in range(len(limits))], scores
 
+    def search(self, source_ids, options=None, prefixes=None, indices=None, constraints=None):
+        """The best hypotheses of each source under `options` (a `spec.SearchOptions`).
+
+        Args:
+            source_ids: as for `beam_search`.
+            options: default `SearchOptions()` (beam 4).
+            prefixes: per-sentence target prefix ids (forced first), or None.
+            indices: each sentence's index in its input, which seeds its
+                sampling (`spec.sentence_rng`); default 0, 1, ...
+            constraints: per-sentence terminology constraints, each a list
+                of target phrases as token-id lists (or a
+                `constraints.Constraints`), or None: every output holds its
+                phrases (`constraints.ConstrainedSearch`).
+
+        Returns:
+            per sentence, its `spec.Hypothesis` list (`options.n_best` at most),
+            best first, with their `alignment` when `options.alignment` asks
+            for it (`align_ids`). Plain options without prefixes run the search graphs
+            (`greedy_search`, `beam_search`), so options not used cost
+            nothing; any other runs `search.options_loop` over the decoder
+            step, by the rules of `spec.SentenceSearch`.
+        """
+        options = options if options is not None else SearchOptions()
+        if isinstance(source_ids, np.ndarray):
+            source_ids = [
+                row[row != PAD_ID].tolist() for row in _check_ids("source_ids", source_ids)
+            ]
+        if options.max_input_length is not None:
+            source_ids = [truncate_source(row, options.max_input_length) for row in source_ids]
+        if prefixes is not None and len(prefixes) != len(source_ids):
+            raise ValueError(
+                f"{len(prefixes)} target prefixes for {len(source_ids)} sentences: give one "
+                "per sentence (an empty one for none)."
+            )
+        options.check_ids(self.vocabulary_size, prefixes)
+        if constraints is not None and len(constraints) != len(source_ids):
+            raise ValueError(
+                f"{len(constraints)} constraint lists for {len(source_ids)} sentences: give "
+                "one per sentence (an empty one for none)."
+            )
+        found = self._search_checked(source_ids, options, prefixes, indices, constraints)
+        if options.alignment:  # read after the search: it never changes the search
+            add_alignments(found, source_ids, self.align_ids)
+        return found
+
+    def _search_checked(self, source_ids, options, prefixes, indices, constraints):
+        """`search` once its arguments are checked (no alignments)."""
+        if options.is_plain() and not any(prefixes or ()) and not any(map(len, constraints or ())):
+            _, limits = self._prepare(source_ids, options.max_length)
+            if options.beam_size == 1:
+                found = self.greedy_search(source_ids, max_length=options.max_length)
+            else:
+                found = self.beam_search(
+                    source_ids,
+                    beam_size=options.beam_size,
+                    length_penalty=options.length_penalty,
+                    max_length=options.max_length,
+                )
+            return plain_hypotheses(*found, limits, options)
+        source, limits = self._prepare(source_ids, options.max_length)
+        limits = prefixed_limits(limits, prefixes, options.max_length)
+        if (limits == 0).all():
+            return options_loop(
+                None, None, limits, options, prefixes, indices, constraints=constraints
+            )
+        _, mask, cross = self.encode(source)
+        k = options.beam_size
+        state = {
+            "feeds": self._search_feeds(mask, cross),
+            "caches": self.empty_self_caches(len(mask) * k),
+        }
+
+        def step(last, t):
+            feeds = dict(state["feeds"], token_ids=last[:, None].copy())
+            feeds.update(zip(self._self_names, state["caches"], strict=True))
+            log_probs, state["caches"] = self._run_log_probs(feeds)
+            return log_probs
+
+        def reorder(rows):
+            state["caches"] = [cache[rows] for cache in state["caches"]]
+            kept = rows[::k] // k  # each sentence's first row names it
+            if len(kept) != len(state["feeds"]["source_mask"]):
+                state["feeds"] = self._kept_feeds(state["feeds"], kept)
+
+        return options_loop(
+            step,
+            reorder,
+            limits,
+            options,
+            prefixes,
+            indices,
+            drop_finished=True,
+            constraints=constraints,
+        )
+
+    def score_ids(self, source_ids, target_ids):
+        """Forced decoding: per sentence `(log_prob, token_scores)` of `target_ids[i]`
+        (no BOS, no EOS) given `source_ids[i]`, EOS scored last, from `model.onnx`.
+
+        The scores are the model's log-probabilities, no option applied; an
+        empty source scores `(None, None)`.
+        """
+        if len(source_ids) != len(target_ids):
+            raise ValueError(
+                f"{len(target_ids)} targets for {len(source_ids)} sources: give one each."
+            )
+        found = [(None, None)] * len(source_ids)
+        rows = [i for i, source in enumerate(source_ids) if len(source)]
+        if not rows:
+            return found
+        source, _ = source_array([source_ids[i] for i in rows], self.max_length, multiple=1)
+        targets = [[int(t) for t in target_ids[i]] for i in rows]
+        logits = self.logits(source, teacher_inputs(targets)).astype(np.float64)
+        top = logits.max(-1, keepdims=True)
+        log_probs = logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
+        for i, result in zip(rows, forced_scores(log_probs, targets), strict=True):
+            found[i] = result
+        return found
+
+    def align_ids(self, source_ids, target_ids):
+        """Per sentence, the source position each token of `target_ids[i]` attends to
+        most (`spec.alignments`, from `model.onnx`'s `alignment_weights`)."""
+        if len(source_ids) != len(target_ids):
+            raise ValueError(
+                f"{len(target_ids)} targets for {len(source_ids)} sources: give one each."
+            )
+        if not len(source_ids):
+            return []
+        source, lengths = source_array(source_ids, self.max_length, multiple=1)
+        targets = [[int(t) for t in target] for target in target_ids]
+        feeds = {"source_ids": source, "target_ids": teacher_inputs(targets)}
+        (weights,) = self.session("model").run(["alignment_weights"], feeds)
+        return alignments(weights, lengths, [len(t) for t in targets])
+
+    def _checked_texts(self, sentences, name="sentences"):
+        if isinstance(sentences, str):
+            raise TypeError(f"{name} must be a list of strings, not one string.")
+        if self.tokenizer is None:
+            raise ExportFileError(f"The export in {self.onnx_dir} has no tokenizer file.")
+        sentences = list(sentences)
+        for i, text in enumerate(sentences):
+            if not isinstance(text, str):
+                raise TypeError(f"Sentence {i} is a {type(text).__name__}, not a string.")
+        return sentences
+
+    def translate_hypotheses(
+        self,
+        sentences,
+        options=None,
+        prefixes=None,
+        batch_size=32,
+        progress=False,
+        warn=None,
+        constraints=None,
+    ):
+        """Translates strings under `options`: per sentence a list of dicts, best first,
+        with `text`, `score`, `log_prob` and (`options.token_scores`) `token_scores`.
+
+        `prefixes` are target-side texts, one per sentence ("" for none), each
+        forced at the start of its translation; one with a word the vocabulary
+        lacks is refused. Batching, order and long sentences: as `translate`.
+
+        `constraints`, one entry per sentence (a list of target phrases, or
+        None or `[]` for none), makes every translation hold its phrases
+        (docs/constraints.md). A phrase that tokenizes to nothing or to the
+        unknown token, or that cannot fit in its sentence's output, raises a
+        `ValueError` naming it and its line before anything is translated.
+        """
+        options = options if options is not None else SearchOptions()
+        sentences = self._checked_texts(sentences)
+        prefix_ids = None
+        if prefixes is not None:
+            prefixes = self._checked_texts(prefixes, "prefixes")
+            if len(prefixes) != len(sentences):
+                raise ValueError(f"{len(prefixes)} prefixes for {len(sentences)} sentences.")
+            prefix_ids = encode_prefixes(self.tokenizer, prefixes)
+        phrases = None
+        if constraints is not None:
+            phrases = sentence_constraints(
+                sentences, constraints, self.tokenizer.encode, self.max_length, options.max_length
+            )
+
+        def search(sources, indices):
+            chosen = None if prefix_ids is None else [prefix_ids[i] for i in indices]
+            chosen_phrases = None if phrases is None else [phrases[i] for i in indices]
+            return self.search(sources, options, chosen, indices, chosen_phrases)
+
+        found = search_texts(
+            sentences,
+            self.tokenizer.encode,
+            search,
+            self.max_length,
+            batch_size=batch_size,
+            progress=progress,
+            warn=warn,
+            max_input_length=options.max_input_length,
+        )
+        return [hypothesis_records(hypotheses, self.tokenizer.decode) for hypotheses in found]
+
+    def score(self, sources, targets, batch_size=32, progress=False, warn=None):
+        """Forced decoding of texts: per pair a dict of `log_prob` (summed, EOS included)
+        and `token_scores` (None for an empty source). See `score_ids`."""
+        sources = self._checked_texts(sources, "sources")
+        targets = self._checked_texts(targets, "targets")
+        if len(sources) != len(targets):
+            raise ValueError(f"{len(targets)} targets for {len(sources)} sources.")
+
+        def search(batch, indices):
+            return self.score_ids(batch, [self.tokenizer.encode(targets[i]) for i in indices])
+
+        found = search_texts(
+            sources, self.tokenizer.encode, search, self.max_length, batch_size, progress, warn
+        )
+        return [{"log_prob": total, "token_scores": steps} for total, steps in found]
+
     def translate(
         self,
         sentences,
@@ -631,8 +858,17 @@ class OnnxTranslator:
         warn=None,
         length_penalty=0.6,
         parallel_batches=1,
+        options=None,
+        prefixes=None,
+        constraints=None,
     ):
         """Translates a list of strings; `beam_size=1` is greedy search.
+
+        `options` (a `spec.SearchOptions`), when given, replaces `beam_size`,
+        `length_penalty` and `max_length`; with `prefixes` (target texts) or
+        `constraints` (per sentence, target phrases every translation must
+        hold; docs/constraints.md), the search is `translate_hypotheses`'s
+        and its best text is kept.
 
         `length_penalty` is the beam search's alpha (see `beam_search`).
         `parallel_batches` > 1 searches that many batches at once, each on
@@ -651,13 +887,14 @@ class OnnxTranslator:
         """
         if isinstance(sentences, str):
             raise TypeError("translate takes a list of strings, not one string.")
-        if self.tokenizer is None:
-            raise ExportFileError(f"The export in {self.onnx_dir} has no tokenizer file.")
+        if options is not None or prefixes is not None or constraints is not None:
+            options = options or SearchOptions(beam_size, length_penalty, max_length=max_length)
+            found = self.translate_hypotheses(
+                sentences, options, prefixes, batch_size, progress, warn, constraints
+            )
+            return [hypotheses[0]["text"] for hypotheses in found]
+        sentences = self._checked_texts(sentences)
         check_beam_arguments(beam_size, length_penalty)
-        sentences = list(sentences)
-        for i, text in enumerate(sentences):
-            if not isinstance(text, str):
-                raise TypeError(f"Sentence {i} is a {type(text).__name__}, not a string.")
 
         def one_search(translator, batch):
             if beam_size == 1:

@@ -22,20 +22,37 @@ from concurrent.futures import ThreadPoolExecutor, as_completed
 
 import numpy as np
 
+from keras_transformer_runtime.constraints import ConstrainedSearch
 from keras_transformer_runtime.progress import Progress
-from keras_transformer_runtime.spec import banned_ids, length_penalty_factor
-from keras_transformer_runtime.specials import BOS_ID, EOS_ID, PAD_ID
+from keras_transformer_runtime.spec import (
+    Hypothesis,
+    SentenceSearch,
+    banned_ids,
+    length_penalty_factor,
+    sentence_rng,
+    truncate_source,
+)
+from keras_transformer_runtime.specials import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 
 __all__ = [
     "EXTRA_OUTPUT_TOKENS",
     "banned_ids",
     "beam_loop",
     "check_beam_arguments",
+    "add_alignments",
     "check_positive_int",
+    "encode_prefixes",
+    "forced_scores",
     "greedy_loop",
+    "hypothesis_records",
     "length_penalty_factor",
+    "options_loop",
     "output_limits",
+    "plain_hypotheses",
+    "prefixed_limits",
+    "search_texts",
     "source_array",
+    "teacher_inputs",
     "translate_texts",
 ]
 
@@ -319,6 +336,183 @@ def beam_loop(
     return best_tokens, best_scores
 
 
+def prefixed_limits(limits, prefixes, max_length):
+    """The output limits with room for each prefix: without `max_length`, a
+    sentence's default limit grows to its prefix plus one token; with it, a
+    prefix that leaves no room is refused by `SentenceSearch`."""
+    limits = np.array(limits, np.int64)
+    if max_length is None and prefixes is not None:
+        for i, prefix in enumerate(prefixes):
+            if limits[i] and prefix:
+                limits[i] = max(limits[i], len(prefix) + 1)
+    return limits
+
+
+def options_loop(
+    step,
+    reorder,
+    limits,
+    options,
+    prefixes=None,
+    indices=None,
+    drop_finished=False,
+    constraints=None,
+):
+    """The search of `keras_transformer_runtime.spec.SentenceSearch` for a batch of sentences.
+
+    Each sentence's `SentenceSearch` decides (the rules are written once,
+    there); this loop only runs the model for every live hypothesis of
+    every sentence at once and keeps the decoder state in step. Row
+    `p * options.beam_size + j` of the state is live hypothesis j of
+    sentence p (rows of fewer live hypotheses repeat the sentence's first).
+
+    Args:
+        step: `step(last, t) -> log_probs`: `last` is the int32 newest token
+            of every row, `(sentences * beam_size,)`; the result is
+            `(sentences * beam_size, vocab)`.
+        reorder: `reorder(rows)`, before every step after the first: row i
+            of the state becomes row `rows[i]` of the previous state.
+        limits: per-sentence maximum output length (EOS included); 0 = empty.
+        options: a `SearchOptions`.
+        prefixes: per-sentence target prefix ids, or None.
+        indices: each sentence's index in its input, which seeds its
+            sampling generator (`spec.sentence_rng`); default 0, 1, ...
+        constraints: per-sentence terminology constraints (a
+            `constraints.Constraints`, or a list of token-id phrases), or
+            None: a sentence with phrases runs `constraints.ConstrainedSearch`.
+        drop_finished: leave finished sentences out of the state (as
+            `beam_loop` does; `rows` then covers only the sentences still
+            searched, in input order), for decoders whose step takes any batch.
+
+    Returns:
+        per sentence, the list of its `spec.Hypothesis` (`options.n_best` of
+        them at most), best first.
+    """
+    limits = np.asarray(limits)
+    k = options.beam_size
+    prefixes = prefixes if prefixes is not None else [()] * len(limits)
+    indices = indices if indices is not None else range(len(limits))
+    constraints = constraints if constraints is not None else [()] * len(limits)
+    if len(constraints) != len(limits):
+        raise ValueError(f"{len(constraints)} constraint lists for {len(limits)} sentences.")
+    searches = [
+        ConstrainedSearch(limit, options, phrases, prefix)
+        if len(phrases)
+        else SentenceSearch(
+            limit, options, prefix, sentence_rng(options.seed, i) if options.sampling else None
+        )
+        for limit, prefix, i, phrases in zip(limits, prefixes, indices, constraints, strict=True)
+    ]
+    active = np.arange(len(searches))  # the sentences the state holds, in state order
+    last = np.full(len(searches) * k, BOS_ID, np.int32)
+    t = 0
+    while not all(search.done for search in searches):
+        log_probs = np.asarray(step(last, t))
+        rows = np.repeat(np.arange(len(active)) * k, k)
+        for p, b in enumerate(active):
+            search = searches[b]
+            if search.done:
+                continue
+            parents = search.advance(log_probs[p * k : p * k + len(search.live)])
+            for j, parent in enumerate(parents):
+                rows[p * k + j] = p * k + parent
+                last[p * k + j] = search.live[j][0][-1]
+        t += 1
+        if all(search.done for search in searches):
+            break
+        if drop_finished:
+            keep = np.flatnonzero([not searches[b].done for b in active])
+            if len(keep) < len(active):
+                rows = rows.reshape(len(active), k)[keep].reshape(-1)
+                last = last.reshape(len(active), k)[keep].reshape(-1)
+                active = active[keep]
+        reorder(rows.astype(np.int32))
+    return [search.results() for search in searches]
+
+
+def search_texts(
+    texts,
+    encode,
+    search,
+    model_max_length,
+    batch_size=32,
+    progress=False,
+    warn=None,
+    parallel_batches=1,
+    max_input_length=None,
+):
+    """Searches strings in batches with `search(sources, indices) -> results`, in order.
+
+    Each text becomes `encode(text) + [EOS]` (an empty or whitespace-only
+    text stays empty), cut to `max_input_length` tokens when given
+    (`spec.truncate_source`); texts are sorted by length into batches, so
+    padding stays small, and the results (one per text, whatever `search`
+    returns for it) are put back in input order. `indices` are the texts'
+    places in `texts`. A text longer than `model_max_length` (the positions
+    the model trained on) is searched whole, and `warn(message)`, when
+    given, hears of it (and of every truncated text) before the search
+    and their count after it.
+
+    `parallel_batches` > 1 searches that many batches at once, each on its
+    own thread, so `search` must then be safe to call from several threads.
+    """
+    check_positive_int("batch_size", batch_size)
+    check_positive_int("parallel_batches", parallel_batches)
+    sources = []
+    truncated = []
+    for i, text in enumerate(texts):
+        ids = encode(text) if text.strip() else []
+        ids = ids + [EOS_ID] if ids else []
+        if max_input_length is not None and len(ids) > max_input_length:
+            truncated.append(i)
+            if warn is not None:
+                warn(
+                    f"line {i + 1} has {len(ids)} tokens, more than max_input_length="
+                    f"{max_input_length}; its first {max_input_length - 1} are translated"
+                )
+            ids = truncate_source(ids, max_input_length)
+        sources.append(ids)
+    too_long = [i for i, s in enumerate(sources) if len(s) > model_max_length]
+    if warn is not None:
+        for i in too_long:
+            warn(
+                f"line {i + 1} has {len(sources[i])} tokens, more than the model's "
+                f"max_length={model_max_length}; translated whole, quality may suffer"
+            )
+    order = np.argsort([len(s) for s in sources], kind="stable")
+    results = [None] * len(sources)
+    bar = Progress(len(sources), progress)
+    chunks = [order[start : start + batch_size] for start in range(0, len(order), batch_size)]
+
+    def finish(chunk, found):
+        for i, result in zip(chunk, found, strict=True):
+            results[i] = result
+        bar.update(len(chunk))
+
+    def run(chunk):
+        return search([sources[i] for i in chunk], [int(i) for i in chunk])
+
+    if parallel_batches == 1 or len(chunks) < 2:
+        for chunk in chunks:
+            finish(chunk, run(chunk))
+    else:
+        with ThreadPoolExecutor(max_workers=min(parallel_batches, len(chunks))) as pool:
+            running = {pool.submit(run, chunk): chunk for chunk in chunks}
+            for future in as_completed(running):
+                finish(running[future], future.result())
+    if warn is not None and too_long:
+        warn(
+            f"{len(too_long)} of {len(sources)} lines were longer than the model's "
+            f"max_length={model_max_length} tokens and were translated whole"
+        )
+    if warn is not None and truncated:
+        warn(
+            f"{len(truncated)} of {len(sources)} lines were longer than "
+            f"max_input_length={max_input_length} tokens and were truncated"
+        )
+    return results
+
+
 def translate_texts(
     texts,
     encode,
@@ -346,40 +540,97 @@ def translate_texts(
     the runtime's calls, and a small batch is split badly across threads.
     The outputs are the same either way.
     """
-    check_positive_int("batch_size", batch_size)
-    check_positive_int("parallel_batches", parallel_batches)
-    sources = []
-    for text in texts:
-        ids = encode(text) if text.strip() else []
-        sources.append(ids + [EOS_ID] if ids else [])
-    too_long = [i for i, s in enumerate(sources) if len(s) > model_max_length]
-    if warn is not None:
-        for i in too_long:
-            warn(
-                f"line {i + 1} has {len(sources[i])} tokens, more than the model's "
-                f"max_length={model_max_length}; translated whole, quality may suffer"
+    outputs = search_texts(
+        texts,
+        encode,
+        lambda sources, indices: search(sources),
+        model_max_length,
+        batch_size=batch_size,
+        progress=progress,
+        warn=warn,
+        parallel_batches=parallel_batches,
+    )
+    return [decode(tokens) for tokens in outputs]
+
+
+def encode_prefixes(tokenizer, texts):
+    """Target prefixes as ids (no EOS), one per text (None or "" for none).
+
+    A prefix with a word the vocabulary lacks (it would read as UNK) is
+    refused, naming the word: forcing UNK is never what was meant.
+    """
+    prefixes = []
+    for n, text in enumerate(texts):
+        ids = tokenizer.encode(text) if text and text.strip() else []
+        if UNK_ID in ids:
+            words = [w for w in text.split() if UNK_ID in tokenizer.encode(w)]
+            raise ValueError(
+                f"the target prefix of line {n + 1} ({text!r}) holds "
+                f"{words[0] if words else 'a piece'!r}, which is not in the vocabulary."
             )
-    order = np.argsort([len(s) for s in sources], kind="stable")
-    outputs = [""] * len(sources)
-    bar = Progress(len(sources), progress)
-    chunks = [order[start : start + batch_size] for start in range(0, len(order), batch_size)]
+        prefixes.append(ids)
+    return prefixes
 
-    def finish(chunk, tokens):
-        for i, ids in zip(chunk, tokens, strict=True):
-            outputs[i] = decode(ids)
-        bar.update(len(chunk))
 
-    if parallel_batches == 1 or len(chunks) < 2:
-        for chunk in chunks:
-            finish(chunk, search([sources[i] for i in chunk]))
-    else:
-        with ThreadPoolExecutor(max_workers=min(parallel_batches, len(chunks))) as pool:
-            running = {pool.submit(search, [sources[i] for i in chunk]): chunk for chunk in chunks}
-            for future in as_completed(running):
-                finish(running[future], future.result())
-    if warn is not None and too_long:
-        warn(
-            f"{len(too_long)} of {len(sources)} lines were longer than the model's "
-            f"max_length={model_max_length} tokens and were translated whole"
-        )
-    return outputs
+def plain_hypotheses(tokens, scores, limits, options):
+    """The fast searches' `(tokens, scores)` as `spec.Hypothesis` lists (one each).
+
+    A beam search's summed log-probability is its score times the length
+    penalty of its length: EOS included when the output is shorter than its
+    limit (an output that reached it ended without EOS).
+    """
+    found = []
+    for row, score, limit in zip(tokens, scores, limits, strict=True):
+        log_prob = float(score)
+        if options.beam_size > 1 and limit:
+            length = len(row) + (len(row) < limit)
+            log_prob = float(score * length_penalty_factor(length, options.length_penalty))
+        found.append([Hypothesis(list(row), float(score), log_prob)])
+    return found
+
+
+def add_alignments(found, sources, align):
+    """Sets `alignment` on every hypothesis of `found` (per source, a list) with
+    `align(source_ids, target_ids) -> per pair, source positions`, one call."""
+    pairs = [
+        (source, h) for source, hypotheses in zip(sources, found, strict=True) for h in hypotheses
+    ]
+    if pairs:
+        for (_, h), positions in zip(
+            pairs, align([s for s, _ in pairs], [h.tokens for _, h in pairs]), strict=True
+        ):
+            h.alignment = positions
+
+
+def hypothesis_records(hypotheses, decode):
+    """A sentence's hypotheses as JSON-ready dicts: text, score, log_prob (and
+    token_scores, alignment: source positions, one per output token)."""
+    records = []
+    for h in hypotheses:
+        record = {"text": decode(h.tokens), "score": h.score, "log_prob": h.log_prob}
+        if h.token_scores is not None:
+            record["token_scores"] = h.token_scores
+        if h.alignment is not None:
+            record["alignment"] = h.alignment
+        records.append(record)
+    return records
+
+
+def forced_scores(log_probs, targets):
+    """Per sentence `(log_prob, token_scores)`: the scores of `targets` (+ EOS) in
+    teacher-forced `log_probs (batch, width, vocab)`, read in float64."""
+    found = []
+    for row, target in zip(log_probs, targets, strict=True):
+        labels = [*target, EOS_ID]
+        steps = [float(row[i, token]) for i, token in enumerate(labels)]
+        found.append((float(np.sum(steps)), steps))
+    return found
+
+
+def teacher_inputs(targets):
+    """`(BOS + target)` rows padded into an int32 array, for `forced_scores`."""
+    width = max(len(t) for t in targets) + 1
+    array = np.zeros((len(targets), width), np.int32)
+    for i, target in enumerate(targets):
+        array[i, : len(target) + 1] = [BOS_ID, *target]
+    return array

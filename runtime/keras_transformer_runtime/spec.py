@@ -1,4 +1,5 @@
-"""The search specification: greedy and beam search for one sentence, written plainly.
+"""The search specification: greedy and beam search for one sentence, written plainly,
+and the decoding options (`SearchOptions`) with their per-step rules (`step_scores`).
 
 Every decoder of this project follows these rules: the batched numpy loops
 (`keras_transformer_runtime.search.greedy_loop` and `beam_loop`), the Keras
@@ -32,14 +33,21 @@ generated tokens `prefix` (BOS excluded). The rules:
 - Returned tokens exclude BOS and stop before EOS; a limit of 0 (an empty
   source) gives no tokens and score 0.
 
+With options other than the plain ones, every decoder follows
+`SentenceSearch` (the rules of `greedy` and `beam`, plus `step_scores`,
+prefixes, n-best lists and sampling); with the plain ones it gives exactly
+`greedy`'s and `beam`'s results, which the tests check.
+
 Needs numpy only.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 
-from keras_transformer_runtime.specials import BOS_ID, EOS_ID, PAD_ID
+from keras_transformer_runtime.specials import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 
 
 def banned_ids(ignore_eos=False):
@@ -121,3 +129,420 @@ def beam(log_probs, limit, beam_size, length_penalty=0.6):
         alive = grown
     score, tokens = max(finished, key=lambda f: f[0])  # the first of equal scores
     return tokens, score
+
+
+# --------------------------------------------------------------------------- decoding options
+
+
+def _is_int(value):
+    return not isinstance(value, bool) and isinstance(value, (int, np.integer))
+
+
+def _is_number(value):
+    return not isinstance(value, bool) and isinstance(value, (int, float, np.integer, np.floating))
+
+
+@dataclasses.dataclass(frozen=True)
+class SearchOptions:
+    """Every decoding option, checked when made; one meaning in every decoder.
+
+    The defaults are the plain search above (`is_plain`), which the fast
+    paths (the ONNX search graphs, the Keras compiled greedy loop) run; any
+    other value goes through `SentenceSearch`'s rules (`step_scores`). What
+    each option does, beside CTranslate2's `translate_batch`, is in
+    docs/decoding.md.
+
+    Per-sentence inputs (target prefixes) are not options: the searches
+    take them beside the options, one per sentence.
+    """
+
+    beam_size: int = 4  # live hypotheses kept; 1 = greedy (or sampling)
+    length_penalty: float = 0.6  # beam search's alpha; 0 disables it
+    n_best: int = 1  # hypotheses returned per sentence, best first; <= beam_size
+    token_scores: bool = False  # also return each token's log-probability
+    suppress_sequences: tuple = ()  # id sequences never generated (a 1-tuple: one token)
+    disable_unk: bool = False  # never generate UNK
+    min_length: int = 0  # EOS is not allowed before this many tokens
+    max_length: int | None = None  # most tokens generated, EOS included (None: source + 50)
+    repetition_penalty: float = 1.0  # > 1: a token already generated is less likely
+    no_repeat_ngram_size: int = 0  # > 0: no n-gram of this size twice in an output
+    sampling_topk: int = 1  # 1: search; 0: sample from every token; k > 1: the k best
+    sampling_topp: float = 1.0  # sample from the smallest set of this probability mass
+    sampling_temperature: float = 1.0  # sampling divides the log-probabilities by this
+    seed: int = 0  # sampling: sentence i draws from a generator seeded (seed, i)
+    max_input_length: int | None = None  # longer sources are truncated (docs/decoding.md)
+    alignment: bool = False  # also each output token's most attended source token
+
+    def __post_init__(self):
+        def refuse(name, what):
+            raise ValueError(f"{name} must be {what}. Received: {name}={getattr(self, name)!r}")
+
+        for name in ("beam_size", "n_best"):
+            if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
+                refuse(name, "a positive integer")
+        for name in ("min_length", "no_repeat_ngram_size", "sampling_topk", "seed"):
+            if not _is_int(getattr(self, name)) or getattr(self, name) < 0:
+                refuse(name, "a non-negative integer")
+        for name in ("max_length", "max_input_length"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or value < 1):
+                refuse(name, "a positive integer or None")
+        if not _is_number(self.length_penalty) or not self.length_penalty >= 0:
+            refuse("length_penalty", "a non-negative number")
+        if not _is_number(self.repetition_penalty) or not self.repetition_penalty > 0:
+            refuse("repetition_penalty", "a positive number")
+        if not _is_number(self.sampling_temperature) or not self.sampling_temperature > 0:
+            refuse("sampling_temperature", "a positive number")
+        if not _is_number(self.sampling_topp) or not 0 < self.sampling_topp <= 1:
+            refuse("sampling_topp", "in (0, 1]")
+        if self.n_best > self.beam_size:
+            raise ValueError(
+                f"n_best must be at most beam_size: a search keeps beam_size hypotheses. "
+                f"Received: n_best={self.n_best}, beam_size={self.beam_size}"
+            )
+        if self.max_length is not None and self.min_length >= self.max_length:
+            raise ValueError(
+                "min_length must be less than max_length (which counts EOS). "
+                f"Received: min_length={self.min_length}, max_length={self.max_length}"
+            )
+        if self.sampling and self.beam_size != 1:
+            raise ValueError(
+                "sampling (sampling_topk != 1) draws one hypothesis per sentence: it needs "
+                f"beam_size=1. Received: beam_size={self.beam_size}"
+            )
+        if not self.sampling and (self.sampling_topp != 1 or self.sampling_temperature != 1):
+            raise ValueError(
+                "sampling_topp and sampling_temperature apply only when sampling: set "
+                "sampling_topk to 0 (every token) or to k > 1 (the k best)."
+            )
+        sequences = []
+        for sequence in self.suppress_sequences:
+            ids = tuple(sequence) if not _is_int(sequence) else (sequence,)
+            if not ids or not all(_is_int(i) and i >= 0 for i in ids):
+                raise ValueError(
+                    "suppress_sequences must hold non-empty sequences of token ids. "
+                    f"Received: {sequence!r}"
+                )
+            sequences.append(tuple(int(i) for i in ids))
+        object.__setattr__(self, "suppress_sequences", tuple(sequences))
+
+    @property
+    def sampling(self):
+        """Whether the search draws tokens at random (CTranslate2's rule: top-k other than 1)."""
+        return self.sampling_topk != 1
+
+    def is_plain(self):
+        """Whether only the plain search's options are set (beam, length penalty, lengths;
+        the alignment is read after the search).
+
+        Such a search runs on the fast paths, so an option not used costs nothing.
+        """
+        plain = dataclasses.replace(
+            SearchOptions(),
+            beam_size=self.beam_size,
+            length_penalty=self.length_penalty,
+            max_length=self.max_length,
+            max_input_length=self.max_input_length,
+            alignment=self.alignment,
+        )
+        return self == plain
+
+    def check_ids(self, vocabulary_size, prefixes=()):
+        """Refuses suppressed ids and prefix ids outside the vocabulary, naming them."""
+        for sequence in self.suppress_sequences:
+            for i in sequence:
+                if i >= vocabulary_size:
+                    raise ValueError(
+                        f"suppress_sequences holds token id {i}, outside the vocabulary "
+                        f"of {vocabulary_size} ids."
+                    )
+        for n, prefix in enumerate(prefixes or ()):
+            for i in prefix or ():
+                if not _is_int(i) or not UNK_ID <= i < vocabulary_size:
+                    raise ValueError(
+                        f"the target prefix of sentence {n} holds token id {i!r}: a prefix "
+                        f"holds tokens of the output, ids {UNK_ID}..{vocabulary_size - 1}."
+                    )
+
+
+def alignment_layer(num_layers):
+    """The decoder layer whose cross-attention aligns: the last one.
+
+    Chosen on the one set with a known alignment at hand, the toy language
+    pair (reversed word order, some words rewritten as two; no hand-aligned
+    German-English set is here): with the tiny preset's two layers, the
+    last layer's head mean found 70% of the gold links of 50 held-out
+    sentences, the first layer's 41%, any single head of the last layer at
+    most 62%, and the attention of the step that reads the token (rather
+    than predicts it) 34%. Garg et al. (2019) found the last-but-one layer
+    best in a 6-layer model; for deep models that remains to be measured.
+    The last layer is also the one `--plot-attention` draws.
+    """
+    return int(num_layers) - 1
+
+
+def alignments(weights, source_lengths, target_lengths):
+    """For each output token, the source position it attends to most.
+
+    Args:
+        weights: `(batch, target_len, source_len)` cross-attention of
+            `alignment_layer`, averaged over heads, teacher-forced on BOS +
+            the output: row i is the step that predicts output token i.
+        source_lengths, target_lengths: the real lengths (no padding; the
+            target's without EOS).
+
+    Returns:
+        per sentence, a list of 0-based source positions (of the source's
+        tokens, EOS last), one per output token (the lower position of ties).
+    """
+    found = []
+    for row, s, t in zip(np.asarray(weights), source_lengths, target_lengths, strict=True):
+        found.append([int(i) for i in row[:t, :s].argmax(-1)] if s and t else [])
+    return found
+
+
+def truncate_source(ids, max_input_length):
+    """The first `max_input_length - 1` tokens and the source's last one (its EOS).
+
+    `max_input_length` None keeps the source whole.
+    """
+    ids = list(ids)
+    if max_input_length is None or len(ids) <= max_input_length:
+        return ids
+    return ids[: max_input_length - 1] + ids[-1:]
+
+
+def step_scores(log_probs, tokens, options, prefix=()):
+    """The log-probabilities one hypothesis ranks its next token by, after the rules.
+
+    Args:
+        log_probs: the model's next-token log-probabilities, `(vocabulary,)`.
+        tokens: the hypothesis's tokens so far (BOS excluded).
+        options: a `SearchOptions`.
+        prefix: the sentence's target prefix (ids); its tokens are forced in order.
+
+    The rules, in order: the repetition penalty multiplies the (negative)
+    log-probability of every token already in `tokens` by
+    `repetition_penalty`; then padding, BOS, UNK (`disable_unk`), EOS before
+    `min_length` tokens, the last token of a suppressed sequence whose other
+    tokens end `tokens`, and a token that would repeat an n-gram
+    (`no_repeat_ngram_size`) get -inf; while `tokens` is shorter than
+    `prefix`, every token but the prefix's next one gets -inf (a forced
+    token keeps its penalized score, whatever the masks say). No
+    renormalization: the plain search's scores stay the model's
+    log-probabilities. A per-hypothesis constraint state would add its rule
+    here, after the masks.
+    """
+    scores = np.array(log_probs, np.float64)
+    if options.repetition_penalty != 1 and tokens:
+        seen = np.unique(np.asarray(tokens, np.int64))
+        scores[seen] *= options.repetition_penalty
+    if len(tokens) < len(prefix):
+        forced = int(prefix[len(tokens)])
+        kept = scores[forced]
+        scores[:] = -np.inf
+        scores[forced] = kept
+        return scores
+    penalized = scores
+    scores = penalized.copy()
+    scores[banned_ids()] = -np.inf
+    if options.disable_unk:
+        scores[UNK_ID] = -np.inf
+    if len(tokens) < options.min_length:
+        scores[EOS_ID] = -np.inf
+    for sequence in options.suppress_sequences:
+        head = list(sequence[:-1])
+        if not head or tokens[len(tokens) - len(head) :] == head:
+            scores[sequence[-1]] = -np.inf
+    n = options.no_repeat_ngram_size
+    if n and len(tokens) >= n - 1:
+        tail = list(tokens[len(tokens) - n + 1 :]) if n > 1 else []
+        for i in range(len(tokens) - n + 1):
+            if list(tokens[i : i + n - 1]) == tail:
+                scores[tokens[i + n - 1]] = -np.inf
+    return scores
+
+
+def sample(scores, options, rng):
+    """A token drawn from `scores` (`step_scores`'s output) by the sampling options.
+
+    The scores are divided by `sampling_temperature`; of the tokens allowed,
+    the `sampling_topk` best are kept (0: all), then the smallest set of the
+    best whose probability reaches `sampling_topp` (always the best one).
+    One `rng.random()` draw per token: the same generator gives the same
+    tokens. Ties rank by the lower id.
+    """
+    order = np.lexsort((np.arange(len(scores)), -scores))  # best first, lower id of ties
+    order = order[np.isfinite(scores[order])]
+    if options.sampling_topk:
+        order = order[: options.sampling_topk]
+    logits = scores[order] / options.sampling_temperature
+    probs = np.exp(logits - logits.max())
+    probs /= probs.sum()
+    if options.sampling_topp < 1:
+        keep = int(np.searchsorted(np.cumsum(probs), options.sampling_topp)) + 1
+        order, probs = order[:keep], probs[:keep] / probs[:keep].sum()
+    pick = int(np.searchsorted(np.cumsum(probs), rng.random(), side="right"))
+    return int(order[min(pick, len(order) - 1)])
+
+
+@dataclasses.dataclass
+class Hypothesis:
+    """One output of a search: `tokens` (no BOS, cut before EOS), `score` (the
+    search's score: beam search divides `log_prob` by the length penalty),
+    `log_prob` (the summed step scores, EOS included when produced) and
+    `token_scores` (each step's score, EOS included; None when not asked for)
+    and `alignment` (per token, the source position it attends to most; set
+    after the search, when asked for)."""
+
+    tokens: list
+    score: float
+    log_prob: float
+    token_scores: list | None = None
+    alignment: list | None = None
+
+
+class SentenceSearch:
+    """The search of one sentence under `SearchOptions`, step by step.
+
+    `live` holds the hypotheses to extend, as `(tokens, log_prob,
+    token_scores)`; `advance(rows)` takes the model's log-probabilities
+    after each of them (in `live` order) and returns, for each new live
+    hypothesis, the index of the one it extends, which is all a batched
+    decoder needs to reorder its cache. `run(log_probs)` is the whole
+    search for a `log_probs(prefix)` function, as `greedy` and `beam` take.
+
+    Beam size 1 follows `greedy` (the score is the summed log-probability;
+    with sampling the token is drawn by `sample`); a larger beam follows
+    `beam`, but ranks by `step_scores`, forces the prefix, and stops only
+    when no live hypothesis can beat the `n_best`-th best finished one (the
+    best one itself with `n_best=1`), so its first result is at least as
+    good as the plain search's. Plain options give exactly `greedy` and
+    `beam`'s results.
+
+    Args:
+        limit: the most tokens generated, EOS included; 0 for an empty source.
+        options: a `SearchOptions`.
+        prefix: target prefix ids, forced first.
+        rng: a numpy Generator, for sampling.
+    """
+
+    def __init__(self, limit, options, prefix=(), rng=None):
+        self.limit = int(limit)
+        self.options = options
+        self.prefix = [int(i) for i in prefix]
+        if self.limit and len(self.prefix) >= self.limit:
+            raise ValueError(
+                f"a target prefix of {len(self.prefix)} tokens leaves no room under the "
+                f"output limit of {self.limit} tokens (EOS included): raise max_length."
+            )
+        if options.sampling and rng is None:
+            raise ValueError("sampling needs a random generator (rng).")
+        self.rng = rng
+        self.step = 0
+        self.live = [([], 0.0, [])] if self.limit else []
+        self.finished = []  # (score, tokens, log_prob, token_scores)
+        self.done = not self.limit
+
+    def _penalty(self, length):
+        return length_penalty_factor(length, self.options.length_penalty)
+
+    def advance(self, rows):
+        """One step: `rows[j]` are the log-probabilities after `live[j]`."""
+        t, k = self.step, self.options.beam_size
+        scored = [
+            step_scores(row, tokens, self.options, self.prefix)
+            for row, (tokens, _, _) in zip(rows, self.live, strict=True)
+        ]
+        self.step += 1
+        if k == 1:
+            return self._advance_one(scored[0])
+        vocabulary = len(scored[0])
+        candidates = np.stack(
+            [score + row for (_, score, _), row in zip(self.live, scored, strict=True)]
+        ).reshape(-1)
+        width = min(2 * k, len(candidates))
+        bar = np.partition(candidates, len(candidates) - width)[len(candidates) - width]
+        chosen = np.flatnonzero(candidates >= bar)  # the 2k best, with every tie
+        ranked = chosen[np.lexsort((chosen, -candidates[chosen]))][: 2 * k]
+        grown, parents = [], []
+        for rank, key in enumerate(ranked):
+            total = float(candidates[key])
+            if not np.isfinite(total):
+                break
+            beam, token = divmod(int(key), vocabulary)
+            tokens, _, steps = self.live[beam]
+            steps = steps + [float(scored[beam][token])]
+            if token == EOS_ID:
+                if rank < k:
+                    self.finished.append((total / self._penalty(t + 1), tokens, total, steps))
+                continue
+            grown.append((tokens + [token], total, steps))
+            parents.append(beam)
+            if len(grown) == k:
+                break
+        if t + 1 >= self.limit:  # out of room: live hypotheses end here, without EOS
+            for tokens, total, steps in grown:
+                self.finished.append((total / self._penalty(t + 1), tokens, total, steps))
+            grown = []
+        ranks = sorted((f[0] for f in self.finished), reverse=True)
+        bar = ranks[self.options.n_best - 1] if len(ranks) >= self.options.n_best else -np.inf
+        top = max((total for _, total, _ in grown), default=-np.inf)
+        if (
+            not grown
+            or top / self._penalty(self.limit) <= bar
+            or (len(self.finished) >= k and top / self._penalty(t + 1) <= bar)
+        ):
+            self.done, self.live = True, []
+            return []
+        self.live = grown
+        return parents
+
+    def _advance_one(self, scores):
+        tokens, total, steps = self.live[0]
+        if self.options.sampling:
+            token = sample(scores, self.options, self.rng)
+        else:
+            token = int(scores.argmax())  # the lowest id of equal scores
+        if not np.isfinite(scores[token]):  # every token is masked: end here
+            self.finished.append((total, tokens, total, steps))
+            self.done, self.live = True, []
+            return []
+        total += float(scores[token])
+        steps = steps + [float(scores[token])]
+        if token != EOS_ID:
+            tokens = tokens + [token]
+        if token == EOS_ID or self.step >= self.limit:
+            self.finished.append((total, tokens, total, steps))
+            self.done, self.live = True, []
+            return []
+        self.live = [(tokens, total, steps)]
+        return [0]
+
+    def results(self):
+        """The `n_best` best finished hypotheses, best first (the first found of equal scores)."""
+        if not self.limit:
+            return [Hypothesis([], 0.0, 0.0, [] if self.options.token_scores else None)]
+        ranked = sorted(self.finished, key=lambda f: -f[0])[: self.options.n_best]
+        if not ranked:  # every candidate was masked at the first step
+            ranked = [(-np.inf, [], -np.inf, [])]
+        return [
+            Hypothesis(
+                list(tokens),
+                float(score),
+                float(log_prob),
+                list(steps) if self.options.token_scores else None,
+            )
+            for score, tokens, log_prob, steps in ranked
+        ]
+
+    def run(self, log_probs):
+        """The whole search over `log_probs(prefix) -> (vocabulary,)`; returns `results()`."""
+        while not self.done:
+            self.advance([log_probs(tokens) for tokens, _, _ in self.live])
+        return self.results()
+
+
+def sentence_rng(seed, index):
+    """The sampling generator of sentence `index`: the same whatever the batch it is in."""
+    return np.random.default_rng([int(seed), int(index)])

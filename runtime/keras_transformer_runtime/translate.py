@@ -12,6 +12,12 @@ import argparse
 import sys
 
 from keras_transformer_runtime.runtime import ExportFileError, OnnxTranslator, available_cores
+from keras_transformer_runtime.search_flags import (
+    add_search_flags,
+    is_plain_run,
+    options_from_args,
+    run_and_write,
+)
 from keras_transformer_runtime.text import read_input_lines, warn
 
 
@@ -30,7 +36,6 @@ def build_parser():
         "default 0.6; higher favours longer translations",
     )
     parser.add_argument("--batch-size", type=int, default=32, help="sentences per batch")
-    parser.add_argument("--max-length", type=int, help="maximum output tokens per sentence")
     parser.add_argument(
         "--threads",
         type=int,
@@ -57,6 +62,7 @@ def build_parser():
         help="graphs to run: float32 (default), float16 (GPU) or int8 (CPU), where exported",
     )
     parser.add_argument("--cpu", action="store_true", help="run on CPU even when CUDA is usable")
+    add_search_flags(parser)
     return parser
 
 
@@ -82,20 +88,39 @@ def main(argv=None):
             split_batches=False if args.whole_batches else None,
         )
         lines = read_input_lines(sys.stdin, warn)
-        outputs = translator.translate(
-            lines,
-            beam_size=args.beam,
-            length_penalty=args.length_penalty,
-            max_length=args.max_length,
-            batch_size=args.batch_size,
-            progress=not sys.stdin.isatty() and len(lines) > args.batch_size,
-            warn=warn,
-            parallel_batches=args.parallel_batches,
-        )
+        options = options_from_args(args, args.beam, args.length_penalty, translator.tokenizer)
+        progress = not sys.stdin.isatty() and len(lines) > args.batch_size
+        if is_plain_run(args, options):
+            outputs = translator.translate(
+                lines,
+                beam_size=args.beam,
+                length_penalty=args.length_penalty,
+                max_length=args.max_length,
+                batch_size=args.batch_size,
+                progress=progress,
+                warn=warn,
+                parallel_batches=args.parallel_batches,
+            )
+            text = "".join(line + "\n" for line in outputs)
+        else:
+            written = []
+            run_and_write(
+                args,
+                lines,
+                options,
+                lambda texts, options, prefixes, constraints: translator.translate_hypotheses(
+                    texts, options, prefixes, args.batch_size, progress, warn, constraints
+                ),
+                lambda texts, targets: translator.score(
+                    texts, targets, args.batch_size, progress, warn
+                ),
+                written.append,
+            )
+            text = "".join(written)
     except (ExportFileError, ValueError) as error:
         raise SystemExit(f"error: {error}") from None
     print(f"provider: {translator.provider}", file=sys.stderr)
-    sys.stdout.write("".join(line + "\n" for line in outputs))
+    sys.stdout.write(text)
     sys.stdout.flush()
     return 0
 

@@ -1,0 +1,152 @@
+"""`train --data`: training on a prepared dataset streamed from disk, resumable mid-epoch.
+
+`model.fit` runs over an endless stream of batches (`PreparedData.dataset`),
+in spans of `save_every_steps` updates (one epoch of data without it): each
+Keras epoch is one span, so the run's per-epoch machinery (validation,
+`history.json`, checkpoints and their ranking and averaging, the backup that
+resuming restores) works per span unchanged. The `--epochs` budget still
+counts passes over the data.
+
+The data position is the number of batches consumed since the start of the
+run. `DataPosition` records it for every span in `data_position.json` before
+the backup of that span is written, so that whatever the backup restores
+(span k), the position of span k is known: the next start streams from that
+batch of that epoch, in the same order (a function of the seed and the
+epoch alone), and neither replays nor skips a batch. A kill loses at most the
+updates of one span.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+
+import keras
+
+from keras_transformer.data.pipeline import DataError, batch_pairs, encode_pairs, read_parallel
+from keras_transformer.data.shards import PreparedData
+from keras_transformer.io_utils import atomic_write_json
+
+POSITIONS = "data_position.json"
+
+
+@dataclasses.dataclass
+class StreamPlan:
+    """How `model.fit` walks the stream: spans of batches, and where this start begins."""
+
+    batches_per_epoch: int  # one pass over the data
+    span_batches: int  # batches per Keras epoch (a span)
+    keras_epochs: int  # spans to run, the restored ones included
+    start_batches: int  # batches consumed before this start
+    max_batches: int | None  # the --epochs budget in batches
+
+    @property
+    def start(self) -> tuple[int, int]:
+        """(epoch, batch) of the data where this start begins."""
+        return divmod(self.start_batches, self.batches_per_epoch)
+
+
+def restored_spans(out_dir: str) -> int:
+    """The spans the run's backup holds (Keras' `BackupAndRestore` metadata), 0 without one."""
+    path = os.path.join(out_dir, "backup", "training_metadata.json")
+    if not os.path.isfile(path):
+        return 0
+    with open(path, encoding="utf-8") as f:
+        return int(json.load(f)["epoch"])
+
+
+def consumed_batches(out_dir: str, spans: int) -> int:
+    """Batches consumed by the end of span `spans` (0 for none), from `data_position.json`."""
+    if spans == 0:
+        return 0
+    path = os.path.join(out_dir, POSITIONS)
+    positions = {}
+    if os.path.isfile(path):
+        with open(path, encoding="utf-8") as f:
+            positions = json.load(f)
+    if str(spans) not in positions:
+        raise DataError(
+            f"{out_dir}/backup holds span {spans} but {path} has no data position for it: "
+            "the run cannot resume at the right batch. Start a new --out directory."
+        )
+    return int(positions[str(spans)])
+
+
+class DataPosition(keras.callbacks.Callback):
+    """Records the batches consumed at the end of each span (before the backup is written),
+    and stops the run when the `--epochs` budget (`max_batches`) is spent."""
+
+    def __init__(self, out_dir, start_batches, batches_per_epoch, max_batches=None, chief=True):
+        super().__init__()
+        self.batches_per_epoch = batches_per_epoch
+        self.path = os.path.join(out_dir, POSITIONS)
+        self.consumed = start_batches
+        self.max_batches = max_batches
+        self.chief = chief
+        self.positions = {}
+        if os.path.isfile(self.path):
+            with open(self.path, encoding="utf-8") as f:
+                self.positions = json.load(f)
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.in_span = 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.in_span = batch + 1
+        if self.max_batches is not None and self.consumed + self.in_span >= self.max_batches:
+            self.model.stop_training = True
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.consumed += self.in_span
+        self.positions[str(epoch + 1)] = self.consumed
+        # Later spans of an earlier start were not kept by the backup: forget them.
+        self.positions = {k: v for k, v in self.positions.items() if int(k) <= epoch + 1}
+        if logs is not None:  # runs before the recorder: history.json says it per span
+            logs["data_epochs"] = round(self.consumed / self.batches_per_epoch, 4)
+        if self.chief:
+            atomic_write_json(self.path, self.positions)
+
+
+def streamed_inputs(run, settings, prepared: PreparedData, tokenizer, config, tokens_per_batch):
+    """The training stream from this start's position, the validation batches and the plan."""
+    per_epoch = prepared.batches_per_epoch(tokens_per_batch)
+    span = (settings.save_every_steps or 0) * settings.accumulate_steps or per_epoch
+    # Process 0's run directory says where every process of a data-parallel run resumes.
+    spans_done = run.processes.first_value(restored_spans(run.out_dir) if run.resume else 0)
+    start = run.processes.first_value(consumed_batches(run.out_dir, spans_done) if run.chief else 0)
+    max_batches = None if settings.epochs is None else settings.epochs * per_epoch
+    keras_epochs = 10_000_000 if max_batches is None else math.ceil(max_batches / span)
+    plan = StreamPlan(per_epoch, span, keras_epochs, start, max_batches)
+    epoch, batch = plan.start
+    train = prepared.dataset(settings.seed, tokens_per_batch, epoch, batch)
+    if start:
+        run.log(
+            f"Data position: epoch {epoch + 1}, batch {batch} of {per_epoch} "
+            f"({start} batches consumed by the {spans_done} spans restored)."
+        )
+    src_valid, tgt_valid = settings.src_valid, settings.tgt_valid
+    if src_valid is None:
+        copied = prepared.valid_files()
+        if copied is None:
+            raise DataError(
+                f"{settings.data} holds no validation files: give --src-valid and --tgt-valid "
+                "(or prepare it with them)."
+            )
+        src_valid, tgt_valid = copied
+    valid_text = read_parallel(src_valid, tgt_valid)
+    valid, valid_stats = batch_pairs(
+        encode_pairs(*valid_text, tokenizer, config.max_length), tokens_per_batch, shuffle=False
+    )
+    return train, valid, valid_stats, valid_text, plan
+
+
+class PreparedBatches:
+    """A prepared dataset seen as `EncodedPairs` is by `automatic_tokens_per_batch`."""
+
+    def __init__(self, prepared: PreparedData):
+        self.prepared = prepared
+
+    def batches(self, tokens_per_batch: int) -> int:
+        return self.prepared.batches_per_epoch(tokens_per_batch)

@@ -1,0 +1,439 @@
+"""Terminology constraints: target phrases that must appear in a translation.
+
+A user gives, per sentence, a list of target phrases ("this source term
+must be translated as that target term"). Each phrase is tokenized with the
+target tokenizer; the search then keeps only finished translations that
+contain every phrase as a run of consecutive tokens.
+
+The search is the beam search of `spec.SentenceSearch` with constraints as
+one more per-hypothesis state (Post and Vilar 2018, "Fast Lexically
+Constrained Decoding with Dynamic Beam Allocation"; Hu et al. 2019,
+"Improved Lexically Constrained Decoding"): `ConstrainedSearch`, which
+`search.options_loop` runs for every sentence of a batch (for the Keras
+decoder and the ONNX Runtime translator) and `constrained_beam` for one
+sentence (the reference of the tests). The rules:
+
+- Progress. A hypothesis tracks, for every phrase, how many of its tokens
+  the end of the output matches (as a string search does: a mismatch falls
+  back to the longest matching shorter prefix, so an output may restart a
+  phrase). A phrase matched to its end is met, and stays met. The
+  hypothesis's *met tokens* are the lengths of its met phrases plus the
+  longest partial match of the others.
+- Candidates. Each live hypothesis ranks its next token by
+  `spec.step_scores` (so a prefix, masks and penalties apply as without
+  constraints) and is extended by its `2 * beam_size` best tokens and by
+  every token that advances one of its unmet phrases (the next token of
+  each), unless those rules forbid it. EOS is a candidate only for a
+  hypothesis that has met every phrase.
+- Dynamic beam allocation. The candidates are grouped in banks by their
+  met tokens (an EOS candidate: its hypothesis's), each bank ranked by
+  summed log-probability (ties: the earlier beam, then the lower id), and
+  put in stripe order: the best of each bank from the most met tokens
+  down, then the second best of each, and so on. A bank with fewer
+  candidates leaves its places to the others. So a phrase never needs the
+  whole beam, and the hypothesis that has met the most is always kept.
+- Finishing. In stripe order, an EOS among the first `beam_size`
+  candidates finishes its hypothesis, scored as plain beam search scores it
+  (summed log-probability divided by the length penalty); the first
+  `beam_size` others live on. With one bank (no phrases) the stripe order
+  is the score order, and these are plain beam search's rules.
+- Stopping, as `spec.SentenceSearch`: at the limit the live hypotheses
+  finish as they are; a sentence stops early when no live hypothesis can
+  beat the `n_best`-th best finished one, or when `beam_size` have
+  finished and none beats it at its current length.
+- The winner (the fallback rule): the finished hypothesis with the most met
+  tokens, then the best score (the first found of equal ones); the n best
+  are ranked the same way. Whenever the
+  phrases fit in the limit (their tokens together at most `limit - 1`, room
+  left for EOS), the hypothesis with the most met tokens gains one at every
+  step and is never dropped, so the winner has met every phrase; the
+  searches refuse phrases that do not fit (`check_fits`). With no phrases,
+  the rules are those of plain beam search (`spec.beam`), result for result.
+
+Needs numpy only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+from keras_transformer_runtime.spec import Hypothesis, SearchOptions, SentenceSearch, step_scores
+from keras_transformer_runtime.specials import BOS_ID, EOS_ID, PAD_ID, UNK_ID
+
+__all__ = [
+    "ConstrainedSearch",
+    "Constraints",
+    "check_fits",
+    "constrained_beam",
+    "encode_constraints",
+    "read_constraints_file",
+    "sentence_constraints",
+]
+
+
+class Constraints:
+    """The phrases of one sentence (token-id sequences) and the progress rules over them.
+
+    A hypothesis's progress is a tuple with, per phrase, the number of its
+    tokens matched (its length once met).
+
+    Args:
+        phrases: a list of token-id sequences, each non-empty.
+    """
+
+    def __init__(self, phrases=()):
+        self.phrases = [tuple(int(t) for t in phrase) for phrase in phrases]
+        for phrase in self.phrases:
+            if not phrase:
+                raise ValueError("A constraint must have at least one token.")
+            if set(phrase) & {PAD_ID, BOS_ID, EOS_ID}:
+                raise ValueError(
+                    f"A constraint cannot hold padding, BOS or EOS. Received: {list(phrase)}"
+                )
+        self.lengths = [len(phrase) for phrase in self.phrases]
+        self.total = sum(self.lengths)
+        # Knuth-Morris-Pratt failure tables: fallback[p] is the length of the
+        # longest proper prefix of phrase[:p + 1] that is also its suffix.
+        self._fallback = [_failure_table(phrase) for phrase in self.phrases]
+
+    def __len__(self):
+        return len(self.phrases)
+
+    def start(self):
+        """The progress of an empty output."""
+        return (0,) * len(self.phrases)
+
+    def advance(self, progress, token):
+        """The progress after `token` is appended."""
+        new = []
+        for phrase, fallback, matched in zip(self.phrases, self._fallback, progress, strict=True):
+            if matched < len(phrase):
+                while matched and phrase[matched] != token:
+                    matched = fallback[matched - 1]
+                if phrase[matched] == token:
+                    matched += 1
+            new.append(matched)
+        return tuple(new)
+
+    def met_tokens(self, progress):
+        """Tokens of met phrases, plus the longest partial match of the others (the bank)."""
+        met = sum(m for m, n in zip(progress, self.lengths, strict=True) if m == n)
+        partial = max((m for m, n in zip(progress, self.lengths, strict=True) if m < n), default=0)
+        return met + partial
+
+    def all_met(self, progress):
+        return all(m == n for m, n in zip(progress, self.lengths, strict=True))
+
+    def next_tokens(self, progress):
+        """The tokens that advance an unmet phrase (each one's next token), in order."""
+        tokens = []
+        for phrase, matched in zip(self.phrases, progress, strict=True):
+            if matched < len(phrase) and phrase[matched] not in tokens:
+                tokens.append(phrase[matched])
+        return tokens
+
+    def found_in(self, tokens):
+        """Whether every phrase occurs in `tokens` as consecutive tokens."""
+        progress = self.start()
+        for token in tokens:
+            progress = self.advance(progress, token)
+        return self.all_met(progress)
+
+
+def _failure_table(phrase):
+    table, k = [0] * len(phrase), 0
+    for i in range(1, len(phrase)):
+        while k and phrase[i] != phrase[k]:
+            k = table[k - 1]
+        if phrase[i] == phrase[k]:
+            k += 1
+        table[i] = k
+    return table
+
+
+def check_fits(constraints, limit, where="the sentence"):
+    """Refuses phrases that cannot fit in an output of at most `limit` tokens (EOS included)."""
+    if constraints.total and constraints.total > limit - 1:
+        lengths = " + ".join(map(str, constraints.lengths))
+        raise ValueError(
+            f"The constraints of {where} need {constraints.total} tokens ({lengths}), more than "
+            f"the {max(limit - 1, 0)} an output of at most {limit} tokens (EOS included) holds: "
+            "shorten the constraints or raise max_length."
+        )
+
+
+def encode_constraints(phrases, encode, max_tokens=None, where="the sentence"):
+    """Tokenizes one sentence's phrases into a `Constraints`, refusing what cannot be met.
+
+    Args:
+        phrases: a list of strings (target phrases).
+        encode: the target tokenizer's `encode(text) -> ids`.
+        max_tokens: the most tokens an output may hold before EOS; None: no check.
+        where: how errors name the sentence ("line 3").
+
+    Raises:
+        ValueError: naming the phrase: not a string, empty, tokenized to
+            nothing or to the unknown token, or longer than `max_tokens`.
+    """
+    if isinstance(phrases, str) or not isinstance(phrases, (list, tuple)):
+        raise ValueError(
+            f"The constraints of {where} must be a list of strings. Received: {phrases!r}"
+        )
+    encoded = []
+    for phrase in phrases:
+        if not isinstance(phrase, str):
+            raise ValueError(f"A constraint of {where} is not a string: {phrase!r}")
+        ids = encode(phrase) if phrase.strip() else []
+        if not ids:
+            raise ValueError(f"The constraint {phrase!r} of {where} tokenizes to nothing.")
+        if UNK_ID in ids:
+            raise ValueError(
+                f"The constraint {phrase!r} of {where} holds text the target vocabulary does "
+                "not know (it tokenizes to the unknown token), so no translation can hold it."
+            )
+        if max_tokens is not None and len(ids) > max_tokens:
+            raise ValueError(
+                f"The constraint {phrase!r} of {where} is {len(ids)} tokens, longer than the "
+                f"{max_tokens} an output holds (max_length, EOS excluded)."
+            )
+        encoded.append(ids)
+    constraints = Constraints(encoded)
+    if max_tokens is not None:
+        check_fits(constraints, max_tokens + 1, where)
+    return constraints
+
+
+def sentence_constraints(texts, phrases, encode, model_max_length, max_length=None):
+    """Each text's `Constraints` from its phrases (a list of strings, or None for none).
+
+    Checks every phrase against the output limit of its sentence (as
+    `search.output_limits` sets it) before any search runs; errors name the
+    sentence as "line N" (1-based). An empty text translates to an empty
+    output, so its phrases are not searched for.
+    """
+    if len(phrases) != len(texts):
+        raise ValueError(
+            f"constraints has {len(phrases)} entries for {len(texts)} sentences (one each)."
+        )
+    from keras_transformer_runtime.search import output_limits  # search imports this module
+
+    lengths = [len(encode(text)) + 1 if text.strip() else 0 for text in texts]
+    limits = output_limits(lengths, max_length, model_max_length)
+    return [
+        encode_constraints(entry, encode, max_tokens=limit - 1, where=f"line {i}")
+        if entry and limit
+        else Constraints()
+        for i, (entry, limit) in enumerate(zip(phrases, limits, strict=True), 1)
+    ]
+
+
+def read_constraints_file(path, count=None):
+    """The phrases of each input line from a constraints file: a list of lists of strings.
+
+    Two formats, by extension: `.jsonl`, one JSON list of strings per line;
+    anything else, tab-separated phrases per line. An empty line means no
+    constraint for that sentence. Line N constrains input line N, so a
+    `count` (the input's lines) other than the file's is refused.
+
+    Raises:
+        ValueError: naming the file and line of the first bad line.
+        OSError: the file cannot be read.
+    """
+    with open(path, "rb") as f:
+        data = f.read()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as error:
+        line = data[: error.start].count(b"\n") + 1
+        raise ValueError(f"{path} line {line} is not UTF-8 text.") from None
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    jsonl = os.fspath(path).endswith(".jsonl")
+    rows = []
+    for number, line in enumerate(lines, 1):
+        line = line.rstrip("\r")
+        if not line.strip():
+            rows.append([])
+            continue
+        if jsonl:
+            try:
+                value = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise ValueError(f"{path} line {number} is not JSON: {error}") from None
+            if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+                raise ValueError(
+                    f"{path} line {number} must be a JSON list of strings. Received: {line[:80]}"
+                )
+            phrases = value
+        else:
+            phrases = line.split("\t")
+        empty = [i for i, phrase in enumerate(phrases, 1) if not phrase.strip()]
+        if empty:
+            raise ValueError(
+                f"{path} line {number}: phrase {empty[0]} is empty (phrases are separated by "
+                "one tab; an empty line means no constraint)."
+            )
+        rows.append([phrase.strip() for phrase in phrases])
+    if count is not None and len(rows) != count:
+        raise ValueError(
+            f"{path} has {len(rows)} lines, the input {count}: line N holds the constraints "
+            "of input line N (an empty line for none)."
+        )
+    return rows
+
+
+# --------------------------------------------------------------------------- the search rules
+
+
+def top_tokens(scores, width):
+    """Each row's `width` best tokens, best first (ties: the lower id): `(ids, scores)`."""
+    width = min(width, scores.shape[-1])
+    part = np.argpartition(-scores, width - 1, axis=-1)[..., :width]
+    values = np.take_along_axis(scores, part, axis=-1)
+    order = np.lexsort((part, -values), axis=-1)
+    return np.take_along_axis(part, order, axis=-1), np.take_along_axis(values, order, axis=-1)
+
+
+class ConstrainedSearch(SentenceSearch):
+    """`spec.SentenceSearch` with terminology constraints: the rules of this module.
+
+    Every other option applies as in `SentenceSearch`: each hypothesis ranks
+    its next token by `spec.step_scores` (a prefix is forced first, masks
+    and penalties apply), and a phrase token that those rules forbid is no
+    candidate. A beam of one follows the same rules as a wider beam (its
+    score is length-penalized). Sampling is refused: a constraint needs a
+    search. `results()` ranks by met tokens, then score (the fallback
+    rule), and returns `options.n_best`.
+
+    Args:
+        limit: the most tokens generated, EOS included; 0 for an empty source.
+        options: a `spec.SearchOptions`.
+        constraints: a `Constraints` (or a list of token-id phrases).
+        prefix: target prefix ids, forced first.
+    """
+
+    def __init__(self, limit, options, constraints, prefix=()):
+        if options.sampling:
+            raise ValueError(
+                "constraints need a search, not sampling: set sampling_topk to 1. "
+                f"Received: sampling_topk={options.sampling_topk}"
+            )
+        super().__init__(limit, options, prefix)
+        if not isinstance(constraints, Constraints):
+            constraints = Constraints(constraints)
+        self.constraints = constraints
+        if self.limit:
+            check_fits(constraints, self.limit - len(self.prefix))
+        self.progress = [constraints.start()] * len(self.live)  # one per live hypothesis
+        self.met = []  # the met tokens of each finished hypothesis
+
+    def _finish(self, t, tokens, total, steps, progress):
+        self.finished.append((total / self._penalty(t + 1), tokens, total, steps))
+        self.met.append(self.constraints.met_tokens(progress))
+
+    def advance(self, rows):
+        """One step: `rows[j]` are the log-probabilities after `live[j]`; returns the
+        index of the live hypothesis each new one extends."""
+        t, k, rules = self.step, self.options.beam_size, self.constraints
+        scored = np.stack(
+            [
+                step_scores(row, tokens, self.options, self.prefix)
+                for row, (tokens, _, _) in zip(rows, self.live, strict=True)
+            ]
+        )
+        self.step += 1
+        vocab = scored.shape[-1]
+        top_ids, top_values = top_tokens(scored, 2 * k)
+        candidates = {}  # beam * vocab + token -> summed score
+        for j, (_, total, _) in enumerate(self.live):
+            ends = rules.all_met(self.progress[j])
+            tokens = [int(i) for i in top_ids[j] if i != EOS_ID or ends]
+            tokens += rules.next_tokens(self.progress[j])
+            for token in tokens:
+                if np.isfinite(scored[j, token]):
+                    candidates[j * vocab + token] = total + float(scored[j, token])
+        banks = {}  # met tokens -> [(key, summed score, progress)], best first
+        for key, total in sorted(candidates.items(), key=lambda item: (-item[1], item[0])):
+            beam, token = divmod(key, vocab)
+            progress = self.progress[beam]
+            if token != EOS_ID:
+                progress = rules.advance(progress, token)
+            banks.setdefault(rules.met_tokens(progress), []).append((key, total, progress))
+        # The stripes: the best of each bank from the most met tokens down, then
+        # the second best of each, and so on. With one bank, the score order.
+        order = sorted(banks, reverse=True)
+        striped = [
+            banks[met][stripe]
+            for stripe in range(max(map(len, banks.values()), default=0))
+            for met in order
+            if stripe < len(banks[met])
+        ]
+        grown = []
+        for position, (key, total, progress) in enumerate(striped):
+            beam, token = divmod(key, vocab)
+            tokens, _, steps = self.live[beam]
+            if token == EOS_ID:
+                if position < k:
+                    self._finish(t, tokens, total, steps + [float(scored[beam, token])], progress)
+                continue
+            grown.append((key, total, progress))
+            if len(grown) == k:
+                break
+        grown.sort(key=lambda item: (-item[1], item[0]))  # score order, as plain beams
+        live, progress, parents = [], [], []
+        for key, total, after in grown:
+            beam, token = divmod(key, vocab)
+            tokens, _, steps = self.live[beam]
+            live.append((tokens + [token], total, steps + [float(scored[beam, token])]))
+            progress.append(after)
+            parents.append(beam)
+        if t + 1 >= self.limit:  # out of room: live hypotheses end here, without EOS
+            for (tokens, total, steps), after in zip(live, progress, strict=True):
+                self._finish(t, tokens, total, steps, after)
+            live = []
+        ranks = sorted((f[0] for f in self.finished), reverse=True)
+        bar = ranks[self.options.n_best - 1] if len(ranks) >= self.options.n_best else -np.inf
+        top = max((total for _, total, _ in live), default=-np.inf)
+        if (
+            not live
+            or top / self._penalty(self.limit) <= bar
+            or (len(self.finished) >= k and top / self._penalty(t + 1) <= bar)
+        ):
+            self.done, self.live, self.progress = True, [], []
+            return []
+        self.live, self.progress = live, progress
+        return parents
+
+    def results(self):
+        """The `n_best` finished hypotheses with the most met tokens, then the best
+        scores (the first found of equal ones), best first."""
+        if not self.limit or not self.finished:
+            return super().results()
+        order = sorted(
+            range(len(self.finished)), key=lambda i: (-self.met[i], -self.finished[i][0])
+        )
+        best = [self.finished[i] for i in order[: self.options.n_best]]
+        return [
+            Hypothesis(
+                list(tokens),
+                float(score),
+                float(log_prob),
+                list(steps) if self.options.token_scores else None,
+            )
+            for score, tokens, log_prob, steps in best
+        ]
+
+
+def constrained_beam(log_probs, limit, beam_size, constraints, length_penalty=0.6):
+    """Constrained beam search for one sentence: `(tokens, length-penalized score)`.
+
+    The reference the batched searches are tested against, shaped as
+    `spec.beam`: the model is queried one hypothesis at a time.
+    """
+    options = SearchOptions(beam_size=beam_size, length_penalty=length_penalty)
+    best = ConstrainedSearch(limit, options, constraints).run(log_probs)[0]
+    return best.tokens, best.score

@@ -1,0 +1,248 @@
+"""The decoding flags and output formats of both translate commands, defined once.
+
+`keras-transformer-translate` (ONNX Runtime) and `keras-transformer
+translate` / `evaluate` (Keras) both call `add_search_flags(parser)`, turn
+the parsed flags into a `spec.SearchOptions` with `options_from_args`, and
+write what they found with `run_and_write`; so a flag means the same in
+both. The meaning of each option: docs/decoding.md.
+"""
+
+from __future__ import annotations
+
+import json
+
+from keras_transformer_runtime.spec import SearchOptions
+
+FORMATS = ("text", "tsv", "jsonl")
+
+
+def add_search_flags(parser, outputs=True):
+    """Adds the decoding options (all but --beam and --length-penalty, which each
+    command has already) and, with `outputs`, the output flags (--n-best,
+    --scores, --token-scores, --format, --score) to an argparse parser."""
+    group = parser.add_argument_group("decoding options (docs/decoding.md)")
+    add = group.add_argument
+    add("--max-length", type=int, help="most output tokens per sentence, EOS included")
+    add("--min-length", type=int, default=0, help="EOS is not allowed before this many tokens")
+    if outputs:
+        add("--n-best", type=int, default=1, help="hypotheses per sentence, best first (<= beam)")
+        add("--scores", action="store_true", help="text format: each line is 'score<TAB>text'")
+        add("--token-scores", action="store_true", help="also each token's log-probability")
+        add("--format", choices=FORMATS, default="text", help="output format (default text)")
+        add(
+            "--alignment",
+            action="store_true",
+            help="also, per output token, the source token it attends to most "
+            "('source-target' position pairs, 0-based, of the tokenized sentences)",
+        )
+        add(
+            "--score",
+            metavar="FILE",
+            help="forced decoding: print the log-probability of FILE's line N as the "
+            "translation of input line N (summed, EOS included) instead of translating",
+        )
+    add(
+        "--prefix",
+        metavar="FILE",
+        help="target prefixes, one per input line (empty: none): each translation starts so",
+    )
+    add(
+        "--suppress",
+        action="append",
+        default=[],
+        metavar="TEXT",
+        help="a word or phrase never generated (its tokens in a row); repeatable",
+    )
+    add(
+        "--constraints",
+        metavar="FILE",
+        help="target phrases each translation must hold, line N for input line N: "
+        "tab-separated phrases, or a JSON list of strings per line in a .jsonl file; an "
+        "empty line for none (docs/constraints.md)",
+    )
+    add("--disable-unk", action="store_true", help="never generate the unknown token")
+    add(
+        "--repetition-penalty",
+        type=float,
+        default=1.0,
+        help="> 1 makes tokens already generated less likely (default 1: off)",
+    )
+    add(
+        "--no-repeat-ngram-size",
+        type=int,
+        default=0,
+        help="no n-gram of this size twice in an output (default 0: off)",
+    )
+    add(
+        "--sampling-topk",
+        type=int,
+        default=1,
+        help="1 (default): search; 0: sample from every token; K: from the K best (needs --beam 1)",
+    )
+    add("--sampling-topp", type=float, default=1.0, help="sample from this probability mass")
+    add("--sampling-temperature", type=float, default=1.0, help="sampling temperature")
+    add(
+        "--seed",
+        type=int,
+        default=0,
+        help="sampling seed: line N draws from a generator seeded (seed, N), whatever the batch",
+    )
+    add(
+        "--max-input-length",
+        type=int,
+        help="truncate sources longer than this many tokens (with a warning); default: "
+        "translate them whole",
+    )
+    return group
+
+
+def options_from_args(args, beam_size, length_penalty, tokenizer):
+    """The `SearchOptions` of parsed flags; a bad value exits with a clear error."""
+    try:
+        return SearchOptions(
+            beam_size=beam_size,
+            length_penalty=length_penalty,
+            n_best=getattr(args, "n_best", 1),
+            token_scores=getattr(args, "token_scores", False),
+            suppress_sequences=[_suppressed(tokenizer, text) for text in args.suppress],
+            disable_unk=args.disable_unk,
+            min_length=args.min_length,
+            max_length=args.max_length,
+            repetition_penalty=args.repetition_penalty,
+            no_repeat_ngram_size=args.no_repeat_ngram_size,
+            sampling_topk=args.sampling_topk,
+            sampling_topp=args.sampling_topp,
+            sampling_temperature=args.sampling_temperature,
+            seed=args.seed,
+            max_input_length=args.max_input_length,
+            alignment=getattr(args, "alignment", False),
+        )
+    except ValueError as error:
+        raise SystemExit(f"error: {_as_flag(str(error))}") from None
+
+
+def _suppressed(tokenizer, text):
+    ids = tokenizer.encode(text)
+    if not ids:
+        raise ValueError(f"--suppress {text!r} has no tokens.")
+    return ids
+
+
+def _as_flag(message):
+    """Names options as the flags that set them."""
+    for name in (
+        "n_best",
+        "min_length",
+        "max_length",
+        "repetition_penalty",
+        "no_repeat_ngram_size",
+        "sampling_topk",
+        "sampling_topp",
+        "sampling_temperature",
+        "max_input_length",
+        "beam_size",
+    ):
+        flag = "--beam" if name == "beam_size" else "--" + name.replace("_", "-")
+        message = message.replace(f"{name}=", f"{flag}=").replace(f"{name} ", f"{flag} ")
+    return message
+
+
+def is_plain_run(args, options):
+    """Whether the command only translates with the plain search, one text line each."""
+    return (
+        options.is_plain()
+        and options.max_input_length is None
+        and not (args.prefix or getattr(args, "score", None) or getattr(args, "scores", False))
+        and not options.alignment
+        and not args.constraints
+        and getattr(args, "format", "text") == "text"
+    )
+
+
+def read_lines_file(path, count, flag):
+    """The lines of `path` (UTF-8), which must be `count`, one per input line."""
+    from keras_transformer_runtime.text import decode_lines
+
+    try:
+        with open(path, "rb") as f:
+            lines, _ = decode_lines(f.read())
+    except OSError as error:
+        raise SystemExit(f"error: {flag} {path}: {error.strerror}") from None
+    if len(lines) != count:
+        raise SystemExit(
+            f"error: {flag} {path} has {len(lines)} lines for {count} input lines: give one each."
+        )
+    return lines
+
+
+def run_and_write(args, lines, options, translate, score, write):
+    """Translates (or, with --score, scores) `lines` and writes them in --format.
+
+    Args:
+        translate: `translate(lines, options, prefixes, constraints) -> per line
+            a list of hypothesis dicts` (`OnnxTranslator.translate_hypotheses`).
+        score: `score(lines, targets) -> per line a dict` (`OnnxTranslator.score`).
+        write: takes the output text.
+    """
+    if args.score:
+        targets = read_lines_file(args.score, len(lines), "--score")
+        write("".join(format_score(i, s, args) for i, s in enumerate(score(lines, targets))))
+        return
+    prefixes = read_lines_file(args.prefix, len(lines), "--prefix") if args.prefix else None
+    constraints = read_constraints(args.constraints, len(lines)) if args.constraints else None
+    found = translate(lines, options, prefixes, constraints)
+    write("".join(format_hypotheses(i, hs, args) for i, hs in enumerate(found)))
+
+
+def read_constraints(path, count):
+    """The phrases of a --constraints file for `count` input lines; a bad file exits
+    with an error naming it and its line (`constraints.read_constraints_file`)."""
+    from keras_transformer_runtime.constraints import read_constraints_file
+
+    try:
+        return read_constraints_file(path, count)
+    except OSError as error:
+        raise SystemExit(f"error: --constraints {path}: {error.strerror}") from None
+    except ValueError as error:
+        raise SystemExit(f"error: --constraints {error}") from None
+
+
+def _numbers(values):
+    return " ".join(f"{v:.4f}" for v in values)
+
+
+def format_hypotheses(index, hypotheses, args):
+    """Line `index`'s hypotheses in --format: text (one line each, 'score<TAB>' first
+    with --scores, '<TAB>token scores' after with --token-scores, then '<TAB>' and
+    the alignment as 'source-target' pairs with --alignment), tsv (line number,
+    rank, score, log_prob, text[, token scores][, alignment]) or jsonl (one object
+    per input line)."""
+    if args.format == "jsonl":
+        return json.dumps({"line": index + 1, "hypotheses": hypotheses}, ensure_ascii=False) + "\n"
+    rows = []
+    for rank, h in enumerate(hypotheses, 1):
+        if args.format == "tsv":
+            fields = [str(index + 1), str(rank), f"{h['score']:.4f}", f"{h['log_prob']:.4f}"]
+            fields.append(h["text"])
+        else:
+            fields = ([f"{h['score']:.4f}"] if args.scores else []) + [h["text"]]
+        if "token_scores" in h:
+            fields.append(_numbers(h["token_scores"]))
+        if "alignment" in h:
+            fields.append(" ".join(f"{s}-{t}" for t, s in enumerate(h["alignment"])))
+        rows.append("\t".join(fields) + "\n")
+    return "".join(rows)
+
+
+def format_score(index, scored, args):
+    """Line `index`'s forced-decoding score: text ('log_prob' or, with --token-scores,
+    'log_prob<TAB>token scores'; empty for an empty source), tsv (line number first) or jsonl."""
+    if args.format == "jsonl":
+        return json.dumps({"line": index + 1, **scored}) + "\n"
+    total, steps = scored["log_prob"], scored["token_scores"]
+    fields = [f"{total:.4f}" if total is not None else ""]
+    if args.token_scores:
+        fields.append(_numbers(steps) if steps is not None else "")
+    if args.format == "tsv":
+        fields.insert(0, str(index + 1))
+    return "\t".join(fields) + "\n"
