@@ -30,6 +30,7 @@ import signal
 import sys
 import time
 
+from keras_transformer_runtime.constraints import sentence_constraints
 from keras_transformer_runtime.runtime import (
     ExportFileError,
     OnnxTranslator,
@@ -221,14 +222,21 @@ class Engine:
         return ids, False
 
     def run_batch(self, worker, options, sentences):
-        """Searches `sentences` (`(source ids, prefix ids, index in its request)` each) under
-        `options` on worker `worker`'s translator: per sentence its hypothesis records
-        (`search.hypothesis_records`), best first."""
+        """Searches `sentences` (`(source ids, prefix ids, index in its request,
+        constraints)` each) under `options` on worker `worker`'s translator: per
+        sentence its hypothesis records (`search.hypothesis_records`), best first."""
         translator = self.translators[worker]
-        sources = [source for source, _, _ in sentences]
-        prefixes = [prefix for _, prefix, _ in sentences]
-        indices = [index for _, _, index in sentences]
-        found = translator.search(sources, options, prefixes if any(prefixes) else None, indices)
+        sources = [source for source, _, _, _ in sentences]
+        prefixes = [prefix for _, prefix, _, _ in sentences]
+        indices = [index for _, _, index, _ in sentences]
+        phrases = [entry for _, _, _, entry in sentences]
+        found = translator.search(
+            sources,
+            options,
+            prefixes if any(prefixes) else None,
+            indices,
+            phrases if any(map(len, phrases)) else None,
+        )
         decode = translator.tokenizer.decode
         return [hypothesis_records(hypotheses, decode) for hypotheses in found]
 
@@ -241,7 +249,7 @@ class Engine:
     def warm_up(self, batch_sentences):
         """Loads every search graph's session and the split search's copies before serving."""
         source = self.encode("a a a")[0] or [EOS_ID]
-        sentences = [(source, [], i) for i in range(max(batch_sentences, 1))]
+        sentences = [(source, [], i, ()) for i in range(max(batch_sentences, 1))]
         for worker in range(len(self.translators)):
             for beam_size in (1, DEFAULT_BEAM_SIZE):
                 options = SearchOptions(beam_size=beam_size, max_length=2)
@@ -298,6 +306,7 @@ OPTION_HELP = {
 REQUEST_FIELDS = (
     "texts",
     "prefixes",
+    "constraints",
     *OPTION_TYPES,
     "max_decoding_length",
     "suppress",
@@ -401,6 +410,38 @@ def parse_request(data, settings, tokenizer):
     except ValueError as error:
         raise Refusal(400, str(error)) from None
     return texts, prefixes, options, return_scores
+
+
+def parse_constraints(data, texts, settings):
+    """The request's "constraints": None, or per text a list of target phrases (a
+    null entry: none). Raises `Refusal` 400 for a wrong shape, 413 when the
+    texts and phrases together are over `--max-chars`."""
+    value = data.get("constraints")
+    if value is None:
+        return None
+    if not isinstance(value, list) or len(value) != len(texts):
+        count = len(value) if isinstance(value, list) else _json_type(value)
+        raise Refusal(
+            400,
+            f'"constraints" must be a list with one list of phrases per text ({len(texts)}); '
+            f"received {count}",
+        )
+    phrases = []
+    for i, entry in enumerate(value):
+        entry = [] if entry is None else entry
+        if not isinstance(entry, list) or not all(isinstance(p, str) for p in entry):
+            raise Refusal(
+                400, f'"constraints"[{i}] must be a list of strings, not {_json_type(entry)}'
+            )
+        phrases.append(entry)
+    chars = sum(map(len, texts)) + sum(len(p) for entry in phrases for p in entry)
+    if chars > settings.max_chars:
+        raise Refusal(
+            413,
+            f"{chars} characters of texts and constraints in one request; this server takes "
+            f"at most {settings.max_chars} (--max-chars): split the request",
+        )
+    return phrases
 
 
 def _json_type(value):
@@ -512,6 +553,7 @@ def create_app(engine, settings):
         except json.JSONDecodeError as error:
             raise Refusal(400, f"the body is not valid JSON: {error}") from None
         texts, prefixes, options, return_scores = parse_request(data, settings, engine.tokenizer)
+        constraints = parse_constraints(data, texts, settings)
         warnings = [warning] if warning else []
         replaced = clean_texts(texts) + clean_texts(prefixes or [])
         if replaced:
@@ -523,13 +565,23 @@ def create_app(engine, settings):
         def prepare():
             encoded = [engine.encode(t, options.max_input_length) for t in texts]
             prefix_ids = encode_prefixes(engine.tokenizer, prefixes) if prefixes else None
-            return encoded, prefix_ids
+            phrase_ids = None
+            if constraints is not None:
+                phrase_ids = sentence_constraints(
+                    texts,
+                    constraints,
+                    engine.tokenizer.encode,
+                    engine.max_length,
+                    options.max_length,
+                    lengths=[len(ids) for ids, _ in encoded],
+                )
+            return encoded, prefix_ids, phrase_ids
 
         try:
             if len(texts) > TOKENIZE_INLINE_TEXTS:
-                encoded, prefix_ids = await asyncio.to_thread(prepare)
+                encoded, prefix_ids, phrase_ids = await asyncio.to_thread(prepare)
             else:
-                encoded, prefix_ids = prepare()
+                encoded, prefix_ids, phrase_ids = prepare()
             options.check_ids(engine.vocabulary_size, prefix_ids)
         except ValueError as error:
             raise Refusal(400, str(error).replace("line ", "text ")) from None
@@ -556,7 +608,15 @@ def create_app(engine, settings):
                     outputs[i] = empty
         if wanted:
             batcher = state["batcher"]
-            sentences = [(sources[i], prefix_ids[i] if prefix_ids else [], i) for i in wanted]
+            sentences = [
+                (
+                    sources[i],
+                    prefix_ids[i] if prefix_ids else [],
+                    i,
+                    phrase_ids[i] if phrase_ids else (),
+                )
+                for i in wanted
+            ]
             try:
                 ticket = batcher.submit(options, [len(sources[i]) for i in wanted], sentences)
             except QueueFull as error:
@@ -714,6 +774,12 @@ def openapi_schema(settings):
                 "type": "array",
                 "items": {"type": "string"},
                 "description": "words or phrases never generated (their tokens in a row)",
+            },
+            "constraints": {
+                "type": "array",
+                "items": {"type": ["array", "null"], "items": {"type": "string"}},
+                "description": "terminology constraints, one list per text (null or [] for "
+                "none): target phrases its translation must hold (docs/constraints.md)",
             },
             "return_scores": {
                 "type": "boolean",

@@ -15,6 +15,7 @@ import time
 
 import pytest
 from keras_transformer_runtime.runtime import OnnxTranslator
+from keras_transformer_runtime.spec import SearchOptions
 
 pytestmark = pytest.mark.integration
 
@@ -177,6 +178,24 @@ def test_decoding_options_answer_as_the_translator(server, translator, options, 
         assert prefixed and all(answer["translations"][i].startswith("ko") for i in prefixed)
 
 
+def test_constraints_answer_as_the_translator(server, translator):
+    """Terminology constraints per text (null or [] for none), beside other options."""
+    constraints = [["mina tel"], None, ["ko"], [], ["li", "ka ko"], [], None, ["lo"]]
+    request = {"texts": TEXTS, "beam_size": 3, "n_best": 2, "constraints": constraints}
+    status, answer, _ = post(server.port, {**request, "max_length": 16})
+    assert status == 200, answer
+    options = SearchOptions(beam_size=3, n_best=2, max_length=16)
+    expected = translator.translate_hypotheses(TEXTS, options, constraints=constraints)
+    got = answer["hypotheses"]
+    assert [[h["text"] for h in hs] for hs in got] == [[h["text"] for h in hs] for hs in expected]
+    assert [h["score"] for hs in got for h in hs] == pytest.approx(
+        [h["score"] for hs in expected for h in hs], abs=1e-5
+    )
+    for text, entry, output in zip(TEXTS, constraints, answer["translations"], strict=True):
+        for phrase in entry or [] if text.strip() else []:
+            assert phrase in output
+
+
 def test_concurrent_requests_share_one_batch(server, translator):
     before = server.metrics()
     texts = TEXTS[:3] + TEXTS[4:]
@@ -219,6 +238,10 @@ REFUSALS = [
     ({"texts": ["a"], "sampling_topk": 5}, 400, "it needs beam_size=1"),
     ({"texts": ["a", "b"], "prefixes": ["a"]}, 400, '1 "prefixes" for 2 texts'),
     ({"texts": ["a"], "suppress": [" "]}, 400, "which has no tokens"),
+    ({"texts": ["a", "b"], "constraints": [["a"]]}, 400, "one list of phrases per text (2)"),
+    ({"texts": ["a"], "constraints": [["a", 3]]}, 400, '"constraints"[0] must be a list of'),
+    ({"texts": ["ka"], "constraints": [["zzz"]]}, 400, "'zzz' of text 1 holds text"),
+    ({"texts": ["ka"], "constraints": [["ka " * 40]]}, 400, "longer than the 31"),
     ({"texts": ["a"], "seed": 1.5}, 400, '"seed" must be an integer. Received: 1.5'),
     ({"texts": ["a"], "return_scores": "yes"}, 400, '"return_scores" must be true or false'),
     ({"texts": ["a"] * 51}, 413, "51 texts in one request; this server takes at most 50"),
