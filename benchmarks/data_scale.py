@@ -195,7 +195,7 @@ def measure(pairs, args) -> dict:
                   "loss", "--tokens-per-batch", str(args.tokens_per_batch)]  # fmt: skip
         row = {"pairs": pairs, "text_bytes": text_bytes}
         child = [sys.executable, "-c", CHILD.replace("{updates}", str(UPDATES))]
-        if not args.skip_text:
+        if args.text_up_to is None or pairs <= args.text_up_to:
             text = run_measured(
                 child
                 + [
@@ -274,19 +274,25 @@ def main(argv=None):
     parser.add_argument("--tokens-per-batch", type=int, default=4096)
     parser.add_argument("--pipeline-batches", type=int, default=300)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--skip-text", action="store_true", help="measure prepare + --data only")
+    parser.add_argument(
+        "--text-up-to",
+        type=int,
+        help="train from text only on corpora of at most this many pairs (default: all)",
+    )
     parser.add_argument("--work", default=tempfile.gettempdir(), help="where corpora are made")
     parser.add_argument("--out", default="benchmarks/results/data_scale-tensorflow-cpu.json")
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     from benchmarks.machine import write_report
 
-    load = [round(x, 1) for x in os.getloadavg()]
-    rows = [measure(pairs, args) for pairs in args.pairs]
-    load_end = [round(x, 1) for x in os.getloadavg()]
-    report = write_report(
-        "data_scale", args, rows=rows, load_average={"start": load, "end": load_end}
-    )
+    load, rows = [round(x, 1) for x in os.getloadavg()], []
+    for pairs in args.pairs:
+        rows.append(measure(pairs, args))
+        # Written after each corpus: the smaller ones' figures survive a stopped run.
+        load_now = [round(x, 1) for x in os.getloadavg()]
+        report = write_report(
+            "data_scale", args, rows=rows, load_average={"start": load, "now": load_now}
+        )
     print(json.dumps(report["rows"], indent=1))
 
 

@@ -14,8 +14,12 @@ the next as soon as the last is answered, until the sentences
   batch 32 in a process of its own, the ceiling.
 
 Each row: sentences/s, latency p50/p95/p99, errors, the mean batch size
-(from the server's /metrics), the server's and the load generator's CPU
-seconds, and the load average before and after. `--soak SECONDS` then runs
+and the share of the time a batch was searching (from the server's
+/metrics), the CPU seconds of the server (or offline process) and of the
+load generator, sentences per CPU second, and the load average before and
+after. On a machine others share, sentences/s follow the share of the
+cores each process got; sentences per CPU second compare the work each
+did for a sentence whatever that share. `--soak SECONDS` then runs
 the batching server at `--soak-clients` for that long, sampling its RSS,
 and ends with SIGTERM during the load: the server must exit 0 and every
 request sent must be answered.
@@ -31,7 +35,6 @@ import asyncio
 import gzip
 import json
 import os
-import resource
 import signal
 import socket
 import subprocess
@@ -229,6 +232,7 @@ def load_cell(server, sentences, clients, beam_size, name):
     records = run_clients(server.port, sentences, clients, extra)
     seconds = time.perf_counter() - started
     batches_after = server.batch_stats()
+    server_cpu_s = server.cpu_seconds() - server_cpu
     ok = [latency for status, latency in records if status == 200]
     batches = batches_after[0] - batches_before[0]
     row = {
@@ -247,7 +251,8 @@ def load_cell(server, sentences, clients, beam_size, name):
         else None,
         # The share of the time a batch was being searched (one worker).
         "searching_fraction": round((batches_after[2] - batches_before[2]) / seconds, 3),
-        "server_cpu_s": round(server.cpu_seconds() - server_cpu, 2),
+        "server_cpu_s": round(server_cpu_s, 2),
+        "sentences_per_cpu_s": round(len(ok) / server_cpu_s, 2) if server_cpu_s else None,
         "load_generator_cpu_s": round(sum(os.times()[:2]) - own_cpu, 2),
         "load_average_before": [round(x, 2) for x in load_before],
         "load_average_after": [round(x, 2) for x in os.getloadavg()],
@@ -277,17 +282,16 @@ def offline(onnx_dir, source, limit, beam_size, batch_size, in_order=False):
         f"sentences = read_sentences({source!r}, {limit!r})\n"
         f"translator = OnnxTranslator({onnx_dir!r})\n"
         f"translator.translate(sentences[:64], beam_size={beam_size}, batch_size={batch_size})\n"
-        "started = time.perf_counter()\n" + run + "seconds = time.perf_counter() - started\n"
-        "print(json.dumps({'seconds': seconds, 'sentences': len(sentences)}))\n"
+        "started, cpu = time.perf_counter(), time.process_time()\n"
+        + run
+        + "seconds, cpu = time.perf_counter() - started, time.process_time() - cpu\n"
+        "print(json.dumps({'seconds': seconds, 'cpu': cpu, 'sentences': len(sentences)}))\n"
     )
     load_before = os.getloadavg()
-    children = resource.getrusage(resource.RUSAGE_CHILDREN)
     result = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True
     )
     measured = json.loads(result.stdout.strip().splitlines()[-1])
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = after.ru_utime + after.ru_stime - children.ru_utime - children.ru_stime
     row = {
         "system": f"offline batch {batch_size}" + (", in order" if in_order else ""),
         "beam_size": beam_size,
@@ -295,7 +299,8 @@ def offline(onnx_dir, source, limit, beam_size, batch_size, in_order=False):
         "sentences": measured["sentences"],
         "seconds": round(measured["seconds"], 3),
         "sentences_per_s": round(measured["sentences"] / measured["seconds"], 2),
-        "process_cpu_s": round(cpu, 2),
+        "cpu_s": round(measured["cpu"], 2),
+        "sentences_per_cpu_s": round(measured["sentences"] / measured["cpu"], 2),
         "load_average_before": [round(x, 2) for x in load_before],
         "load_average_after": [round(x, 2) for x in os.getloadavg()],
     }
@@ -454,6 +459,13 @@ def main(argv=None):
             in_order = find("offline batch 32, in order", beam_size, None)
             alone = find("no-batching", beam_size, count)
             ratios[f"beam {beam_size}, {count} clients"] = {
+                # Sentences per CPU second against the offline translator's: the
+                # server's overhead, whatever share of a busy machine each got.
+                "cpu_efficiency_of_offline_batch_32": round(
+                    served["sentences_per_cpu_s"] / ceiling["sentences_per_cpu_s"], 3
+                )
+                if ceiling and served["sentences_per_cpu_s"]
+                else None,
                 "of_offline_batch_32_in_order": round(
                     served["sentences_per_s"] / in_order["sentences_per_s"], 3
                 )

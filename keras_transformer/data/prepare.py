@@ -61,7 +61,7 @@ MANIFEST = "manifest.json"
 PENDING = "prepare.json"
 SPM_MODEL = "spm.model"
 SHARD_FILES = ("source.npy", "target.npy", "lengths.npy", "stats.json")
-DEFAULT_PAIRS_PER_SHARD = 250_000
+DEFAULT_PAIRS_PER_SHARD = 100_000
 # Pairs sampled for SentencePiece: two sentences each, train_sentencepiece's default.
 DEFAULT_SPM_PAIRS = 1_000_000
 # Lines a worker process encodes at a time.

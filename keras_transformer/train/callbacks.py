@@ -131,12 +131,15 @@ class _ValidationBleu(keras.callbacks.Callback):
     checkpoint ranking and TensorBoard.
     """
 
-    def __init__(self, tokenizer, pairs):
+    def __init__(self, tokenizer, pairs, every=1):
         super().__init__()
         self.tokenizer = tokenizer
         self.pairs = pairs
+        self.every = every  # epochs: as model.fit's validation_freq
 
     def on_epoch_end(self, epoch, logs=None):
+        if (epoch + 1) % self.every:
+            return
         scores = _bleu_on(self.model, self.tokenizer, self.pairs, beam_size=1)
         if logs is not None:
             logs["val_bleu"] = scores["bleu"]

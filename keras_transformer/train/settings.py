@@ -324,6 +324,14 @@ class TrainSettings:
         "epoch; a killed run resumes at the last one, at the same batch of its epoch. The "
         "checkpoints, history and --average then count these N-update spans",
     )
+    # Validate every M updates, a multiple of save_every_steps; None: at every checkpoint.
+    validate_every_steps: int | None = option(
+        None,
+        group="selection",
+        metavar="M",
+        help="with --save-every-steps N: validate every M updates only (a multiple of N); "
+        "the checkpoints between are kept as the last ones but not ranked (default: M = N)",
+    )
     valid_beam: int = option(
         1,
         group="selection",
@@ -380,6 +388,7 @@ class TrainSettings:
             "patience",
             "average",
             "save_every_steps",
+            "validate_every_steps",
             *SHAPE_FIELDS,
         ):
             value = getattr(self, name)
@@ -423,6 +432,15 @@ class TrainSettings:
             raise ValueError(
                 "save_every_steps needs a prepared dataset (--data): only it resumes in the "
                 "middle of an epoch. Run keras-transformer prepare first."
+            )
+        if self.validate_every_steps is not None and (
+            self.save_every_steps is None or self.validate_every_steps % self.save_every_steps
+        ):
+            raise ValueError(
+                "validate_every_steps must be a multiple of save_every_steps (validation "
+                "comes with a checkpoint). Received: "
+                f"validate_every_steps={self.validate_every_steps}, "
+                f"save_every_steps={self.save_every_steps}"
             )
         if (self.src_valid is None) != (self.tgt_valid is None):
             raise ValueError("Give both --src-valid and --tgt-valid, or neither.")

@@ -373,12 +373,20 @@ def _fit(run, settings, model, data, recipe) -> list:
         keras.callbacks.TensorBoard(os.path.join(run.out_dir, "logs"), update_freq="epoch"),
         _EpochProgress(settings.budget()),
     ]
+    # Validate every `every` spans (`--validate-every-steps`), else at each one.
+    every = 1
+    if settings.validate_every_steps:
+        every = settings.validate_every_steps // settings.save_every_steps
     if settings.select_by == "bleu":
-        callbacks.insert(0, _ValidationBleu(data.tokenizer, data.valid_pairs))
+        callbacks.insert(0, _ValidationBleu(data.tokenizer, data.valid_pairs, every))
     fit_args = {"epochs": settings.epochs if settings.epochs is not None else 10_000}
     if data.stream is not None:
         plan = data.stream
-        fit_args = {"epochs": plan.keras_epochs, "steps_per_epoch": plan.span_batches}
+        fit_args = {
+            "epochs": plan.keras_epochs,
+            "steps_per_epoch": plan.span_batches,
+            "validation_freq": every,
+        }
         # Before the recorder's checkpoint and the backup: see `streamed`.
         position = DataPosition(
             run.out_dir, plan.start_batches, plan.batches_per_epoch, plan.max_batches, run.chief

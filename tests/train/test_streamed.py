@@ -65,6 +65,8 @@ def test_prepared_data_refuses_what_it_cannot_serve(prepared, tmp_path):
     with pytest.raises(ValueError, match="save_every_steps needs a prepared dataset"):
         TrainSettings(src_train=__file__, tgt_train=__file__, src_valid=__file__,
                       tgt_valid=__file__, save_every_steps=5)  # fmt: skip
+    with pytest.raises(ValueError, match="validate_every_steps must be a multiple"):
+        _settings(prepared, validate_every_steps=SPAN + 1)
     with pytest.raises(ValueError, match="either --data or --src-train"):
         TrainSettings(data=prepared, src_train=__file__, tgt_train=__file__)
     with pytest.raises(ValueError, match="src_train is required"):
@@ -81,16 +83,18 @@ def test_prepared_data_refuses_what_it_cannot_serve(prepared, tmp_path):
 @pytest.mark.integration
 def test_a_resumed_run_continues_at_the_same_batch_with_the_same_weights(prepared, tmp_path):
     whole, split = str(tmp_path / "whole"), str(tmp_path / "split")
-    metrics = train(_settings(prepared, max_steps=3 * SPAN + 1), whole, verbose=0)
-    train(_settings(prepared, max_steps=2 * SPAN), split, verbose=0)
+    every = dict(validate_every_steps=2 * SPAN)  # validation at spans 2 and 4 only
+    metrics = train(_settings(prepared, max_steps=3 * SPAN + 1, **every), whole, verbose=0)
+    train(_settings(prepared, max_steps=2 * SPAN, **every), split, verbose=0)
     with open(os.path.join(split, "data_position.json"), encoding="utf-8") as f:
         assert json.load(f) == {"1": SPAN, "2": 2 * SPAN}
-    resumed = train(_settings(prepared, max_steps=3 * SPAN + 1), split, verbose=0)
+    resumed = train(_settings(prepared, max_steps=3 * SPAN + 1, **every), split, verbose=0)
     # One history entry (and checkpoint) per span of SPAN updates; the last is short.
     assert [e["steps"] for e in metrics["history"]] == [3, 6, 9, 10]
     assert [e["steps"] for e in resumed["history"]] == [3, 6, 9, 10]
-    assert [e["val_loss"] for e in resumed["history"]] == pytest.approx(
-        [e["val_loss"] for e in metrics["history"]], abs=1e-6
+    assert ["val_loss" in e for e in metrics["history"]] == [False, True, False, True]
+    assert [e.get("val_loss") for e in resumed["history"]] == pytest.approx(
+        [e.get("val_loss") for e in metrics["history"]], abs=1e-6
     )
     for a, b in zip(_weights(whole), _weights(split), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-5)
