@@ -26,6 +26,7 @@ import asyncio
 import contextlib
 import json
 import math
+import re
 import signal
 import sys
 import time
@@ -223,19 +224,19 @@ class Engine:
 
     def run_batch(self, worker, options, sentences):
         """Searches `sentences` (`(source ids, prefix ids, index in its request,
-        constraints)` each) under `options` on worker `worker`'s translator: per
-        sentence its hypothesis records (`search.hypothesis_records`), best first."""
+        constraints)` each) under
+        `options` on worker `worker`'s translator: per sentence its hypothesis records
+        (`search.hypothesis_records`), best first."""
         translator = self.translators[worker]
-        sources = [source for source, _, _, _ in sentences]
-        prefixes = [prefix for _, prefix, _, _ in sentences]
-        indices = [index for _, _, index, _ in sentences]
-        phrases = [entry for _, _, _, entry in sentences]
+        sources, prefixes, indices, constraints = (
+            list(column) for column in zip(*sentences, strict=True)
+        )
         found = translator.search(
             sources,
             options,
             prefixes if any(prefixes) else None,
             indices,
-            phrases if any(map(len, phrases)) else None,
+            constraints if any(map(len, constraints)) else None,
         )
         decode = translator.tokenizer.decode
         return [hypothesis_records(hypotheses, decode) for hypotheses in found]
@@ -249,7 +250,7 @@ class Engine:
     def warm_up(self, batch_sentences):
         """Loads every search graph's session and the split search's copies before serving."""
         source = self.encode("a a a")[0] or [EOS_ID]
-        sentences = [(source, [], i, ()) for i in range(max(batch_sentences, 1))]
+        sentences = [(source, [], i, []) for i in range(max(batch_sentences, 1))]
         for worker in range(len(self.translators)):
             for beam_size in (1, DEFAULT_BEAM_SIZE):
                 options = SearchOptions(beam_size=beam_size, max_length=2)
@@ -286,6 +287,7 @@ OPTION_TYPES = {
     "seed": (_is_int, "an integer"),
     "max_input_length": (_is_int, "an integer"),
     "token_scores": (lambda v: isinstance(v, bool), "true or false"),
+    "alignment": (lambda v: isinstance(v, bool), "true or false"),
 }
 OPTION_HELP = {
     "beam_size": "live hypotheses kept; 1 is greedy search (or sampling)",
@@ -302,6 +304,7 @@ OPTION_HELP = {
     "seed": "sampling: text i of the request draws from a generator seeded (seed, i)",
     "max_input_length": "sources longer than this many tokens are truncated (with a warning)",
     "token_scores": "answer hypotheses with each token's log-probability",
+    "alignment": "answer hypotheses with each token's most attended source position",
 }
 REQUEST_FIELDS = (
     "texts",
@@ -329,10 +332,11 @@ def _strings(data, name, required=False):
 
 
 def parse_request(data, settings, tokenizer):
-    """The checked fields of a decoded JSON body: `(texts, prefixes, options, return_scores)`.
+    """The checked fields of a decoded JSON body:
+    `(texts, prefixes, constraints, options, return_scores)`.
 
     `options` is a `spec.SearchOptions`; `prefixes` is None or one text per
-    text. Raises `Refusal` 400 for a wrong shape, type or value, 413 for too
+    text; `constraints` None or per text a list of phrases (or None). Raises `Refusal` 400 for a wrong shape, type or value, 413 for too
     many texts or characters.
     """
     if not isinstance(data, dict):
@@ -357,7 +361,22 @@ def parse_request(data, settings, tokenizer):
             400, f'{len(prefixes)} "prefixes" for {len(texts)} texts: give one each ("" for none)'
         )
     suppress = _strings(data, "suppress") or []
+    constraints = data.get("constraints")
+    if constraints is not None:
+        if not isinstance(constraints, list) or len(constraints) != len(texts):
+            raise Refusal(
+                400,
+                '"constraints" must be a list with one entry per text: a list of target '
+                "phrases, or null or [] for none",
+            )
+        for i, entry in enumerate(constraints):
+            if entry is not None and (
+                not isinstance(entry, list) or not all(isinstance(p, str) for p in entry)
+            ):
+                raise Refusal(400, f'"constraints"[{i}] must be a list of strings or null')
+    phrases = [p for entry in constraints or () for p in entry or ()]
     chars = sum(map(len, texts)) + sum(map(len, prefixes or ())) + sum(map(len, suppress))
+    chars += sum(map(len, phrases))
     if chars > settings.max_chars:
         raise Refusal(
             413,
@@ -409,39 +428,7 @@ def parse_request(data, settings, tokenizer):
         options = SearchOptions(suppress_sequences=sequences, **values)
     except ValueError as error:
         raise Refusal(400, str(error)) from None
-    return texts, prefixes, options, return_scores
-
-
-def parse_constraints(data, texts, settings):
-    """The request's "constraints": None, or per text a list of target phrases (a
-    null entry: none). Raises `Refusal` 400 for a wrong shape, 413 when the
-    texts and phrases together are over `--max-chars`."""
-    value = data.get("constraints")
-    if value is None:
-        return None
-    if not isinstance(value, list) or len(value) != len(texts):
-        count = len(value) if isinstance(value, list) else _json_type(value)
-        raise Refusal(
-            400,
-            f'"constraints" must be a list with one list of phrases per text ({len(texts)}); '
-            f"received {count}",
-        )
-    phrases = []
-    for i, entry in enumerate(value):
-        entry = [] if entry is None else entry
-        if not isinstance(entry, list) or not all(isinstance(p, str) for p in entry):
-            raise Refusal(
-                400, f'"constraints"[{i}] must be a list of strings, not {_json_type(entry)}'
-            )
-        phrases.append(entry)
-    chars = sum(map(len, texts)) + sum(len(p) for entry in phrases for p in entry)
-    if chars > settings.max_chars:
-        raise Refusal(
-            413,
-            f"{chars} characters of texts and constraints in one request; this server takes "
-            f"at most {settings.max_chars} (--max-chars): split the request",
-        )
-    return phrases
+    return texts, prefixes, constraints, options, return_scores
 
 
 def _json_type(value):
@@ -552,8 +539,9 @@ def create_app(engine, settings):
             data = json.loads(text)
         except json.JSONDecodeError as error:
             raise Refusal(400, f"the body is not valid JSON: {error}") from None
-        texts, prefixes, options, return_scores = parse_request(data, settings, engine.tokenizer)
-        constraints = parse_constraints(data, texts, settings)
+        texts, prefixes, constraints, options, return_scores = parse_request(
+            data, settings, engine.tokenizer
+        )
         warnings = [warning] if warning else []
         replaced = clean_texts(texts) + clean_texts(prefixes or [])
         if replaced:
@@ -565,26 +553,28 @@ def create_app(engine, settings):
         def prepare():
             encoded = [engine.encode(t, options.max_input_length) for t in texts]
             prefix_ids = encode_prefixes(engine.tokenizer, prefixes) if prefixes else None
-            phrase_ids = None
+            phrases = None
             if constraints is not None:
-                phrase_ids = sentence_constraints(
+                phrases = sentence_constraints(
                     texts,
                     constraints,
                     engine.tokenizer.encode,
                     engine.max_length,
                     options.max_length,
-                    lengths=[len(ids) for ids, _ in encoded],
+                    lengths=[len(ids) for ids, _ in encoded],  # as truncated
                 )
-            return encoded, prefix_ids, phrase_ids
+            return encoded, prefix_ids, phrases
 
         try:
             if len(texts) > TOKENIZE_INLINE_TEXTS:
-                encoded, prefix_ids, phrase_ids = await asyncio.to_thread(prepare)
+                encoded, prefix_ids, phrases = await asyncio.to_thread(prepare)
             else:
-                encoded, prefix_ids, phrase_ids = prepare()
+                encoded, prefix_ids, phrases = prepare()
             options.check_ids(engine.vocabulary_size, prefix_ids)
         except ValueError as error:
-            raise Refusal(400, str(error).replace("line ", "text ")) from None
+            # The translator's messages count lines from 1: name the texts as sent.
+            message = re.sub(r"\bline (\d+)", lambda m: f"texts[{int(m[1]) - 1}]", str(error))
+            raise Refusal(400, message) from None
         sources = [ids for ids, _ in encoded]
         for name, rows, reason in (
             ("max_input_length", [i for i, (_, cut) in enumerate(encoded) if cut], "truncated"),
@@ -609,12 +599,7 @@ def create_app(engine, settings):
         if wanted:
             batcher = state["batcher"]
             sentences = [
-                (
-                    sources[i],
-                    prefix_ids[i] if prefix_ids else [],
-                    i,
-                    phrase_ids[i] if phrase_ids else (),
-                )
+                (sources[i], prefix_ids[i] if prefix_ids else [], i, phrases[i] if phrases else [])
                 for i in wanted
             ]
             try:
@@ -627,7 +612,7 @@ def create_app(engine, settings):
         payload = {"translations": [hypotheses[0]["text"] for hypotheses in outputs]}
         if return_scores:
             payload["scores"] = [hypotheses[0]["score"] for hypotheses in outputs]
-        if options.n_best > 1 or options.token_scores:
+        if options.n_best > 1 or options.token_scores or options.alignment:
             payload["hypotheses"] = outputs
         if warnings:
             payload["warnings"] = warnings
@@ -770,16 +755,16 @@ def openapi_schema(settings):
                 "description": 'target prefixes, one per text ("" for none): each '
                 "translation starts with its prefix",
             },
+            "constraints": {
+                "type": "array",
+                "items": {"type": ["array", "null"], "items": {"type": "string"}},
+                "description": "one entry per text: target phrases its translation must hold "
+                "(docs/constraints.md), or null or [] for none",
+            },
             "suppress": {
                 "type": "array",
                 "items": {"type": "string"},
                 "description": "words or phrases never generated (their tokens in a row)",
-            },
-            "constraints": {
-                "type": "array",
-                "items": {"type": ["array", "null"], "items": {"type": "string"}},
-                "description": "terminology constraints, one list per text (null or [] for "
-                "none): target phrases its translation must hold (docs/constraints.md)",
             },
             "return_scores": {
                 "type": "boolean",
@@ -814,8 +799,8 @@ def openapi_schema(settings):
             "hypotheses": {
                 "type": "array",
                 "items": {"type": "array", "items": {"type": "object"}},
-                "description": "with n_best > 1 or token_scores: per text its hypotheses, best "
-                "first, each {text, score, log_prob[, token_scores]}",
+                "description": "with n_best > 1, token_scores or alignment: per text its "
+                "hypotheses, best first, each {text, score, log_prob[, token_scores][, alignment]}",
             },
             "warnings": {
                 "type": "array",
