@@ -561,6 +561,7 @@ def create_app(engine, settings):
                     engine.tokenizer.encode,
                     engine.max_length,
                     options.max_length,
+                    lengths=[len(ids) for ids, _ in encoded],  # as truncated
                 )
             return encoded, prefix_ids, phrases
 
