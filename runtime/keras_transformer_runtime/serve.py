@@ -26,10 +26,12 @@ import asyncio
 import contextlib
 import json
 import math
+import re
 import signal
 import sys
 import time
 
+from keras_transformer_runtime.constraints import sentence_constraints
 from keras_transformer_runtime.runtime import (
     ExportFileError,
     OnnxTranslator,
@@ -221,14 +223,21 @@ class Engine:
         return ids, False
 
     def run_batch(self, worker, options, sentences):
-        """Searches `sentences` (`(source ids, prefix ids, index in its request)` each) under
+        """Searches `sentences` (`(source ids, prefix ids, index in its request,
+        constraints)` each) under
         `options` on worker `worker`'s translator: per sentence its hypothesis records
         (`search.hypothesis_records`), best first."""
         translator = self.translators[worker]
-        sources = [source for source, _, _ in sentences]
-        prefixes = [prefix for _, prefix, _ in sentences]
-        indices = [index for _, _, index in sentences]
-        found = translator.search(sources, options, prefixes if any(prefixes) else None, indices)
+        sources, prefixes, indices, constraints = (
+            list(column) for column in zip(*sentences, strict=True)
+        )
+        found = translator.search(
+            sources,
+            options,
+            prefixes if any(prefixes) else None,
+            indices,
+            constraints if any(map(len, constraints)) else None,
+        )
         decode = translator.tokenizer.decode
         return [hypothesis_records(hypotheses, decode) for hypotheses in found]
 
@@ -241,7 +250,7 @@ class Engine:
     def warm_up(self, batch_sentences):
         """Loads every search graph's session and the split search's copies before serving."""
         source = self.encode("a a a")[0] or [EOS_ID]
-        sentences = [(source, [], i) for i in range(max(batch_sentences, 1))]
+        sentences = [(source, [], i, []) for i in range(max(batch_sentences, 1))]
         for worker in range(len(self.translators)):
             for beam_size in (1, DEFAULT_BEAM_SIZE):
                 options = SearchOptions(beam_size=beam_size, max_length=2)
@@ -300,6 +309,7 @@ OPTION_HELP = {
 REQUEST_FIELDS = (
     "texts",
     "prefixes",
+    "constraints",
     *OPTION_TYPES,
     "max_decoding_length",
     "suppress",
@@ -322,10 +332,11 @@ def _strings(data, name, required=False):
 
 
 def parse_request(data, settings, tokenizer):
-    """The checked fields of a decoded JSON body: `(texts, prefixes, options, return_scores)`.
+    """The checked fields of a decoded JSON body:
+    `(texts, prefixes, constraints, options, return_scores)`.
 
     `options` is a `spec.SearchOptions`; `prefixes` is None or one text per
-    text. Raises `Refusal` 400 for a wrong shape, type or value, 413 for too
+    text; `constraints` None or per text a list of phrases (or None). Raises `Refusal` 400 for a wrong shape, type or value, 413 for too
     many texts or characters.
     """
     if not isinstance(data, dict):
@@ -350,7 +361,22 @@ def parse_request(data, settings, tokenizer):
             400, f'{len(prefixes)} "prefixes" for {len(texts)} texts: give one each ("" for none)'
         )
     suppress = _strings(data, "suppress") or []
+    constraints = data.get("constraints")
+    if constraints is not None:
+        if not isinstance(constraints, list) or len(constraints) != len(texts):
+            raise Refusal(
+                400,
+                '"constraints" must be a list with one entry per text: a list of target '
+                "phrases, or null or [] for none",
+            )
+        for i, entry in enumerate(constraints):
+            if entry is not None and (
+                not isinstance(entry, list) or not all(isinstance(p, str) for p in entry)
+            ):
+                raise Refusal(400, f'"constraints"[{i}] must be a list of strings or null')
+    phrases = [p for entry in constraints or () for p in entry or ()]
     chars = sum(map(len, texts)) + sum(map(len, prefixes or ())) + sum(map(len, suppress))
+    chars += sum(map(len, phrases))
     if chars > settings.max_chars:
         raise Refusal(
             413,
@@ -402,7 +428,7 @@ def parse_request(data, settings, tokenizer):
         options = SearchOptions(suppress_sequences=sequences, **values)
     except ValueError as error:
         raise Refusal(400, str(error)) from None
-    return texts, prefixes, options, return_scores
+    return texts, prefixes, constraints, options, return_scores
 
 
 def _json_type(value):
@@ -513,7 +539,9 @@ def create_app(engine, settings):
             data = json.loads(text)
         except json.JSONDecodeError as error:
             raise Refusal(400, f"the body is not valid JSON: {error}") from None
-        texts, prefixes, options, return_scores = parse_request(data, settings, engine.tokenizer)
+        texts, prefixes, constraints, options, return_scores = parse_request(
+            data, settings, engine.tokenizer
+        )
         warnings = [warning] if warning else []
         replaced = clean_texts(texts) + clean_texts(prefixes or [])
         if replaced:
@@ -525,16 +553,28 @@ def create_app(engine, settings):
         def prepare():
             encoded = [engine.encode(t, options.max_input_length) for t in texts]
             prefix_ids = encode_prefixes(engine.tokenizer, prefixes) if prefixes else None
-            return encoded, prefix_ids
+            phrases = None
+            if constraints is not None:
+                phrases = sentence_constraints(
+                    texts,
+                    constraints,
+                    engine.tokenizer.encode,
+                    engine.max_length,
+                    options.max_length,
+                    lengths=[len(ids) for ids, _ in encoded],  # as truncated
+                )
+            return encoded, prefix_ids, phrases
 
         try:
             if len(texts) > TOKENIZE_INLINE_TEXTS:
-                encoded, prefix_ids = await asyncio.to_thread(prepare)
+                encoded, prefix_ids, phrases = await asyncio.to_thread(prepare)
             else:
-                encoded, prefix_ids = prepare()
+                encoded, prefix_ids, phrases = prepare()
             options.check_ids(engine.vocabulary_size, prefix_ids)
         except ValueError as error:
-            raise Refusal(400, str(error).replace("line ", "text ")) from None
+            # The translator's messages count lines from 1: name the texts as sent.
+            message = re.sub(r"\bline (\d+)", lambda m: f"texts[{int(m[1]) - 1}]", str(error))
+            raise Refusal(400, message) from None
         sources = [ids for ids, _ in encoded]
         for name, rows, reason in (
             ("max_input_length", [i for i, (_, cut) in enumerate(encoded) if cut], "truncated"),
@@ -558,7 +598,10 @@ def create_app(engine, settings):
                     outputs[i] = empty
         if wanted:
             batcher = state["batcher"]
-            sentences = [(sources[i], prefix_ids[i] if prefix_ids else [], i) for i in wanted]
+            sentences = [
+                (sources[i], prefix_ids[i] if prefix_ids else [], i, phrases[i] if phrases else [])
+                for i in wanted
+            ]
             try:
                 ticket = batcher.submit(options, [len(sources[i]) for i in wanted], sentences)
             except QueueFull as error:
@@ -711,6 +754,12 @@ def openapi_schema(settings):
                 "items": {"type": "string"},
                 "description": 'target prefixes, one per text ("" for none): each '
                 "translation starts with its prefix",
+            },
+            "constraints": {
+                "type": "array",
+                "items": {"type": ["array", "null"], "items": {"type": "string"}},
+                "description": "one entry per text: target phrases its translation must hold "
+                "(docs/constraints.md), or null or [] for none",
             },
             "suppress": {
                 "type": "array",

@@ -182,6 +182,21 @@ def test_decoding_options_answer_as_the_translator(server, translator, options, 
         assert prefixed and all(answer["translations"][i].startswith("ko") for i in prefixed)
 
 
+def test_constrained_translations_are_the_translators(server, translator):
+    from keras_transformer_runtime.spec import SearchOptions
+
+    constraints = [["ko"] if i % 3 == 0 else None for i in range(len(TEXTS))]
+    request = {"texts": TEXTS, "beam_size": 2, "max_length": 12, "constraints": constraints}
+    status, answer, _ = post(server.port, request)
+    assert status == 200, answer
+    expected = translator.translate(
+        TEXTS, options=SearchOptions(beam_size=2, max_length=12), constraints=constraints
+    )
+    assert answer["translations"] == expected
+    held = [i for i, c in enumerate(constraints) if c and TEXTS[i].strip()]
+    assert held and all("ko" in answer["translations"][i].split() for i in held)
+
+
 def test_concurrent_requests_share_one_batch(server, translator):
     before = server.metrics()
     texts = TEXTS[:3] + TEXTS[4:]
@@ -225,6 +240,9 @@ REFUSALS = [
     ({"texts": ["a", "b"], "prefixes": ["a"]}, 400, '1 "prefixes" for 2 texts'),
     ({"texts": ["a"], "suppress": [" "]}, 400, "which has no tokens"),
     ({"texts": ["a"], "seed": 1.5}, 400, '"seed" must be an integer. Received: 1.5'),
+    ({"texts": ["a"], "constraints": [["ko"], []]}, 400, '"constraints" must be a list with one'),
+    ({"texts": ["a"], "constraints": [[3]]}, 400, '"constraints"[0] must be a list of strings'),
+    ({"texts": ["", "ka"], "constraints": [None, ["qqq"]]}, 400, "texts[1]"),
     ({"texts": ["a"], "return_scores": "yes"}, 400, '"return_scores" must be true or false'),
     ({"texts": ["a"] * 51}, 413, "51 texts in one request; this server takes at most 50"),
     ({"texts": ["a" * 80_000]}, 413, "bytes; this server takes at most"),
