@@ -144,7 +144,14 @@ def build_parser():
         "--max-decoding-length",
         type=int,
         default=512,
-        help="largest max_decoding_length a request may ask for (default 512)",
+        help="largest max_length a request may ask for (default 512)",
+    )
+    add(
+        "--max-text-tokens",
+        type=int,
+        default=1024,
+        help="source tokens per text at most (after max_input_length); beyond, 413: the "
+        "encoder's memory grows with the square of a text's length (default 1024)",
     )
     add(
         "--request-timeout",
@@ -171,7 +178,7 @@ def check_settings(args):
     """Refuses flags out of range with SystemExit (a message, status 2)."""
     positive = (
         "port workers threads max_batch_sentences max_batch_tokens max_queue_sentences "
-        "max_texts max_chars max_beam_size max_decoding_length"
+        "max_texts max_chars max_beam_size max_decoding_length max_text_tokens"
     ).split()
     for name in positive:
         value = getattr(args, name)
@@ -534,9 +541,11 @@ def create_app(engine, settings):
         body = await read_body(request)
         text, warning = decode_body(body)
         try:
-            data = json.loads(text)
+            data = json.loads(text.removeprefix("\ufeff"))  # a byte order mark is harmless
         except json.JSONDecodeError as error:
             raise Refusal(400, f"the body is not valid JSON: {error}") from None
+        except RecursionError:
+            raise Refusal(400, "the body is not valid JSON: nested too deeply") from None
         texts, prefixes, constraints, options, return_scores = parse_request(
             data, settings, engine.tokenizer
         )
@@ -573,6 +582,15 @@ def create_app(engine, settings):
             message = re.sub(r"\bline (\d+)", lambda m: f"texts[{int(m[1]) - 1}]", str(error))
             raise Refusal(400, message) from None
         sources = [ids for ids, _ in encoded]
+        too_long = [i for i, ids in enumerate(sources) if len(ids) > settings.max_text_tokens]
+        if too_long:
+            i = too_long[0]
+            raise Refusal(
+                413,
+                f"texts[{i}] has {len(sources[i])} tokens; this server takes at most "
+                f"{settings.max_text_tokens} per text (--max-text-tokens): split it, or set "
+                "max_input_length to truncate it",
+            )
         for name, rows, reason in (
             ("max_input_length", [i for i, (_, cut) in enumerate(encoded) if cut], "truncated"),
             (

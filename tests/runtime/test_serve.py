@@ -111,6 +111,7 @@ def server(tiny_export, tmp_path_factory):
     export, _ = tiny_export
     flags = ["--workers", "1", "--threads", "1", "--max-wait-ms", "300"]
     flags += ["--max-texts", "50", "--max-chars", "2000", "--max-beam-size", "8"]
+    flags += ["--max-text-tokens", "64"]
     running = Server(export, *flags, log_dir=tmp_path_factory.mktemp("serve"))
     yield running
     running.stop()
@@ -241,6 +242,8 @@ REFUSALS = [
     ({"texts": ["a"], "return_scores": "yes"}, 400, '"return_scores" must be true or false'),
     ({"texts": ["a"] * 51}, 413, "51 texts in one request; this server takes at most 50"),
     ({"texts": ["a" * 80_000]}, 413, "bytes; this server takes at most"),
+    ({"texts": ["ok", "ka " * 70]}, 413, "texts[1] has 71 tokens; this server takes at most 64"),
+    (b"[" * 20_000 + b"]" * 20_000, 400, "the body is not valid JSON: nested too deeply"),
     ({"texts": ["abcd " * 401]}, 413, "2005 characters in one request"),
 ]
 
@@ -263,6 +266,7 @@ def test_unknown_paths_and_methods_answer_json_errors(server):
 def test_empty_requests_and_undecodable_text(server, translator):
     assert post(server.port, {"texts": []})[1] == {"translations": []}
     assert post(server.port, {"texts": ["", " "]})[1] == {"translations": ["", ""]}
+    assert post(server.port, b'\xef\xbb\xbf{"texts": [""]}')[1] == {"translations": [""]}
     # Invalid UTF-8 reads as U+FFFD, as keras-transformer-translate reads it, and the answer says so.
     status, answer, _ = post(server.port, b'{"texts": ["ka \xff ko", "mina"], "beam_size": 1}')
     assert status == 200
@@ -382,3 +386,19 @@ def test_a_model_that_fails_to_load_exits_with_a_message(tmp_path):
     assert "error: cannot load the model" in result.stderr
     assert f"manifest.json missing: {tmp_path}" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_the_server_imports_neither_tensorflow_nor_keras(tiny_export):
+    code = (
+        "import sys\n"
+        "from keras_transformer_runtime import serve\n"
+        f"args = serve.build_parser().parse_args([{tiny_export[0]!r}])\n"
+        "engine = serve.Engine(args.onnx_dir, 1, 1)\n"
+        "serve.create_app(engine, args)\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('tensorflow', 'keras')))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
