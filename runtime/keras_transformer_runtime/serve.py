@@ -326,7 +326,7 @@ def _strings(data, name, required=False):
     value = data.get(name)
     if value is None:
         if required:
-            raise Refusal(400, f'the field "{name}" (a list of strings) is missing')
+            raise Refusal(400, f'the field "{name}" (a list of strings) is missing or null')
         return None
     if not isinstance(value, list):
         raise Refusal(400, f'"{name}" must be a list of strings, not {_json_type(value)}')
@@ -541,7 +541,8 @@ def create_app(engine, settings):
         body = await read_body(request)
         text, warning = decode_body(body)
         try:
-            data = json.loads(text.removeprefix("\ufeff"))  # a byte order mark is harmless
+            # A byte order mark and raw tabs or line breaks inside strings are harmless.
+            data = json.loads(text.removeprefix("\ufeff"), strict=False)
         except json.JSONDecodeError as error:
             raise Refusal(400, f"the body is not valid JSON: {error}") from None
         except RecursionError:
@@ -591,19 +592,22 @@ def create_app(engine, settings):
                 f"{settings.max_text_tokens} per text (--max-text-tokens): split it, or set "
                 "max_input_length to truncate it",
             )
-        for name, rows, reason in (
-            ("max_input_length", [i for i, (_, cut) in enumerate(encoded) if cut], "truncated"),
+        for what, rows, reason in (
             (
-                "the model's max_length",
+                f"max_input_length={options.max_input_length}",
+                [i for i, (_, cut) in enumerate(encoded) if cut],
+                "truncated",
+            ),
+            (
+                f"the model's max_length={engine.max_length}",
                 [i for i, s in enumerate(sources) if len(s) > engine.max_length],
                 "translated whole, quality may suffer",
             ),
         ):
             if rows:
-                shown = ", ".join(map(str, rows[:MAX_WARNINGS])) + (
-                    ", ..." if len(rows) > MAX_WARNINGS else ""
-                )
-                warnings.append(f"texts {shown} have more tokens than {name}: {reason}")
+                shown = ", ".join(f"texts[{i}]" for i in rows[:MAX_WARNINGS])
+                more = ", ..." if len(rows) > MAX_WARNINGS else ""
+                warnings.append(f"{shown}{more}: more tokens than {what}; {reason}")
         wanted = [i for i, s in enumerate(sources) if s]
         outputs = [None] * len(texts)
         if len(wanted) < len(texts):

@@ -15,6 +15,7 @@ import time
 
 import pytest
 from keras_transformer_runtime.runtime import OnnxTranslator
+from keras_transformer_runtime.spec import SearchOptions
 
 pytestmark = pytest.mark.integration
 
@@ -152,8 +153,6 @@ def test_translations_are_the_translators_in_input_order(server, translator, bea
     ],
 )
 def test_decoding_options_answer_as_the_translator(server, translator, options, prefixes):
-    from keras_transformer_runtime.spec import SearchOptions
-
     if prefixes:
         prefixes = ["ko" if i % 2 else "" for i in range(len(TEXTS))]
     request = {"texts": TEXTS, **options, "return_scores": True}
@@ -179,8 +178,6 @@ def test_decoding_options_answer_as_the_translator(server, translator, options, 
 
 
 def test_constrained_translations_are_the_translators(server, translator):
-    from keras_transformer_runtime.spec import SearchOptions
-
     constraints = [["ko"] if i % 3 == 0 else None for i in range(len(TEXTS))]
     request = {"texts": TEXTS, "beam_size": 2, "max_length": 12, "constraints": constraints}
     status, answer, _ = post(server.port, request)
@@ -267,6 +264,13 @@ def test_empty_requests_and_undecodable_text(server, translator):
     assert post(server.port, {"texts": []})[1] == {"translations": []}
     assert post(server.port, {"texts": ["", " "]})[1] == {"translations": ["", ""]}
     assert post(server.port, b'\xef\xbb\xbf{"texts": [""]}')[1] == {"translations": [""]}
+    assert post(server.port, b'{"texts": ["\t"]}')[1] == {"translations": [""]}  # a raw tab
+    status, answer, _ = post(server.port, {"texts": ["ka ko li lo"], "max_input_length": 2})
+    assert status == 200
+    assert answer["warnings"] == ["texts[0]: more tokens than max_input_length=2; truncated"]
+    assert answer["translations"] == translator.translate(
+        ["ka"], options=SearchOptions(max_input_length=2)
+    )
     # Invalid UTF-8 reads as U+FFFD, as keras-transformer-translate reads it, and the answer says so.
     status, answer, _ = post(server.port, b'{"texts": ["ka \xff ko", "mina"], "beam_size": 1}')
     assert status == 200
