@@ -26,6 +26,7 @@ import numpy as np
 from keras import ops
 from keras_transformer_runtime.search import (
     EXTRA_OUTPUT_TOKENS,
+    add_alignments,
     banned_ids,
     beam_loop,
     check_beam_arguments,
@@ -39,7 +40,12 @@ from keras_transformer_runtime.search import (
     source_array,
     teacher_inputs,
 )
-from keras_transformer_runtime.spec import SearchOptions, truncate_source
+from keras_transformer_runtime.spec import (
+    SearchOptions,
+    alignment_layer,
+    alignments,
+    truncate_source,
+)
 from keras_transformer_runtime.specials import BOS_ID, EOS_ID, PAD_ID
 
 from keras_transformer.model import TransformerParts, transformer_parts
@@ -50,6 +56,7 @@ __all__ = [
     "EOS_ID",
     "EXTRA_OUTPUT_TOKENS",
     "PAD_ID",
+    "align",
     "beam_search",
     "greedy_search",
     "length_penalty_factor",
@@ -345,15 +352,25 @@ def search(model, source_ids, options=None, prefixes=None, indices=None, constra
             phrases (`keras_transformer_runtime.constraints`).
 
     Returns:
-        per sentence, its `spec.Hypothesis` list (`options.n_best` at most), best first.
+        per sentence, its `spec.Hypothesis` list (`options.n_best` at most), best
+        first, with their `alignment` when `options.alignment` asks for it (`align`).
     """
     options = options if options is not None else SearchOptions()
-    decoder = _decoder_for(model)
-    cap = decoder.config.max_length
+    cap = transformer_parts(model).config.max_length
     if options.max_input_length is not None:
         source, _ = _as_source_array(source_ids, cap)
         rows = [row[row != PAD_ID].tolist() for row in source]
         source_ids = [truncate_source(row, options.max_input_length) for row in rows]
+    found = _search(model, source_ids, options, prefixes, indices, constraints)
+    if options.alignment:  # read after the search: it never changes the search
+        add_alignments(found, source_ids, lambda s, t: align(model, s, t))
+    return found
+
+
+def _search(model, source_ids, options, prefixes, indices, constraints):
+    """`search` once the sources are truncated (no alignments)."""
+    decoder = _decoder_for(model)
+    cap = decoder.config.max_length
     if prefixes is not None and len(prefixes) != len(source_ids):
         raise ValueError(f"{len(prefixes)} target prefixes for {len(source_ids)} sentences.")
     options.check_ids(decoder.config.vocabulary_size, prefixes)
@@ -419,6 +436,22 @@ def score(model, source_ids, target_ids):
     for i, result in zip(rows, forced_scores(log_probs.astype(np.float64), targets), strict=True):
         found[i] = result
     return found
+
+
+def align(model, source_ids, target_ids):
+    """Per sentence, the source position each token of `target_ids[i]` attends to most:
+    `spec.alignments` of the cross-attention of `spec.alignment_layer`, averaged
+    over heads, teacher-forced, as `OnnxTranslator.align_ids`."""
+    if len(source_ids) != len(target_ids):
+        raise ValueError(f"{len(target_ids)} targets for {len(source_ids)} sources.")
+    if not len(source_ids):
+        return []
+    parts = transformer_parts(model)
+    source, lengths = _as_source_array(source_ids, parts.config.max_length)
+    targets = [[int(t) for t in target] for target in target_ids]
+    _, weights = parts.logits_and_cross_attention(source, teacher_inputs(targets))
+    layer = _to_numpy(weights[alignment_layer(parts.config.num_layers)])  # (B, N, T, S)
+    return alignments(layer.mean(1), lengths, [len(t) for t in targets])
 
 
 def sequence_log_probs(model, source_ids, target_tokens, ended=True):

@@ -157,6 +157,12 @@ class TransformerParts:
             A list with one float32 `(batch_size, num_heads, target_len, source_len)`
             array-like per decoder layer, first layer first.
         """
+        return self.logits_and_cross_attention(source_ids, target_ids)[1]
+
+    def logits_and_cross_attention(self, source_ids, target_ids):
+        """Teacher-forced float32 logits `(batch_size, target_len, vocabulary_size)` and
+        the cross-attention weights of every decoder layer (as
+        `cross_attention_weights`), from one pass."""
         encoder_output, source_mask = self.encode(source_ids)
         target_ids = ops.convert_to_tensor(target_ids, "int32")
         target_mask = padding_mask_from_ids(target_ids)
@@ -171,7 +177,7 @@ class TransformerParts:
                 return_attention_scores=True,
             )
             weights.append(ops.cast(scores, "float32"))
-        return weights
+        return self.project(y), weights
 
 
 def transformer_parts(model: keras.Model) -> TransformerParts:

@@ -369,3 +369,27 @@ def test_onnx_vs_ctranslate2_runs_every_system_and_writes_json(trained_run, corp
                 system.translate(lines, beam_size=beam, batch_size=4, parallel_batches=2)
                 == one_at_a_time
             )
+
+
+def test_data_scale_counts_the_memory_of_a_process_and_its_children():
+    import sys
+
+    from benchmarks.data_scale import run_measured, training_figures
+
+    # A parent and a child, each holding 200 MiB, then the marks a training child prints.
+    code = (
+        "import os, time\n"
+        "block = bytearray(200 * 2**20)\n"
+        "pid = os.fork()\n"
+        "held = bytearray(200 * 2**20) if pid == 0 else None\n"
+        "time.sleep(1.5)\n"
+        "if pid == 0:\n"
+        "    os._exit(0)\n"
+        "os.waitpid(pid, 0)\n"
+        "t = time.time(); print('FIRST_UPDATE', t); print('LAST_UPDATE', t + 1.9)\n"
+    )
+    result = run_measured([sys.executable, "-c", code])
+    figures = training_figures(result, tokens_per_batch=1000)
+    # The child's copy of `block` is shared, not counted twice; its own block is.
+    assert 0.39 < figures["peak_rss_gib"] < 0.6
+    assert figures["step_target_positions_per_second"] == round(1000 * 19 / 1.9)

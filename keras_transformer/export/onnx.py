@@ -17,7 +17,9 @@ Three graphs:
   `new_self_value_i` of length `past_len + 1`. The step index is the cache
   length: the first step gets caches of length 0, so one graph serves every
   step and the two can never disagree.
-- `model.onnx` (tf2onnx): `source_ids`, `target_ids` -> teacher-forced `logits`.
+- `model.onnx` (tf2onnx): `source_ids`, `target_ids` -> teacher-forced `logits`
+  and `alignment_weights (batch, target_len, source_len)`, the cross-attention
+  of `spec.alignment_layer` averaged over heads (scoring and alignments).
 - `greedy_search.onnx`, `beam_search.onnx` and their batch versions
   `greedy_batch_search.onnx`, `beam_batch_search.onnx`: the whole search,
   the decoder step inside an ONNX `Loop` (`keras_transformer.export.greedy_graph`,
@@ -56,6 +58,7 @@ import shutil
 import tempfile
 
 from keras_transformer_runtime.runtime import FORMAT_VERSION, MANIFEST
+from keras_transformer_runtime.spec import alignment_layer
 
 from keras_transformer.export.beam_graph import build_beam_batch_search, build_beam_search
 from keras_transformer.export.encoder_graph import build_encoder
@@ -234,10 +237,16 @@ def graph_functions(model):
     """
     import tensorflow as tf
 
+    from keras_transformer.model import transformer_parts
+
     ids_spec = tf.TensorSpec([None, None], tf.int32)
+    parts = transformer_parts(model)
+    layer = alignment_layer(parts.config.num_layers)
 
     def full_model(source_ids, target_ids):
-        return [model({"source_ids": source_ids, "target_ids": target_ids}, training=False)]
+        # One pass gives the logits (scoring) and the alignment layer's cross-attention.
+        logits, weights = parts.logits_and_cross_attention(source_ids, target_ids)
+        return [logits, tf.reduce_mean(weights[layer], axis=1)]  # (B, T, S): mean over heads
 
     return [
         (
@@ -247,7 +256,7 @@ def graph_functions(model):
                 tf.TensorSpec(ids_spec.shape, tf.int32, name="source_ids"),
                 tf.TensorSpec(ids_spec.shape, tf.int32, name="target_ids"),
             ],
-            ["logits"],
+            ["logits", "alignment_weights"],
         ),
     ]
 
@@ -512,8 +521,12 @@ def _name_dynamic_axes(proto):
                 value.name.startswith("cross_")
             ):
                 dim.dim_param = "source_len"
-            elif value.name in ("target_ids", "logits"):
+            elif value.name in ("target_ids", "logits") or (
+                value.name == "alignment_weights" and axis == 1
+            ):
                 dim.dim_param = "target_len"
+            elif value.name == "alignment_weights":
+                dim.dim_param = "source_len"
 
 
 def _describe(values):

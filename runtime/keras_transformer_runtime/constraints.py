@@ -206,13 +206,14 @@ def encode_constraints(phrases, encode, max_tokens=None, where="the sentence"):
     return constraints
 
 
-def sentence_constraints(texts, phrases, encode, model_max_length, max_length=None):
+def sentence_constraints(texts, phrases, encode, model_max_length, max_length=None, lengths=None):
     """Each text's `Constraints` from its phrases (a list of strings, or None for none).
 
     Checks every phrase against the output limit of its sentence (as
     `search.output_limits` sets it) before any search runs; errors name the
     sentence as "line N" (1-based). An empty text translates to an empty
-    output, so its phrases are not searched for.
+    output, so its phrases are not searched for. `lengths` are the sources'
+    token counts (EOS included) where they are known already (truncated, say).
     """
     if len(phrases) != len(texts):
         raise ValueError(
@@ -220,7 +221,8 @@ def sentence_constraints(texts, phrases, encode, model_max_length, max_length=No
         )
     from keras_transformer_runtime.search import output_limits  # search imports this module
 
-    lengths = [len(encode(text)) + 1 if text.strip() else 0 for text in texts]
+    if lengths is None:
+        lengths = [len(encode(text)) + 1 if text.strip() else 0 for text in texts]
     limits = output_limits(lengths, max_length, model_max_length)
     return [
         encode_constraints(entry, encode, max_tokens=limit - 1, where=f"line {i}")

@@ -23,6 +23,7 @@ import numpy as np
 from keras_transformer_runtime import tokenizers
 from keras_transformer_runtime.constraints import sentence_constraints
 from keras_transformer_runtime.search import (
+    add_alignments,
     beam_loop,
     check_beam_arguments,
     encode_prefixes,
@@ -37,7 +38,7 @@ from keras_transformer_runtime.search import (
     teacher_inputs,
     translate_texts,
 )
-from keras_transformer_runtime.spec import SearchOptions, truncate_source
+from keras_transformer_runtime.spec import SearchOptions, alignments, truncate_source
 from keras_transformer_runtime.specials import EOS_ID, PAD_ID
 
 MANIFEST = "manifest.json"
@@ -45,8 +46,9 @@ MANIFEST = "manifest.json"
 # into the manifest as `format_version` (the exporter imports it from here),
 # and an export of any other version is refused. 5: the encoder, the decoder
 # step with its `top_k` selection and cross keys and values once per
-# sentence, the four search graphs, and one weights file per precision.
-FORMAT_VERSION = 5
+# sentence, the four search graphs, and one weights file per precision;
+# 6: `model.onnx` also returns the alignment layer's cross-attention.
+FORMAT_VERSION = 6
 # Greedy batches of at most this many sentences run as one call of the
 # greedy_search graph (the loop inside ONNX Runtime, which computes a finished
 # sentence's row to the end); larger ones as one call of greedy_batch_search,
@@ -647,7 +649,8 @@ class OnnxTranslator:
 
         Returns:
             per sentence, its `spec.Hypothesis` list (`options.n_best` at most),
-            best first. Plain options without prefixes run the search graphs
+            best first, with their `alignment` when `options.alignment` asks
+            for it (`align_ids`). Plain options without prefixes run the search graphs
             (`greedy_search`, `beam_search`), so options not used cost
             nothing; any other runs `search.options_loop` over the decoder
             step, by the rules of `spec.SentenceSearch`.
@@ -670,6 +673,13 @@ class OnnxTranslator:
                 f"{len(constraints)} constraint lists for {len(source_ids)} sentences: give "
                 "one per sentence (an empty one for none)."
             )
+        found = self._search_checked(source_ids, options, prefixes, indices, constraints)
+        if options.alignment:  # read after the search: it never changes the search
+            add_alignments(found, source_ids, self.align_ids)
+        return found
+
+    def _search_checked(self, source_ids, options, prefixes, indices, constraints):
+        """`search` once its arguments are checked (no alignments)."""
         if options.is_plain() and not any(prefixes or ()) and not any(map(len, constraints or ())):
             _, limits = self._prepare(source_ids, options.max_length)
             if options.beam_size == 1:
@@ -741,6 +751,21 @@ class OnnxTranslator:
         for i, result in zip(rows, forced_scores(log_probs, targets), strict=True):
             found[i] = result
         return found
+
+    def align_ids(self, source_ids, target_ids):
+        """Per sentence, the source position each token of `target_ids[i]` attends to
+        most (`spec.alignments`, from `model.onnx`'s `alignment_weights`)."""
+        if len(source_ids) != len(target_ids):
+            raise ValueError(
+                f"{len(target_ids)} targets for {len(source_ids)} sources: give one each."
+            )
+        if not len(source_ids):
+            return []
+        source, lengths = source_array(source_ids, self.max_length, multiple=1)
+        targets = [[int(t) for t in target] for target in target_ids]
+        feeds = {"source_ids": source, "target_ids": teacher_inputs(targets)}
+        (weights,) = self.session("model").run(["alignment_weights"], feeds)
+        return alignments(weights, lengths, [len(t) for t in targets])
 
     def _checked_texts(self, sentences, name="sentences"):
         if isinstance(sentences, str):

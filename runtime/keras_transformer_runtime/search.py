@@ -39,6 +39,7 @@ __all__ = [
     "banned_ids",
     "beam_loop",
     "check_beam_arguments",
+    "add_alignments",
     "check_positive_int",
     "encode_prefixes",
     "forced_scores",
@@ -588,13 +589,29 @@ def plain_hypotheses(tokens, scores, limits, options):
     return found
 
 
+def add_alignments(found, sources, align):
+    """Sets `alignment` on every hypothesis of `found` (per source, a list) with
+    `align(source_ids, target_ids) -> per pair, source positions`, one call."""
+    pairs = [
+        (source, h) for source, hypotheses in zip(sources, found, strict=True) for h in hypotheses
+    ]
+    if pairs:
+        for (_, h), positions in zip(
+            pairs, align([s for s, _ in pairs], [h.tokens for _, h in pairs]), strict=True
+        ):
+            h.alignment = positions
+
+
 def hypothesis_records(hypotheses, decode):
-    """A sentence's hypotheses as JSON-ready dicts: text, score, log_prob (and token_scores)."""
+    """A sentence's hypotheses as JSON-ready dicts: text, score, log_prob (and
+    token_scores, alignment: source positions, one per output token)."""
     records = []
     for h in hypotheses:
         record = {"text": decode(h.tokens), "score": h.score, "log_prob": h.log_prob}
         if h.token_scores is not None:
             record["token_scores"] = h.token_scores
+        if h.alignment is not None:
+            record["alignment"] = h.alignment
         records.append(record)
     return records
 

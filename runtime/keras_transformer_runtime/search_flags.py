@@ -30,6 +30,12 @@ def add_search_flags(parser, outputs=True):
         add("--token-scores", action="store_true", help="also each token's log-probability")
         add("--format", choices=FORMATS, default="text", help="output format (default text)")
         add(
+            "--alignment",
+            action="store_true",
+            help="also, per output token, the source token it attends to most "
+            "('source-target' position pairs, 0-based, of the tokenized sentences)",
+        )
+        add(
             "--score",
             metavar="FILE",
             help="forced decoding: print the log-probability of FILE's line N as the "
@@ -109,6 +115,7 @@ def options_from_args(args, beam_size, length_penalty, tokenizer):
             sampling_temperature=args.sampling_temperature,
             seed=args.seed,
             max_input_length=args.max_input_length,
+            alignment=getattr(args, "alignment", False),
         )
     except ValueError as error:
         raise SystemExit(f"error: {_as_flag(str(error))}") from None
@@ -146,6 +153,7 @@ def is_plain_run(args, options):
         options.is_plain()
         and options.max_input_length is None
         and not (args.prefix or getattr(args, "score", None) or getattr(args, "scores", False))
+        and not options.alignment
         and not args.constraints
         and getattr(args, "format", "text") == "text"
     )
@@ -205,8 +213,10 @@ def _numbers(values):
 
 def format_hypotheses(index, hypotheses, args):
     """Line `index`'s hypotheses in --format: text (one line each, 'score<TAB>' first
-    with --scores, '<TAB>token scores' after with --token-scores), tsv (line number,
-    rank, score, log_prob, text[, token scores]) or jsonl (one object per input line)."""
+    with --scores, '<TAB>token scores' after with --token-scores, then '<TAB>' and
+    the alignment as 'source-target' pairs with --alignment), tsv (line number,
+    rank, score, log_prob, text[, token scores][, alignment]) or jsonl (one object
+    per input line)."""
     if args.format == "jsonl":
         return json.dumps({"line": index + 1, "hypotheses": hypotheses}, ensure_ascii=False) + "\n"
     rows = []
@@ -218,6 +228,8 @@ def format_hypotheses(index, hypotheses, args):
             fields = ([f"{h['score']:.4f}"] if args.scores else []) + [h["text"]]
         if "token_scores" in h:
             fields.append(_numbers(h["token_scores"]))
+        if "alignment" in h:
+            fields.append(" ".join(f"{s}-{t}" for t, s in enumerate(h["alignment"])))
         rows.append("\t".join(fields) + "\n")
     return "".join(rows)
 

@@ -294,6 +294,7 @@ OPTION_TYPES = {
     "seed": (_is_int, "an integer"),
     "max_input_length": (_is_int, "an integer"),
     "token_scores": (lambda v: isinstance(v, bool), "true or false"),
+    "alignment": (lambda v: isinstance(v, bool), "true or false"),
 }
 OPTION_HELP = {
     "beam_size": "live hypotheses kept; 1 is greedy search (or sampling)",
@@ -310,6 +311,7 @@ OPTION_HELP = {
     "seed": "sampling: text i of the request draws from a generator seeded (seed, i)",
     "max_input_length": "sources longer than this many tokens are truncated (with a warning)",
     "token_scores": "answer hypotheses with each token's log-probability",
+    "alignment": "answer hypotheses with each token's most attended source position",
 }
 REQUEST_FIELDS = (
     "texts",
@@ -569,6 +571,7 @@ def create_app(engine, settings):
                     engine.tokenizer.encode,
                     engine.max_length,
                     options.max_length,
+                    lengths=[len(ids) for ids, _ in encoded],  # as truncated
                 )
             return encoded, prefix_ids, phrases
 
@@ -631,7 +634,7 @@ def create_app(engine, settings):
         payload = {"translations": [hypotheses[0]["text"] for hypotheses in outputs]}
         if return_scores:
             payload["scores"] = [hypotheses[0]["score"] for hypotheses in outputs]
-        if options.n_best > 1 or options.token_scores:
+        if options.n_best > 1 or options.token_scores or options.alignment:
             payload["hypotheses"] = outputs
         if warnings:
             payload["warnings"] = warnings
@@ -818,8 +821,8 @@ def openapi_schema(settings):
             "hypotheses": {
                 "type": "array",
                 "items": {"type": "array", "items": {"type": "object"}},
-                "description": "with n_best > 1 or token_scores: per text its hypotheses, best "
-                "first, each {text, score, log_prob[, token_scores]}",
+                "description": "with n_best > 1, token_scores or alignment: per text its "
+                "hypotheses, best first, each {text, score, log_prob[, token_scores][, alignment]}",
             },
             "warnings": {
                 "type": "array",

@@ -150,6 +150,7 @@ def test_translations_are_the_translators_in_input_order(server, translator, bea
     [
         (dict(beam_size=4, n_best=2, token_scores=True, max_length=12, min_length=2), None),
         (dict(beam_size=1, sampling_topk=0, seed=7, no_repeat_ngram_size=2), True),
+        (dict(beam_size=2, alignment=True), None),
     ],
 )
 def test_decoding_options_answer_as_the_translator(server, translator, options, prefixes):
@@ -163,7 +164,11 @@ def test_decoding_options_answer_as_the_translator(server, translator, options, 
     expected = translator.translate_hypotheses(TEXTS, SearchOptions(**options), prefixes)
     assert answer["translations"] == [hypotheses[0]["text"] for hypotheses in expected]
     assert answer["scores"] == pytest.approx([h[0]["score"] for h in expected], abs=1e-5)
-    if options.get("n_best", 1) > 1:
+    if options.get("alignment"):
+        got = answer["hypotheses"]
+        assert [hs[0]["alignment"] for hs in got] == [hs[0]["alignment"] for hs in expected]
+        assert any(hs[0]["alignment"] for hs in got)
+    elif options.get("n_best", 1) > 1:
         got = answer["hypotheses"]
         assert [[h["text"] for h in hs] for hs in got] == [
             [h["text"] for h in hs] for hs in expected

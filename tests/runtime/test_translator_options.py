@@ -197,3 +197,33 @@ def test_both_commands_take_the_same_decoding_flags(toy, toy_run, tmp_path, monk
         translator.onnx_dir, lines, "--beam", "1", "--sampling-topk", "0", "--sampling-topp", "2"
     )
     assert refused.returncode != 0 and r"--sampling-topp must be in (0, 1]" in refused.stderr
+
+
+def test_alignments_find_the_toy_languages_word_order(toy, toy_run):
+    """The toy target reverses the source and rewrites each word (some as two):
+    its gold alignment is known. The alignment layer's cross-attention finds
+    most of it, in ONNX Runtime and Keras alike."""
+    model, tokenizer, translator = toy
+    corpus = toy_run[1]
+    pairs = corpus.test[:40]
+    sources = source_ids(tokenizer, [s for s, _ in pairs])
+    targets = [tokenizer.encode(t) for _, t in pairs]
+    found = translator.align_ids(sources, targets)
+    assert found == decoding.align(model, sources, targets)
+    right = total = 0
+    for (source, _), positions in zip(pairs, found, strict=True):
+        words = source.split()
+        gold = [
+            len(words) - 1 - i for i, word in enumerate(reversed(words)) for _ in corpus.table[word]
+        ]
+        assert len(positions) == len(gold)
+        right += sum(p == g for p, g in zip(positions, gold, strict=True))
+        total += len(gold)
+    assert right / total > 0.6, right / total  # 0.70 when the layer was chosen
+    records = translator.translate_hypotheses(
+        [s for s, _ in pairs[:3]], SearchOptions(beam_size=2, alignment=True)
+    )
+    for (source, _), hypotheses in zip(pairs[:3], records, strict=True):
+        alignment = hypotheses[0]["alignment"]
+        assert len(alignment) == len(hypotheses[0]["text"].split())
+        assert all(0 <= p <= len(source.split()) for p in alignment)
