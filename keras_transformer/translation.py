@@ -153,7 +153,7 @@ def translate_hypotheses(
     if prefixes is not None:
         if len(prefixes) != len(lines):
             raise ValueError(f"{len(prefixes)} prefixes for {len(lines)} lines.")
-        prefix_ids = encode_prefixes(tokenizer, prefixes)
+        prefix_ids = encode_prefixes(tokenizer, prefixes, options.max_length)
     phrases = None
     if constraints is not None:
         limit = transformer_parts(model).config.max_length

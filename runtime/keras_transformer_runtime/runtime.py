@@ -808,7 +808,7 @@ class OnnxTranslator:
             prefixes = self._checked_texts(prefixes, "prefixes")
             if len(prefixes) != len(sentences):
                 raise ValueError(f"{len(prefixes)} prefixes for {len(sentences)} sentences.")
-            prefix_ids = encode_prefixes(self.tokenizer, prefixes)
+            prefix_ids = encode_prefixes(self.tokenizer, prefixes, options.max_length)
         phrases = None
         if constraints is not None:
             phrases = sentence_constraints(

@@ -563,7 +563,11 @@ def create_app(engine, settings):
 
         def prepare():
             encoded = [engine.encode(t, options.max_input_length) for t in texts]
-            prefix_ids = encode_prefixes(engine.tokenizer, prefixes) if prefixes else None
+            prefix_ids = (
+                encode_prefixes(engine.tokenizer, prefixes, options.max_length)
+                if prefixes
+                else None
+            )
             phrases = None
             if constraints is not None:
                 phrases = sentence_constraints(
