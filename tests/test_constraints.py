@@ -109,6 +109,16 @@ def test_translate_commands_read_constraints_files(
     with pytest.raises(SystemExit, match="has 1 lines, the input 9"):
         cli.main(["translate", run_dir, "--constraints", str(tsv)])
 
+    # evaluate takes them too (a file of the lines with text: read_parallel skips none).
+    kept = [i for i, line in enumerate(lines) if line]
+    src, ref, hyp = tmp_path / "src.txt", tmp_path / "ref.txt", tmp_path / "out.hyp"
+    src.write_text("".join(lines[i] + "\n" for i in kept), encoding="utf-8")
+    ref.write_text("".join(expected[i] + "\n" for i in kept), encoding="utf-8")
+    tsv.write_text("".join("\t".join(phrases[i]) + "\n" for i in kept), encoding="utf-8")
+    flags = ["--src", str(src), "--ref", str(ref), "--output", str(hyp), "--beam", "3"]
+    assert cli.main(["evaluate", run_dir, *flags, "--constraints", str(tsv)]) == 0
+    assert hyp.read_text(encoding="utf-8").splitlines() == [expected[i] for i in kept]
+
 
 def test_bad_constraints_are_refused_naming_the_line(exported, tmp_path):
     _, tokenizer, translator, out = exported("float32")

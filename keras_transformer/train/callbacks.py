@@ -8,7 +8,6 @@ import time
 
 import keras
 
-from keras_transformer.distribute import chief_value
 from keras_transformer.io_utils import atomic_path, atomic_write_json
 from keras_transformer.train.checkpoints import (
     _checkpoint_epoch,
@@ -16,6 +15,7 @@ from keras_transformer.train.checkpoints import (
     patience_spent,
     ranked_epochs,
 )
+from keras_transformer.train.data_parallel import SINGLE_PROCESS
 from keras_transformer.train.settings import KEEP_CHECKPOINTS
 
 
@@ -54,7 +54,9 @@ class _RunRecorder(keras.callbacks.Callback):
     `select_by`. Stops at the end of an epoch when `max_minutes` of training
     (summed over restarts) would be exceeded by one more epoch like the last,
     after `max_steps` optimizer updates, and when `patience` epochs passed
-    without a better validation measure.
+    without a better validation measure. In a run of several processes
+    (`processes`), every process writes to its own folder (saving is a
+    collective), and process 0's decisions to stop hold for all.
     """
 
     def __init__(
@@ -64,14 +66,14 @@ class _RunRecorder(keras.callbacks.Callback):
         max_steps=None,
         max_minutes=None,
         keep=KEEP_CHECKPOINTS,
-        strategy=None,
+        processes=SINGLE_PROCESS,
         select_by="loss",
         patience=None,
         epoch_fields=None,
     ):
         super().__init__()
         self.epoch_fields = dict(epoch_fields or {})
-        self.strategy = strategy
+        self.processes = processes
         self.out_dir = out_dir
         self.history = history
         self.max_steps = max_steps
@@ -108,6 +110,13 @@ class _RunRecorder(keras.callbacks.Callback):
         entry.update({k: float(v) for k, v in (logs or {}).items()})
         entry.update(self.epoch_fields)
         self.history.append(entry)
+        self._write(epoch)
+        # Each process times itself; all stop when process 0 does.
+        spent = self.budget_spent() or patience_spent(self.history, self.select_by, self.patience)
+        if self.processes.first_value(spent):
+            self.model.stop_training = True
+
+    def _write(self, epoch):
         path = os.path.join(self.checkpoint_dir, f"epoch-{epoch + 1:03d}.weights.h5")
         with atomic_path(path, suffix=".weights.h5") as tmp:
             self.model.save_weights(tmp)
@@ -118,32 +127,50 @@ class _RunRecorder(keras.callbacks.Callback):
             if _checkpoint_epoch(old) not in wanted:
                 os.remove(old)
         atomic_write_json(os.path.join(self.out_dir, "history.json"), self.history)
-        # Each worker times itself; all stop when the chief does.
-        spent = self.budget_spent() or patience_spent(self.history, self.select_by, self.patience)
-        if chief_value(self.strategy, spent):
-            self.model.stop_training = True
 
 
 class _ValidationBleu(keras.callbacks.Callback):
     """Adds `val_bleu` and `val_bleu_lowercase` (greedy, sacreBLEU) to each epoch's logs.
 
     Runs before the recorder, so the scores reach `history.json`, the
-    checkpoint ranking and TensorBoard.
+    checkpoint ranking and TensorBoard. In a data-parallel run
+    (`processes.distribution`), process 0 decodes alone, on a one-device copy
+    of the model outside the distribution, and every process gets its scores.
     """
 
-    def __init__(self, tokenizer, pairs, every=1):
+    def __init__(self, tokenizer, pairs, every=1, processes=SINGLE_PROCESS):
         super().__init__()
         self.tokenizer = tokenizer
         self.pairs = pairs
         self.every = every  # epochs: as model.fit's validation_freq
+        self.processes = processes
+        self._copy = None
 
     def on_epoch_end(self, epoch, logs=None):
         if (epoch + 1) % self.every:
             return
-        scores = _bleu_on(self.model, self.tokenizer, self.pairs, beam_size=1)
+        if self.processes.distribution is None:
+            scores = _bleu_on(self.model, self.tokenizer, self.pairs, beam_size=1)
+            values = [scores["bleu"], scores["bleu_lowercase"]]
+        else:
+            values = [0.0, 0.0]
+            if self.processes.first:
+                scores = self._bleu_on_one_device()
+                values = [scores["bleu"], scores["bleu_lowercase"]]
+            values = [float(v) for v in self.processes.first_arrays(values)]
         if logs is not None:
-            logs["val_bleu"] = scores["bleu"]
-            logs["val_bleu_lowercase"] = scores["bleu_lowercase"]
+            logs["val_bleu"], logs["val_bleu_lowercase"] = values
+
+    def _bleu_on_one_device(self):
+        distribution = keras.distribution.distribution()
+        keras.distribution.set_distribution(None)  # decode with local variables and inputs
+        try:
+            if self._copy is None:
+                self._copy = keras.models.clone_model(self.model)
+            self._copy.set_weights(self.model.get_weights())
+            return _bleu_on(self._copy, self.tokenizer, self.pairs, beam_size=1)
+        finally:
+            keras.distribution.set_distribution(distribution)
 
 
 def _bleu_on(model, tokenizer, pairs, beam_size, progress=False) -> dict:

@@ -8,7 +8,6 @@ import contextlib
 import keras
 
 from keras_transformer.config import TransformerConfig
-from keras_transformer.distribute import enable_multi_worker_fit
 from keras_transformer.losses import LabelSmoothedCrossEntropy, MaskedAccuracy
 from keras_transformer.model import build_transformer
 from keras_transformer.precision import resolve_precision
@@ -38,7 +37,9 @@ def build_and_compile(
     zero (`TransformerSchedule`). `rdrop_alpha` > 0 adds R-Drop's consistency
     term to the loss; the batches must then hold each sentence twice
     (`keras_transformer.data.pipeline.duplicate_rows`).
-    `strategy` None is the default (one-device) strategy.
+    `strategy` (anything with a `scope()`: a `tf.distribute.Strategy`, or a
+    `keras.distribution.Distribution` under JAX) places the variables; None
+    is one device.
 
     Example:
 
@@ -72,4 +73,4 @@ def build_and_compile(
         # The optimizer's slots now, not on first use: built inside the first
         # trace of the training step, they make TensorFlow trace it twice.
         model.optimizer.build(model.trainable_variables)
-    return enable_multi_worker_fit(model, strategy)
+    return model

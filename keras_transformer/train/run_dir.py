@@ -6,12 +6,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import tempfile
 
 import numpy as np
 
 from keras_transformer.data.tokenizer import SentencePieceTokenizer, train_sentencepiece
-from keras_transformer.distribute import chief_value, is_chief, working_directory
 from keras_transformer.io_utils import atomic_write_json
+from keras_transformer.train.data_parallel import SINGLE_PROCESS, Processes
 from keras_transformer.train.settings import RESUMABLE_FIELDS, TrainSettings
 
 
@@ -58,16 +59,28 @@ def _check_run_directory(out_dir: str, settings: TrainSettings) -> bool:
 
 @dataclasses.dataclass
 class _Run:
-    """What the stages of `train` share: where the run lives and who writes it."""
+    """What the stages of `train` share: where the run lives and who writes it.
+
+    `strategy` is a `tf.distribute.Strategy`, or the `keras.distribution`
+    of a data-parallel run (`processes.distribution`), or None.
+    """
 
     out_dir: str
     resume: bool
     strategy: object
-    chief: bool
+    processes: Processes
     verbose: int
 
     @property
+    def chief(self) -> bool:
+        """True on the process that writes the run directory (process 0)."""
+        return self.processes.first
+
+    @property
     def replicas(self) -> int:
+        """Devices that share each global batch."""
+        if self.processes.distribution is not None:
+            return self.processes.devices
         return self.strategy.num_replicas_in_sync if self.strategy is not None else 1
 
     def log(self, *args, **kwargs):
@@ -75,17 +88,22 @@ class _Run:
             print(*args, **kwargs)
 
 
-def _open_run(settings, out_dir, verbose, strategy) -> _Run:
-    """The run directory: checked against an earlier run, created, and its settings written."""
-    chief = is_chief()
-    out_dir = working_directory(out_dir)  # a private folder on non-chief workers
+def _open_run(settings, out_dir, verbose, strategy, processes=SINGLE_PROCESS) -> _Run:
+    """The run directory: checked against an earlier run, created, and its settings written.
+
+    Only process 0 opens `out_dir`; every other process of a data-parallel run
+    writes to a new temporary folder of its own (its tokenizer, its settings),
+    and takes process 0's history and state: nothing there outlives the start.
+    """
+    if not processes.first:
+        out_dir = tempfile.mkdtemp(prefix=f"keras-transformer-process-{processes.index}-")
     resume = _check_run_directory(out_dir, settings)
     os.makedirs(out_dir, exist_ok=True)
     atomic_write_json(
         os.path.join(out_dir, "train_config.json"),
         {**settings.identity(), **{k: getattr(settings, k) for k in RESUMABLE_FIELDS}},
     )
-    return _Run(out_dir, resume, strategy, chief, verbose if chief else 0)
+    return _Run(out_dir, resume, strategy, processes, verbose if processes.first else 0)
 
 
 def _read_history(run) -> list:
@@ -98,8 +116,8 @@ def _read_history(run) -> list:
 
 
 def _epochs_done(run) -> int:
-    """The epochs in the chief's `history.json` (0 for a new run), the same on every worker."""
-    return chief_value(run.strategy, len(_read_history(run)))
+    """The epochs in process 0's `history.json` (0 for a new run), the same on every process."""
+    return run.processes.first_value(len(_read_history(run)))
 
 
 def stream_seed(seed: int, epochs_done: int) -> int:
@@ -123,7 +141,7 @@ def stream_seed(seed: int, epochs_done: int) -> int:
 
 
 def _portable_identity(settings) -> bytes:
-    """The settings that every worker of a run must share, without machine-specific file paths."""
+    """The settings that every process of a run must share, without machine-specific file paths."""
     values = settings.identity()
     for name in ("src_train", "tgt_train", "src_valid", "tgt_valid", "data"):
         values.pop(name, None)

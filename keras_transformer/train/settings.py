@@ -20,7 +20,7 @@ from keras_transformer.checks import check_consistency
 from keras_transformer.config import TransformerConfig
 from keras_transformer.data.pipeline import DataError, SubwordSampling, check_batch_fits
 from keras_transformer.data.tokenizer import DEFAULT_VOCABULARY_SIZE
-from keras_transformer.distribute import STRATEGIES
+from keras_transformer.distribute import STRATEGIES, check_strategy
 from keras_transformer.precision import CHOICES as PRECISION_CHOICES
 
 # Settings that only say when to stop or how to finish; changing them resumes the run.
@@ -33,6 +33,10 @@ RESUMABLE_FIELDS = (
     "final",
     "valid_beam",
     "strategy",
+    # Where this process sits in a data-parallel run: differs between processes and starts.
+    "coordinator",
+    "num_processes",
+    "process_id",
 )
 
 # Epoch checkpoints kept, and the most that the final weights average (`average`).
@@ -73,9 +77,8 @@ DEFAULT_EPOCHS = 10
 
 def default_select_by(strategy: str) -> str:
     """The measure that ranks epochs when none is asked for: greedy validation
-    BLEU, the one a translation is judged by; validation loss under
-    multi-worker training, where BLEU is not decoded."""
-    return "loss" if strategy == "multi-worker" else "bleu"
+    BLEU, the one a translation is judged by, with every strategy."""
+    return "bleu"
 
 
 def automatic_tokens_per_batch(pairs, accumulate_steps=1):
@@ -283,13 +286,13 @@ class TrainSettings:
         help="training time; stops after the epoch where one more would exceed it",
     )
     # The validation measure that ranks epochs: "loss" or "bleu" (greedy); None:
-    # "bleu", the measure a translation is judged by, or "loss" with multi-worker.
+    # "bleu", the measure a translation is judged by.
     select_by: str | None = option(
         None,
         group="selection",
         choices=MEASURES,
         help="the measure that ranks epochs: greedy BLEU, decoded after every epoch "
-        "(default), or validation loss (the default with --strategy multi-worker)",
+        "(default), or validation loss",
     )
     # Stop after this many epochs without a better validation measure.
     patience: int | None = option(
@@ -347,19 +350,49 @@ class TrainSettings:
         "AMX), float32 elsewhere (default: %(default)s)",
     )
     jit_compile: bool = option(False, group="devices", help="compile the train step with XLA")
+    # No argparse choices: a retired name gets its own message (check_strategy).
     strategy: str = option(
         "default",
         group="devices",
-        choices=STRATEGIES,
-        help="tf.distribute strategy: default, one device; mirrored, all GPUs of this "
-        "machine; multi-worker, the cluster in TF_CONFIG (default: %(default)s)",
+        metavar="{" + ",".join(STRATEGIES) + "}",
+        help="default, one device; mirrored, all GPUs of this machine (tf.distribute); "
+        "data-parallel, the devices of every process of the run (KERAS_BACKEND=jax, "
+        "keras.distribution; see --coordinator) (default: %(default)s)",
+    )
+    # A data-parallel run of several processes (hosts); None: Keras' environment
+    # variables (keras_transformer.train.data_parallel), else one process.
+    coordinator: str | None = option(
+        None,
+        group="devices",
+        metavar="HOST:PORT",
+        help="data-parallel: process 0's address, the same on every process (default: "
+        "$KERAS_DISTRIBUTION_JOB_ADDRESSES)",
+    )
+    num_processes: int | None = option(
+        None,
+        group="devices",
+        metavar="N",
+        help="data-parallel: processes in the run (default: $KERAS_DISTRIBUTION_NUM_PROCESSES, "
+        "else 1)",
+    )
+    process_id: int | None = option(
+        None,
+        group="devices",
+        metavar="I",
+        help="data-parallel: this process, 0 to N-1; process 0 writes --out (default: "
+        "$KERAS_DISTRIBUTION_PROCESS_ID)",
     )
 
     def __post_init__(self):
-        if self.strategy not in STRATEGIES:
+        check_strategy(self.strategy)
+        if self.strategy != "data-parallel" and (
+            self.coordinator is not None
+            or self.num_processes is not None
+            or self.process_id is not None
+        ):
             raise ValueError(
-                f"strategy must be one of {', '.join(STRATEGIES)}. "
-                f"Received: strategy={self.strategy!r}"
+                "coordinator, num_processes and process_id place a process in a data-parallel "
+                f"run; they need strategy='data-parallel'. Received: strategy={self.strategy!r}"
             )
         if self.select_by is None:
             self.select_by = default_select_by(self.strategy)
@@ -372,11 +405,6 @@ class TrainSettings:
                 raise ValueError(
                     f"{name} must be one of {', '.join(choices)}. Received: {name}={value!r}"
                 )
-        if self.select_by == "bleu" and self.strategy == "multi-worker":
-            raise ValueError(
-                "select_by='bleu' decodes on one process and is not available with "
-                "strategy='multi-worker'; use select_by='loss'."
-            )
         if self.epochs is None and self.max_steps is None and self.max_minutes is None:
             self.epochs = DEFAULT_EPOCHS
         for name in (
@@ -411,11 +439,11 @@ class TrainSettings:
                 )
         self.subword_sampling()  # a valid alpha and nbest, or say why not
         check_consistency(self.rdrop_alpha)
-        if self.rdrop_alpha and self.strategy != "default":
+        if self.rdrop_alpha and self.strategy == "mirrored":
             raise ValueError(
                 "rdrop_alpha pairs the two copies of a sentence within one device's batch; "
-                f"it is available with strategy='default' only. Received: "
-                f"strategy={self.strategy!r}"
+                "tf.distribute splits them over replicas. Use strategy='default', or "
+                "'data-parallel', where the loss sees the whole global batch."
             )
         config = self.model_config(self.vocab_size)  # the preset and shape build, or say why not
         if self.tokens_per_batch is not None:

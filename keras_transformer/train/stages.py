@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import shutil
 import sys
 import time
 import zlib
@@ -22,13 +23,7 @@ from keras_transformer.data.pipeline import (
 )
 from keras_transformer.data.shards import PreparedData
 from keras_transformer.data.tokenizer import SentencePieceTokenizer
-from keras_transformer.distribute import (
-    SyncWithChief,
-    check_workers_agree,
-    chief_value,
-    make_strategy,
-    share_global_batches,
-)
+from keras_transformer.distribute import make_strategy
 from keras_transformer.io_utils import atomic_save_model, atomic_write_json
 from keras_transformer.precision import (
     gpu_compute_capabilities,
@@ -55,6 +50,12 @@ from keras_transformer.train.checkpoints import (
     ranked_epochs,
 )
 from keras_transformer.train.compile import build_and_compile
+from keras_transformer.train.data_parallel import (
+    SINGLE_PROCESS,
+    share_backup,
+    share_of_each_batch,
+    start_data_parallel,
+)
 from keras_transformer.train.run_dir import (
     _epochs_done,
     _load_or_train_tokenizer,
@@ -77,8 +78,9 @@ from keras_transformer.train.streamed import DataPosition, PreparedBatches, stre
 class _Data:
     tokenizer: SentencePieceTokenizer
     config: TransformerConfig
-    train: object  # tf.data.Dataset
+    train: object  # tf.data.Dataset: this process's share of the global batches
     valid: object
+    valid_whole: object  # the global validation batches, for a one-device copy
     train_stats: object  # keras_transformer.data.pipeline.DataStats
     valid_stats: object
     valid_text: tuple  # (sources, targets): the validation files' lines
@@ -127,16 +129,16 @@ def train(settings: TrainSettings, out_dir: str, verbose: int = 1, strategy=None
     """Trains (or resumes) the run in `out_dir` and returns its metrics.
 
     `strategy` (a `tf.distribute.Strategy`) overrides `settings.strategy`. In
-    a multi-worker run only the chief writes `out_dir`; the other workers keep
-    their files in a private temporary folder (see
-    `keras_transformer.distribute.working_directory`) and return `{}`.
+    a data-parallel run of several processes only process 0 writes `out_dir`
+    and returns the metrics; the others train, then remove their temporary
+    folder and return `{}`.
     """
-    strategy = _strategy(settings, strategy)
+    strategy, processes = _strategy(settings, strategy)
     if settings.data is not None:
         # Checked before anything is written: complete, and its inputs unchanged.
         prepared = PreparedData(settings.data, check_inputs=True)
         _check_prepared(settings, prepared)
-        run = _open_run(settings, out_dir, verbose, strategy)
+        run = _open_run(settings, out_dir, verbose, strategy, processes)
         data = _load_prepared(run, settings, prepared)
     else:
         # Both pairs of files readable and parallel before anything is written.
@@ -144,12 +146,14 @@ def train(settings: TrainSettings, out_dir: str, verbose: int = 1, strategy=None
             *read_parallel(settings.src_train, settings.tgt_train),
             *read_parallel(settings.src_valid, settings.tgt_valid),
         )
-        run = _open_run(settings, out_dir, verbose, strategy)
+        run = _open_run(settings, out_dir, verbose, strategy, processes)
         data = _load_data(run, settings, *texts)
     recipe = _recipe(run, settings, data)
     model = build_and_compile(data.config, run.strategy, **recipe.compile_args(settings))
     history = _fit(run, settings, model, data, recipe)
+    processes.leave()
     if not run.chief:
+        shutil.rmtree(run.out_dir, ignore_errors=True)
         return {}
     if run.replicas > 1:
         # Choose, decode and save on a one-device copy: the distributed
@@ -157,6 +161,7 @@ def train(settings: TrainSettings, out_dir: str, verbose: int = 1, strategy=None
         trained = model
         model = build_and_compile(data.config, None, **recipe.compile_args(settings))
         model.set_weights(trained.get_weights())
+        data = dataclasses.replace(data, valid=data.valid_whole)
     final, greedy = _choose_final(run, settings, model, data, history)
     atomic_save_model(model, os.path.join(run.out_dir, "model.keras"))
     atomic_write_json(os.path.join(run.out_dir, "config.json"), data.config.to_dict())
@@ -164,13 +169,19 @@ def train(settings: TrainSettings, out_dir: str, verbose: int = 1, strategy=None
 
 
 def _strategy(settings, strategy):
-    """The given strategy, or the one `settings` names (None: Keras' default, off TensorFlow)."""
-    if strategy is None and (
-        settings.strategy != "default" or keras.backend.backend() == "tensorflow"
-    ):
-        # First, before other TensorFlow work: multi-worker setup needs a fresh runtime.
-        strategy = make_strategy(settings.strategy)
-    return strategy
+    """`(strategy, processes)`: the given `tf.distribute` strategy, or the one `settings` names
+    (None: Keras' default, off TensorFlow), or a data-parallel run's distribution and place."""
+    if strategy is not None:
+        return strategy, SINGLE_PROCESS
+    if settings.strategy == "data-parallel":
+        # First, before any JAX computation: joining the group starts JAX's runtime.
+        processes = start_data_parallel(
+            settings.coordinator, settings.num_processes, settings.process_id
+        )
+        return processes.distribution, processes
+    if settings.strategy != "default" or keras.backend.backend() == "tensorflow":
+        return make_strategy(settings.strategy), SINGLE_PROCESS
+    return None, SINGLE_PROCESS
 
 
 def _load_data(run, settings, src_train, tgt_train, src_valid, tgt_valid) -> _Data:
@@ -211,8 +222,7 @@ def _load_data(run, settings, src_train, tgt_train, src_valid, tgt_valid) -> _Da
         tokens_per_batch,
         shuffle=False,
     )
-    check_workers_agree(
-        run.strategy,
+    run.processes.check_agree(
         **{
             "SentencePiece model (CRC-32)": zlib.crc32(tokenizer.model_proto),
             "training settings (CRC-32)": zlib.crc32(_portable_identity(settings)),
@@ -235,15 +245,13 @@ def _load_data(run, settings, src_train, tgt_train, src_valid, tgt_valid) -> _Da
         run.log(
             f"R-Drop: every sentence twice per batch, consistency alpha {settings.rdrop_alpha:g}."
         )
-    if run.replicas > 1:
-        train_data = share_global_batches(train_data)
-        valid_data = share_global_batches(valid_data)
-        run.log(f"Training on {run.replicas} replicas ({type(run.strategy).__name__}).")
+    train_data, valid_data, valid_whole = _shared(run, settings, train_data, valid_data)
     return _Data(
         tokenizer,
         config,
         train_data,
         valid_data,
+        valid_whole,
         train_stats,
         valid_stats,
         (src_valid, tgt_valid),
@@ -286,8 +294,7 @@ def _load_prepared(run, settings, prepared) -> _Data:
     # Dropout masks drawn anew each start; the data order depends on the seed alone.
     keras.utils.set_random_seed(stream_seed(settings.seed, plan.start_batches))
     train_stats = dataclasses.replace(prepared.stats(), batches=plan.batches_per_epoch)
-    check_workers_agree(
-        run.strategy,
+    run.processes.check_agree(
         **{
             "SentencePiece model (CRC-32)": zlib.crc32(tokenizer.model_proto),
             "training settings (CRC-32)": zlib.crc32(_portable_identity(settings)),
@@ -304,21 +311,38 @@ def _load_prepared(run, settings, prepared) -> _Data:
         )
     if settings.rdrop_alpha:
         train_data, valid_data = duplicate_rows(train_data), duplicate_rows(valid_data)
-    if run.replicas > 1:
-        train_data = share_global_batches(train_data)
-        valid_data = share_global_batches(valid_data)
-        run.log(f"Training on {run.replicas} replicas ({type(run.strategy).__name__}).")
+    train_data, valid_data, valid_whole = _shared(run, settings, train_data, valid_data)
     return _Data(
         tokenizer,
         config,
         train_data,
         valid_data,
+        valid_whole,
         train_stats,
         valid_stats,
         valid_text,
         tokens_per_batch,
         stream=plan,
     )
+
+
+def _shared(run, settings, train_data, valid_data):
+    """`(train, valid, valid_whole)`: this process's share of the global batches, and the
+    whole validation batches for a one-device copy."""
+    valid_whole = valid_data
+    processes = run.processes
+    if processes.distribution is not None:
+        paired = bool(settings.rdrop_alpha)
+        train_data = share_of_each_batch(train_data, processes, paired_rows=paired)
+        valid_data = share_of_each_batch(valid_data, processes, paired_rows=paired)
+        run.log(
+            f"Training on {processes.devices} devices of {processes.count} "
+            f"process{'es' * (processes.count > 1)} (keras.distribution.DataParallel); "
+            "process 0 writes the run directory."
+        )
+    elif run.replicas > 1:
+        run.log(f"Training on {run.replicas} replicas ({type(run.strategy).__name__}).")
+    return train_data, valid_data, valid_whole
 
 
 def _recipe(run, settings, data) -> _Recipe:
@@ -355,21 +379,20 @@ def _fit(run, settings, model, data, recipe) -> list:
         settings.max_steps,
         settings.max_minutes,
         keep=max(KEEP_CHECKPOINTS, settings.average),
-        strategy=run.strategy,
+        processes=run.processes,
         select_by=settings.select_by,
         patience=settings.patience,
         # A resumed run may continue on another machine: each epoch says where it ran.
         epoch_fields={"precision": recipe.precision, "device": recipe.device},
     )
+    # Several processes: every one restores process 0's backup (restoring is a collective).
+    backup = os.path.join(run.out_dir, "backup")
+    share_backup(run.processes, backup)
     callbacks = [
         # The recorder writes its checkpoint before the backup is taken: a
         # kill in between makes the resumed run redo that epoch, never skip it.
         recorder,
-        keras.callbacks.BackupAndRestore(
-            os.path.join(run.out_dir, "backup"), delete_checkpoint=False
-        ),
-        # Multi-worker: everyone resumes from the chief's backup, whatever its own holds.
-        SyncWithChief(run.strategy),
+        keras.callbacks.BackupAndRestore(backup, delete_checkpoint=False),
         keras.callbacks.TensorBoard(os.path.join(run.out_dir, "logs"), update_freq="epoch"),
         _EpochProgress(settings.budget()),
     ]
@@ -378,7 +401,7 @@ def _fit(run, settings, model, data, recipe) -> list:
     if settings.validate_every_steps:
         every = settings.validate_every_steps // settings.save_every_steps
     if settings.select_by == "bleu":
-        callbacks.insert(0, _ValidationBleu(data.tokenizer, data.valid_pairs, every))
+        callbacks.insert(0, _ValidationBleu(data.tokenizer, data.valid_pairs, every, run.processes))
     fit_args = {"epochs": settings.epochs if settings.epochs is not None else 10_000}
     if data.stream is not None:
         plan = data.stream
@@ -398,22 +421,27 @@ def _fit(run, settings, model, data, recipe) -> list:
         or bool(settings.max_steps and steps_done >= settings.max_steps)
         or patience_spent(history, settings.select_by, settings.patience)
     )
-    if chief_value(run.strategy, spent):  # the workers follow the chief's history
+    if run.processes.first_value(spent):  # the others follow process 0's history
         run.log(f"{run.out_dir}: the training budget is already spent; finishing the run.")
     else:
         if run.resume and history:
             run.log(f"Resuming {run.out_dir} after epoch {len(history)}.")
-        model.fit(
-            data.train,
-            validation_data=data.valid,
-            callbacks=callbacks,
-            verbose=fit_verbosity(run.verbose, sys.stdout.isatty()),
-            shuffle=False,  # the dataset shuffles itself, each epoch
-            **fit_args,
-        )
+        with run.processes.scope():
+            _fit_model(run, settings, model, data, callbacks, fit_args)
     if run.chief and not history:
         raise RuntimeError("Training stopped before completing an epoch; nothing to save.")
     return history
+
+
+def _fit_model(run, settings, model, data, callbacks, fit_args):
+    model.fit(
+        data.train,
+        validation_data=data.valid,
+        callbacks=callbacks,
+        verbose=fit_verbosity(run.verbose, sys.stdout.isatty()),
+        shuffle=False,  # the dataset shuffles itself, each epoch
+        **fit_args,
+    )
 
 
 def _choose_final(run, settings, model, data, history) -> tuple[dict, dict | None]:

@@ -113,8 +113,9 @@ def streamed_inputs(run, settings, prepared: PreparedData, tokenizer, config, to
     """The training stream from this start's position, the validation batches and the plan."""
     per_epoch = prepared.batches_per_epoch(tokens_per_batch)
     span = (settings.save_every_steps or 0) * settings.accumulate_steps or per_epoch
-    spans_done = restored_spans(run.out_dir) if run.resume else 0
-    start = consumed_batches(run.out_dir, spans_done)
+    # Process 0's run directory says where every process of a data-parallel run resumes.
+    spans_done = run.processes.first_value(restored_spans(run.out_dir) if run.resume else 0)
+    start = run.processes.first_value(consumed_batches(run.out_dir, spans_done) if run.chief else 0)
     max_batches = None if settings.epochs is None else settings.epochs * per_epoch
     keras_epochs = 10_000_000 if max_batches is None else math.ceil(max_batches / span)
     plan = StreamPlan(per_epoch, span, keras_epochs, start, max_batches)

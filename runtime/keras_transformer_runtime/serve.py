@@ -31,7 +31,7 @@ import signal
 import sys
 import time
 
-from keras_transformer_runtime.constraints import sentence_constraints
+from keras_transformer_runtime.constraints import sentence_constraints, word_continuations
 from keras_transformer_runtime.runtime import (
     ExportFileError,
     OnnxTranslator,
@@ -144,7 +144,14 @@ def build_parser():
         "--max-decoding-length",
         type=int,
         default=512,
-        help="largest max_decoding_length a request may ask for (default 512)",
+        help="largest max_length a request may ask for (default 512)",
+    )
+    add(
+        "--max-text-tokens",
+        type=int,
+        default=1024,
+        help="source tokens per text at most (after max_input_length); beyond, 413: the "
+        "encoder's memory grows with the square of a text's length (default 1024)",
     )
     add(
         "--request-timeout",
@@ -171,7 +178,7 @@ def check_settings(args):
     """Refuses flags out of range with SystemExit (a message, status 2)."""
     positive = (
         "port workers threads max_batch_sentences max_batch_tokens max_queue_sentences "
-        "max_texts max_chars max_beam_size max_decoding_length"
+        "max_texts max_chars max_beam_size max_decoding_length max_text_tokens"
     ).split()
     for name in positive:
         value = getattr(args, name)
@@ -210,6 +217,7 @@ class Engine:
             raise ExportFileError(f"The export in {onnx_dir} has no tokenizer file.")
         self.tokenizer = first.tokenizer
         self.max_length = first.max_length
+        self.continuations = word_continuations(self.tokenizer)  # for constraints
         self.vocabulary_size = first.vocabulary_size
         self.provider = first.provider
 
@@ -321,7 +329,7 @@ def _strings(data, name, required=False):
     value = data.get(name)
     if value is None:
         if required:
-            raise Refusal(400, f'the field "{name}" (a list of strings) is missing')
+            raise Refusal(400, f'the field "{name}" (a list of strings) is missing or null')
         return None
     if not isinstance(value, list):
         raise Refusal(400, f'"{name}" must be a list of strings, not {_json_type(value)}')
@@ -536,9 +544,12 @@ def create_app(engine, settings):
         body = await read_body(request)
         text, warning = decode_body(body)
         try:
-            data = json.loads(text)
+            # A byte order mark and raw tabs or line breaks inside strings are harmless.
+            data = json.loads(text.removeprefix("\ufeff"), strict=False)
         except json.JSONDecodeError as error:
             raise Refusal(400, f"the body is not valid JSON: {error}") from None
+        except RecursionError:
+            raise Refusal(400, "the body is not valid JSON: nested too deeply") from None
         texts, prefixes, constraints, options, return_scores = parse_request(
             data, settings, engine.tokenizer
         )
@@ -552,7 +563,11 @@ def create_app(engine, settings):
 
         def prepare():
             encoded = [engine.encode(t, options.max_input_length) for t in texts]
-            prefix_ids = encode_prefixes(engine.tokenizer, prefixes) if prefixes else None
+            prefix_ids = (
+                encode_prefixes(engine.tokenizer, prefixes, options.max_length)
+                if prefixes
+                else None
+            )
             phrases = None
             if constraints is not None:
                 phrases = sentence_constraints(
@@ -561,6 +576,8 @@ def create_app(engine, settings):
                     engine.tokenizer.encode,
                     engine.max_length,
                     options.max_length,
+                    lengths=[len(ids) for ids, _ in encoded],  # as truncated
+                    continuations=engine.continuations,
                 )
             return encoded, prefix_ids, phrases
 
@@ -575,19 +592,31 @@ def create_app(engine, settings):
             message = re.sub(r"\bline (\d+)", lambda m: f"texts[{int(m[1]) - 1}]", str(error))
             raise Refusal(400, message) from None
         sources = [ids for ids, _ in encoded]
-        for name, rows, reason in (
-            ("max_input_length", [i for i, (_, cut) in enumerate(encoded) if cut], "truncated"),
+        too_long = [i for i, ids in enumerate(sources) if len(ids) > settings.max_text_tokens]
+        if too_long:
+            i = too_long[0]
+            raise Refusal(
+                413,
+                f"texts[{i}] has {len(sources[i])} tokens; this server takes at most "
+                f"{settings.max_text_tokens} per text (--max-text-tokens): split it, or set "
+                "max_input_length to truncate it",
+            )
+        for what, rows, reason in (
             (
-                "the model's max_length",
+                f"max_input_length={options.max_input_length}",
+                [i for i, (_, cut) in enumerate(encoded) if cut],
+                "truncated",
+            ),
+            (
+                f"the model's max_length={engine.max_length}",
                 [i for i, s in enumerate(sources) if len(s) > engine.max_length],
                 "translated whole, quality may suffer",
             ),
         ):
             if rows:
-                shown = ", ".join(map(str, rows[:MAX_WARNINGS])) + (
-                    ", ..." if len(rows) > MAX_WARNINGS else ""
-                )
-                warnings.append(f"texts {shown} have more tokens than {name}: {reason}")
+                shown = ", ".join(f"texts[{i}]" for i in rows[:MAX_WARNINGS])
+                more = ", ..." if len(rows) > MAX_WARNINGS else ""
+                warnings.append(f"{shown}{more}: more tokens than {what}; {reason}")
         wanted = [i for i, s in enumerate(sources) if s]
         outputs = [None] * len(texts)
         if len(wanted) < len(texts):

@@ -330,8 +330,8 @@ def step_scores(log_probs, tokens, options, prefix=()):
     `prefix`, every token but the prefix's next one gets -inf (a forced
     token keeps its penalized score, whatever the masks say). No
     renormalization: the plain search's scores stay the model's
-    log-probabilities. A per-hypothesis constraint state would add its rule
-    here, after the masks.
+    log-probabilities. Terminology constraints choose among these scores
+    (`constraints.ConstrainedSearch`): a phrase token they forbid stays out.
     """
     scores = np.array(log_probs, np.float64)
     if options.repetition_penalty != 1 and tokens:

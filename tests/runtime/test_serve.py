@@ -15,6 +15,7 @@ import time
 
 import pytest
 from keras_transformer_runtime.runtime import OnnxTranslator
+from keras_transformer_runtime.spec import SearchOptions
 
 pytestmark = pytest.mark.integration
 
@@ -111,6 +112,7 @@ def server(tiny_export, tmp_path_factory):
     export, _ = tiny_export
     flags = ["--workers", "1", "--threads", "1", "--max-wait-ms", "300"]
     flags += ["--max-texts", "50", "--max-chars", "2000", "--max-beam-size", "8"]
+    flags += ["--max-text-tokens", "64"]
     running = Server(export, *flags, log_dir=tmp_path_factory.mktemp("serve"))
     yield running
     running.stop()
@@ -152,8 +154,6 @@ def test_translations_are_the_translators_in_input_order(server, translator, bea
     ],
 )
 def test_decoding_options_answer_as_the_translator(server, translator, options, prefixes):
-    from keras_transformer_runtime.spec import SearchOptions
-
     if prefixes:
         prefixes = ["ko" if i % 2 else "" for i in range(len(TEXTS))]
     request = {"texts": TEXTS, **options, "return_scores": True}
@@ -183,8 +183,6 @@ def test_decoding_options_answer_as_the_translator(server, translator, options, 
 
 
 def test_constrained_translations_are_the_translators(server, translator):
-    from keras_transformer_runtime.spec import SearchOptions
-
     constraints = [["ko"] if i % 3 == 0 else None for i in range(len(TEXTS))]
     request = {"texts": TEXTS, "beam_size": 2, "max_length": 12, "constraints": constraints}
     status, answer, _ = post(server.port, request)
@@ -246,6 +244,8 @@ REFUSALS = [
     ({"texts": ["a"], "return_scores": "yes"}, 400, '"return_scores" must be true or false'),
     ({"texts": ["a"] * 51}, 413, "51 texts in one request; this server takes at most 50"),
     ({"texts": ["a" * 80_000]}, 413, "bytes; this server takes at most"),
+    ({"texts": ["ok", "ka " * 70]}, 413, "texts[1] has 71 tokens; this server takes at most 64"),
+    (b"[" * 20_000 + b"]" * 20_000, 400, "the body is not valid JSON: nested too deeply"),
     ({"texts": ["abcd " * 401]}, 413, "2005 characters in one request"),
 ]
 
@@ -268,6 +268,14 @@ def test_unknown_paths_and_methods_answer_json_errors(server):
 def test_empty_requests_and_undecodable_text(server, translator):
     assert post(server.port, {"texts": []})[1] == {"translations": []}
     assert post(server.port, {"texts": ["", " "]})[1] == {"translations": ["", ""]}
+    assert post(server.port, b'\xef\xbb\xbf{"texts": [""]}')[1] == {"translations": [""]}
+    assert post(server.port, b'{"texts": ["\t"]}')[1] == {"translations": [""]}  # a raw tab
+    status, answer, _ = post(server.port, {"texts": ["ka ko li lo"], "max_input_length": 2})
+    assert status == 200
+    assert answer["warnings"] == ["texts[0]: more tokens than max_input_length=2; truncated"]
+    assert answer["translations"] == translator.translate(
+        ["ka"], options=SearchOptions(max_input_length=2)
+    )
     # Invalid UTF-8 reads as U+FFFD, as keras-transformer-translate reads it, and the answer says so.
     status, answer, _ = post(server.port, b'{"texts": ["ka \xff ko", "mina"], "beam_size": 1}')
     assert status == 200
@@ -387,3 +395,19 @@ def test_a_model_that_fails_to_load_exits_with_a_message(tmp_path):
     assert "error: cannot load the model" in result.stderr
     assert f"manifest.json missing: {tmp_path}" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_the_server_imports_neither_tensorflow_nor_keras(tiny_export):
+    code = (
+        "import sys\n"
+        "from keras_transformer_runtime import serve\n"
+        f"args = serve.build_parser().parse_args([{tiny_export[0]!r}])\n"
+        "engine = serve.Engine(args.onnx_dir, 1, 1)\n"
+        "serve.create_app(engine, args)\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('tensorflow', 'keras')))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"

@@ -125,7 +125,7 @@ def test_automatic_warmup_is_three_epochs_and_keeps_the_papers_peak(tmp_path):
     explicit = TrainSettings(*paths, *paths, warmup_steps=800, learning_rate_scale=0.4)
     assert explicit.schedule(250) == (800, 0.4)
     assert settings.select_by == "bleu"  # the measure a translation is judged by
-    assert TrainSettings(*paths, *paths, strategy="multi-worker").select_by == "loss"
+    assert TrainSettings(*paths, *paths, strategy="data-parallel").select_by == "bleu"
     with pytest.raises(ValueError, match="select_by must be one of loss, bleu"):
         TrainSettings(*paths, *paths, select_by="accuracy")
     with pytest.raises(ValueError, match="patience must be a positive integer"):
