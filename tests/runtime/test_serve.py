@@ -241,6 +241,11 @@ REFUSALS = [
     ({"texts": ["a"], "constraints": [["ko"], []]}, 400, '"constraints" must be a list with one'),
     ({"texts": ["a"], "constraints": [[3]]}, 400, '"constraints"[0] must be a list of strings'),
     ({"texts": ["", "ka"], "constraints": [None, ["qqq"]]}, 400, "texts[1]"),
+    (
+        {"texts": ["ka", "ko"], "prefixes": ["", "ko ka ko ka"], "max_decoding_length": 3},
+        400,
+        "the target prefix of texts[1] ('ko ka ko ka') is",
+    ),
     ({"texts": ["a"], "return_scores": "yes"}, 400, '"return_scores" must be true or false'),
     ({"texts": ["a"] * 51}, 413, "51 texts in one request; this server takes at most 50"),
     ({"texts": ["a" * 80_000]}, 413, "bytes; this server takes at most"),
