@@ -135,11 +135,14 @@ def ctranslate2_model(model, tokenizer, out_dir, quantization=None):
     return out_dir
 
 
-def _translate_batches(translator, batches, options, parallel):
+def _translate_batches(translator, batches, options, parallel, full=False):
     """The first hypothesis' pieces of every sentence of `batches`, batch by batch.
 
     With `parallel` every batch is submitted at once (`asynchronous=True`)
     and CTranslate2's `inter_threads` workers translate them in parallel.
+    With `full`, every hypothesis of a sentence instead, each as `(pieces,
+    score, alignment)`: its score when `return_scores` is set and, with
+    `return_attention`, the source position each token attends to most.
     """
     pending = [
         translator.translate_batch(
@@ -150,10 +153,42 @@ def _translate_batches(translator, batches, options, parallel):
         )
         for batch in batches
     ]
+    found = []
+    for results in pending:
+        results = [result.result() if parallel else result for result in results]
+        if not full:
+            found.append([result.hypotheses[0] for result in results])
+            continue
+        found.append([_hypotheses(result, options) for result in results])
+    return found
+
+
+def _hypotheses(result, options):
+    scores = result.scores if options.get("return_scores") else [None] * len(result.hypotheses)
+    attention = result.attention if options.get("return_attention") else None
     return [
-        [(result.result() if parallel else result).hypotheses[0] for result in results]
-        for results in pending
+        (
+            pieces,
+            score,
+            None if attention is None else np.argmax(attention[k], axis=-1).tolist(),
+        )
+        for k, (pieces, score) in enumerate(zip(result.hypotheses, scores, strict=True))
     ]
+
+
+def _score_batches(translator, sources, targets):
+    """Per batch, per sentence, the log-probability of each target piece (EOS last)."""
+    return [
+        [result.log_probs for result in translator.score_batch(source, target)]
+        for source, target in zip(sources, targets, strict=True)
+    ]
+
+
+def _answer(translator, request):
+    kind, *arguments = request
+    if kind == "score":
+        return _score_batches(translator, *arguments)
+    return _translate_batches(translator, *arguments)
 
 
 def _serve(connection, settings):
@@ -163,7 +198,7 @@ def _serve(connection, settings):
     translator = ctranslate2.Translator(**settings)
     connection.send("ready")
     while (request := connection.recv()) is not None:
-        connection.send(_translate_batches(translator, *request))
+        connection.send(_answer(translator, request))
 
 
 class CTranslate2Translator:
@@ -224,23 +259,83 @@ class CTranslate2Translator:
     def translate(self, lines, beam_size=4, batch_size=32, parallel_batches=1):
         """Batches of `batch_size` sorted by length, as `OnnxTranslator.translate` makes them;
         the batches and their length limits are the same at any `parallel_batches`."""
-        eos = self.tokenizer.id_to_piece(2)
-        sources = [self.tokenizer.pieces(self.tokenizer.encode(line)) + [eos] for line in lines]
         options = {"beam_size": beam_size, "length_penalty": 0.6 if beam_size > 1 else 0.0}
-        order = np.argsort([len(s) for s in sources], kind="stable")
-        chunks = [order[start : start + batch_size] for start in range(0, len(order), batch_size)]
-        batches = [[sources[i] for i in chunk] for chunk in chunks]
-        request = (batches, options, parallel_batches > 1)
-        if self._process is not None:
-            self._connection.send(request)
-            hypotheses = self._connection.recv()
-        else:
-            hypotheses = _translate_batches(self.translator, *request)
+        chunks, hypotheses = self._translated(lines, options, batch_size, parallel_batches)
         outputs = [""] * len(lines)
         for chunk, pieces in zip(chunks, hypotheses, strict=True):
             for i, sentence in zip(chunk, pieces, strict=True):
                 outputs[i] = self._text(sentence)
         return outputs
+
+    def translate_hypotheses(
+        self,
+        lines,
+        beam_size=4,
+        batch_size=32,
+        num_hypotheses=1,
+        return_scores=False,
+        return_attention=False,
+        parallel_batches=1,
+    ):
+        """As `translate`, with CTranslate2's output options: per sentence a list of
+        dicts, best first, with `text`, `score` (`return_scores`) and `alignment`
+        (`return_attention`: per output token, the source position it attends
+        to most, as `OnnxTranslator`'s alignment gives it)."""
+        options = {
+            "beam_size": beam_size,
+            "length_penalty": 0.6 if beam_size > 1 else 0.0,
+            "num_hypotheses": num_hypotheses,
+            "return_scores": return_scores,
+            "return_attention": return_attention,
+        }
+        chunks, found = self._translated(lines, options, batch_size, parallel_batches, True)
+        outputs = [None] * len(lines)
+        for chunk, sentences in zip(chunks, found, strict=True):
+            for i, hypotheses in zip(chunk, sentences, strict=True):
+                outputs[i] = [
+                    {"text": self._text(pieces), "score": score, "alignment": alignment}
+                    for pieces, score, alignment in hypotheses
+                ]
+        return outputs
+
+    def score(self, sources, targets, batch_size=32):
+        """Forced decoding with `score_batch`: per pair a dict of `log_prob` (summed,
+        EOS included) and `token_scores`, in batches sorted by source length."""
+        sources = self._sources(sources)
+        targets = [self.tokenizer.pieces(self.tokenizer.encode(line)) for line in targets]
+        chunks = self._chunks(sources, batch_size)
+        request = (
+            "score",
+            [[sources[i] for i in chunk] for chunk in chunks],
+            [[targets[i] for i in chunk] for chunk in chunks],
+        )
+        found = self._request(request)
+        outputs = [None] * len(sources)
+        for chunk, steps in zip(chunks, found, strict=True):
+            for i, scores in zip(chunk, steps, strict=True):
+                outputs[i] = {"log_prob": float(sum(scores)), "token_scores": list(scores)}
+        return outputs
+
+    def _sources(self, lines):
+        eos = self.tokenizer.id_to_piece(2)
+        return [self.tokenizer.pieces(self.tokenizer.encode(line)) + [eos] for line in lines]
+
+    @staticmethod
+    def _chunks(sources, batch_size):
+        order = np.argsort([len(s) for s in sources], kind="stable")
+        return [order[start : start + batch_size] for start in range(0, len(order), batch_size)]
+
+    def _translated(self, lines, options, batch_size, parallel_batches, full=False):
+        sources = self._sources(lines)
+        chunks = self._chunks(sources, batch_size)
+        batches = [[sources[i] for i in chunk] for chunk in chunks]
+        return chunks, self._request(("translate", batches, options, parallel_batches > 1, full))
+
+    def _request(self, request):
+        if self._process is not None:
+            self._connection.send(request)
+            return self._connection.recv()
+        return _answer(self.translator, request)
 
     def _text(self, pieces):
         return self.tokenizer.decode([self.tokenizer.piece_to_id(piece) for piece in pieces])

@@ -215,6 +215,8 @@ def measure(pairs, args) -> dict:
             )
             row["train_text"] = training_figures(text, args.tokens_per_batch)
             print(pairs, "train from text:", row["train_text"], flush=True)
+        if args.text_only:
+            return row
         data_dir = os.path.join(folder, "prepared")
         prepared = run_measured(
             [
@@ -279,6 +281,7 @@ def main(argv=None):
         type=int,
         help="train from text only on corpora of at most this many pairs (default: all)",
     )
+    parser.add_argument("--text-only", action="store_true", help="train from text only")
     parser.add_argument("--work", default=tempfile.gettempdir(), help="where corpora are made")
     parser.add_argument("--out", default="benchmarks/results/data_scale-tensorflow-cpu.json")
     args = parser.parse_args(argv)

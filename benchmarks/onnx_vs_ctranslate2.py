@@ -1,6 +1,7 @@
 """ONNX Runtime against CTranslate2 on the same weights: float32 and int8, greedy and beam 4.
 
     python -m benchmarks.onnx_vs_ctranslate2 RUN_DIR --src test.de.gz --ref test.en.gz
+    python -m benchmarks.onnx_vs_ctranslate2 RUN_DIR --src ... --ref ... --options nbest,score
     python -m benchmarks.onnx_vs_ctranslate2 combine A.json B.json C.json
 
 The run is exported afresh to ONNX with its int8 graphs (RUN_DIR/onnx-int8) and
@@ -18,6 +19,15 @@ batches at once (ONNX Runtime's `parallel_batches`, CTranslate2's
 With T > 1, ONNX Runtime float32 searches a batch of 32 as T parts at once,
 one thread each (`OnnxTranslator`'s `split_batches`); `--whole-batches`
 keeps each batch one search on T threads, as CTranslate2 does.
+
+`--options` measures the output options instead of the cells: beam 4 on
+batches of 32, the plain search and then each option asked for, with the
+same request to both systems (`OPTIONS`), side by side in each repetition.
+Reported per option and system: sentences/s, the cost beside the same
+system's plain search, ours / CTranslate2's, and checks on the outputs (the
+first hypothesis against the plain translation; forced scores against the
+other system's). Writes benchmarks/results/onnx_vs_ctranslate2-options.json
+(or --out).
 """
 
 from __future__ import annotations
@@ -36,6 +46,17 @@ CELL_NAMES = {
 }
 SYSTEMS = ("ort-float32", "ort-int8", "ct2-float32", "ct2-int8")
 PEER = {"ort-float32": "ct2-float32", "ort-int8": "ct2-int8"}
+# --options: each output option as both systems are asked for it, at beam 4
+# (ours: `SearchOptions` fields or `OnnxTranslator.score`; CTranslate2's
+# `translate_batch` arguments or `score_batch`).
+OPTIONS = {
+    "nbest": ({"n_best": 4}, {"num_hypotheses": 4, "return_scores": True}),
+    # CTranslate2 returns no per-token scores from a search: its sequence score.
+    "scores": ({"token_scores": True}, {"return_scores": True}),
+    "alignment": ({"alignment": True}, {"return_attention": True}),
+    "score": (None, None),  # forced decoding of the references
+}
+OPTIONS_BEAM, OPTIONS_BATCH = 4, 32
 
 
 def build_parser():
@@ -68,9 +89,24 @@ def build_parser():
         help="comma-separated searches to run, of " + ", ".join(CELL_NAMES) + " (default: all)",
     )
     parser.add_argument(
-        "--out", default=os.path.join("benchmarks", "results", "onnx_vs_ctranslate2.json")
+        "--options",
+        type=_options,
+        default=argparse.SUPPRESS,  # absent from the default run's settings
+        help="comma-separated output options to measure at beam 4, batch 32, beside the "
+        "plain search, in place of the cells: " + ", ".join(OPTIONS) + " (score needs --ref)",
     )
+    parser.add_argument("--out", help="the JSON report (default: benchmarks/results/...)")
     return parser
+
+
+def _options(text):
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in OPTIONS]
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(
+            f"unknown option {', '.join(unknown) or text!r}; choose from {', '.join(OPTIONS)}"
+        )
+    return tuple(dict.fromkeys(names))
 
 
 def _cells(text):
@@ -193,6 +229,144 @@ def run(args):
     return report
 
 
+def run_options(args):
+    """The cost of each of `args.options` beside the plain search, for every system."""
+    from keras_transformer_runtime.spec import SearchOptions
+
+    from benchmarks.machine import write_report
+    from keras_transformer.data.pipeline import read_lines
+    from keras_transformer.export.onnx import float32_copy
+    from keras_transformer.translation import load_run
+
+    lines = read_lines(args.src)[: args.lines]
+    references = read_lines(args.ref)[: args.lines] if args.ref else None
+    model, tokenizer = load_run(args.run_dir)
+    systems, _ = _systems(
+        args.run_dir,
+        tokenizer,
+        float32_copy(model),
+        args.threads,
+        args.parallel_batches,
+        False if args.whole_batches else None,
+    )
+    batch, parallel = OPTIONS_BATCH, args.parallel_batches
+
+    def request(name, option):
+        system = systems[name]
+        if option == "plain":
+            return system.translate(
+                lines, beam_size=OPTIONS_BEAM, batch_size=batch, parallel_batches=parallel
+            )
+        if option == "score":
+            return system.score(lines, references, batch_size=batch)
+        ours, theirs = OPTIONS[option]
+        if name.startswith("ort"):
+            options = SearchOptions(beam_size=OPTIONS_BEAM, **ours)
+            return system.translate_hypotheses(lines, options, batch_size=batch)
+        return system.translate_hypotheses(
+            lines, OPTIONS_BEAM, batch, parallel_batches=parallel, **theirs
+        )
+
+    names = ("plain", *args.options)
+    times = {option: {name: [] for name in SYSTEMS} for option in names}
+    outputs = {option: {} for option in names}
+    for _ in range(args.repeats):
+        for option in names:
+            for name in SYSTEMS:
+                start = time.perf_counter()
+                outputs[option][name] = request(name, option)
+                times[option][name].append(time.perf_counter() - start)
+    for name in SYSTEMS:
+        if name.startswith("ct2"):
+            systems[name].close()
+    results = []
+    for option in names:
+        entry = {"option": option, "systems": {}}
+        for name in SYSTEMS:
+            found = outputs[option][name]
+            seconds = times[option][name]
+            measured = {
+                "sentences_per_second": len(lines) / statistics.median(seconds),
+                "seconds": seconds,
+            }
+            if option != "plain":
+                measured["cost_to_plain"] = statistics.median(seconds) / statistics.median(
+                    times["plain"][name]
+                )
+            measured.update(_option_checks(option, found, outputs["plain"][name]))
+            entry["systems"][name] = measured
+        for name, peer in PEER.items():
+            ours, theirs = entry["systems"][name], entry["systems"][peer]
+            ours["ratio_to_ct2"] = ours["sentences_per_second"] / theirs["sentences_per_second"]
+            if option == "score":
+                ours["largest_difference_to_ct2"] = max(
+                    abs(a["log_prob"] - b["log_prob"])
+                    for a, b in zip(outputs[option][name], outputs[option][peer], strict=True)
+                    if a["log_prob"] is not None
+                )
+        results.append(entry)
+        print(_option_row(entry), flush=True)
+    report = write_report(
+        "onnx_vs_ctranslate2",
+        args,
+        sentences=len(lines),
+        threads=args.threads,
+        parallel_batches=args.parallel_batches,
+        repeats=args.repeats,
+        beam_size=OPTIONS_BEAM,
+        batch_size=batch,
+        options=results,
+    )
+    print(options_table(report))
+    return report
+
+
+def _option_checks(option, found, plain):
+    """What the outputs of `option` hold, checked against the plain translations."""
+    if option == "plain":
+        return {}
+    if option == "score":
+        return {"mean_log_prob": statistics.fmean(r["log_prob"] for r in found)}
+    checks = {
+        "first_equal_to_plain": sum(
+            hypotheses[0]["text"] == text for hypotheses, text in zip(found, plain, strict=True)
+        ),
+        "hypotheses": sum(map(len, found)),
+    }
+    if option == "alignment":
+        checks["aligned_tokens"] = sum(len(h[0]["alignment"]) for h in found)
+    return checks
+
+
+def _option_row(entry):
+    parts = [f"{entry['option']}:"]
+    for name, measured in entry["systems"].items():
+        parts.append(f"{name} {measured['sentences_per_second']:.1f}/s")
+    return " ".join(parts)
+
+
+def options_table(report):
+    """The markdown table of an `--options` report."""
+    lines = [
+        "| beam 4, batch 32 | ORT float32 (sent/s) | cost | CT2 float32 | cost | ORT / CT2 "
+        "| ORT int8 | cost | CT2 int8 | cost | ORT / CT2 |",
+        "| --- |" + " --- |" * 10,
+    ]
+    for entry in report["options"]:
+        row = [entry["option"]]
+        for ours, theirs in PEER.items():
+            for name in (ours, theirs):
+                measured = entry["systems"][name]
+                cost = measured.get("cost_to_plain")
+                row += [
+                    f"{measured['sentences_per_second']:.1f}",
+                    "1" if cost is None else f"{cost:.2f}x",
+                ]
+            row.append(f"{entry['systems'][ours]['ratio_to_ct2']:.2f}x")
+        lines.append("| " + " | ".join(row) + " |")
+    return "\n".join(lines)
+
+
 def _row(cell):
     parts = [f"{cell['search']}, batch {cell['batch_size']}:"]
     for name, entry in cell["systems"].items():
@@ -268,9 +442,16 @@ def main(argv=None):
             raise SystemExit("usage: python -m benchmarks.onnx_vs_ctranslate2 combine RUN.json ...")
         print(combine(argv[1:]))
         return
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    options = getattr(args, "options", None)
+    if options and "score" in args.options and not args.ref:
+        parser.error("--options score scores the references: give --ref")
+    if args.out is None:
+        name = "onnx_vs_ctranslate2-options.json" if options else "onnx_vs_ctranslate2.json"
+        args.out = os.path.join("benchmarks", "results", name)
     args.argv = argv
-    run(args)
+    (run_options if options else run)(args)
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 
 import keras
-from keras_transformer_runtime.constraints import sentence_constraints
+from keras_transformer_runtime.constraints import sentence_constraints, word_continuations
 from keras_transformer_runtime.search import (
     encode_prefixes,
     hypothesis_records,
@@ -153,12 +153,17 @@ def translate_hypotheses(
     if prefixes is not None:
         if len(prefixes) != len(lines):
             raise ValueError(f"{len(prefixes)} prefixes for {len(lines)} lines.")
-        prefix_ids = encode_prefixes(tokenizer, prefixes)
+        prefix_ids = encode_prefixes(tokenizer, prefixes, options.max_length)
     phrases = None
     if constraints is not None:
         limit = transformer_parts(model).config.max_length
         phrases = sentence_constraints(
-            lines, constraints, tokenizer.encode, limit, options.max_length
+            lines,
+            constraints,
+            tokenizer.encode,
+            limit,
+            options.max_length,
+            continuations=word_continuations(tokenizer),
         )
 
     def search(sources, indices):

@@ -371,6 +371,51 @@ def test_onnx_vs_ctranslate2_runs_every_system_and_writes_json(trained_run, corp
             )
 
 
+def test_onnx_vs_ctranslate2_options_measures_each_option_beside_the_plain_search(
+    trained_run, corpus_files, tmp_path
+):
+    """`--options`: every option for every system beside its plain search, the
+    cost and the ratio as the seconds give them, and outputs that hold what
+    each option asks for (ours: n-best's first hypothesis is the plain output)."""
+    pytest.importorskip("ctranslate2")
+    from benchmarks.onnx_vs_ctranslate2 import OPTIONS, PEER, SYSTEMS
+    from benchmarks.onnx_vs_ctranslate2 import main as deploy_main
+
+    _, paths = corpus_files
+    out = tmp_path / "options.json"
+    argv = [str(trained_run), "--src", paths["test.src"], "--ref", paths["test.tgt"]]
+    argv += ["--lines", "12", "--repeats", "1", "--options", ",".join(OPTIONS)]
+    deploy_main(argv + ["--out", str(out)])
+    report = json.loads(out.read_text())
+    assert [entry["option"] for entry in report["options"]] == ["plain", *OPTIONS]
+    plain = report["options"][0]["systems"]
+    for entry in report["options"]:
+        systems = entry["systems"]
+        assert set(systems) == set(SYSTEMS)
+        for name, peer in PEER.items():
+            ratio = systems[name]["sentences_per_second"] / systems[peer]["sentences_per_second"]
+            assert systems[name]["ratio_to_ct2"] == pytest.approx(ratio)
+        if entry["option"] == "plain":
+            continue
+        for name, measured in systems.items():
+            cost = measured["seconds"][0] / plain[name]["seconds"][0]
+            assert measured["cost_to_plain"] == pytest.approx(cost)
+        if entry["option"] == "score":
+            # Both systems score the references with the same weights.
+            assert systems["ort-float32"]["largest_difference_to_ct2"] < 1e-3
+            assert systems["ort-float32"]["mean_log_prob"] < 0
+            continue
+        hypotheses = 4 * 12 if entry["option"] == "nbest" else 12
+        for name in SYSTEMS:
+            assert systems[name]["hypotheses"] == hypotheses
+        assert systems["ort-float32"]["first_equal_to_plain"] == 12
+        if entry["option"] == "alignment":
+            for name in SYSTEMS:
+                assert systems[name]["aligned_tokens"] > 0
+    with pytest.raises(SystemExit):  # forced scoring needs the references
+        deploy_main(argv[:3] + ["--options", "score"])
+
+
 def test_data_scale_counts_the_memory_of_a_process_and_its_children():
     import sys
 

@@ -464,3 +464,27 @@ def test_a_dying_process_ends_the_run_and_the_same_commands_resume_it(fixed_corp
     finally:
         for folder in _process_folders() - before:  # the killed process's temporary folder
             shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(not _jax_available(), reason="needs jax (pip install '.[jax]')")
+def test_rdrop_over_two_devices_of_one_process(fixed_corpus, tmp_path):
+    """R-Drop under data-parallel: one process with 2 CPU devices (XLA's host device
+    count) against one device. Each sentence's two rows stay adjacent in the global
+    batch, so the loss pairs them as on one device and the weights agree (2e-5, key
+    biases aside as above). Dropout is 0 so that both runs draw no masks; the
+    pairing and the padding rows are what is checked."""
+    extra = ["--rdrop-alpha", "1", "--max-steps", "3", "--select-by", "loss"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert _wait(_start_processes(fixed_corpus, one, 1, *extra), timeout=600) == [0], _logs(one, 1)
+    devices = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    group = _start_processes(
+        fixed_corpus, two, 1, *extra, "--strategy", "data-parallel", env=devices
+    )
+    assert _wait(group, timeout=600) == [0], _logs(two, 1)
+    assert "Training on 2 devices of 1 process " in Path(f"{two}.process0.log").read_text()
+    first = _h5_arrays(one / "checkpoints" / "epoch-001.weights.h5")
+    second = _h5_arrays(two / "checkpoints" / "epoch-001.weights.h5")
+    for key, value in first.items():
+        if "optimizer" not in key and not key.endswith("key_dense/vars/1"):
+            np.testing.assert_allclose(second[key], value, atol=2e-5, err_msg=key)

@@ -24,7 +24,9 @@ sentence (the reference of the tests). The rules:
   constraints) and is extended by its `2 * beam_size` best tokens and by
   every token that advances one of its unmet phrases (the next token of
   each), unless those rules forbid it. EOS is a candidate only for a
-  hypothesis that has met every phrase.
+  hypothesis that has met every phrase. Right after a token that ends a
+  phrase, no token that continues a word (`word_continuations`) is a
+  candidate: a phrase stands as whole words.
 - Dynamic beam allocation. The candidates are grouped in banks by their
   met tokens (an EOS candidate: its hypothesis's), each bank ranked by
   summed log-probability (ties: the earlier beam, then the lower id), and
@@ -62,6 +64,7 @@ import numpy as np
 
 from keras_transformer_runtime.spec import Hypothesis, SearchOptions, SentenceSearch, step_scores
 from keras_transformer_runtime.specials import BOS_ID, EOS_ID, PAD_ID, UNK_ID
+from keras_transformer_runtime.tokenizers import SentencePieceModel
 
 __all__ = [
     "ConstrainedSearch",
@@ -71,6 +74,7 @@ __all__ = [
     "encode_constraints",
     "read_constraints_file",
     "sentence_constraints",
+    "word_continuations",
 ]
 
 
@@ -82,9 +86,13 @@ class Constraints:
 
     Args:
         phrases: a list of token-id sequences, each non-empty.
+        continuations: ids of tokens that continue the word before them
+            (`word_continuations`): none may follow a phrase's last token,
+            so that a phrase stands as whole words ("couch", not "couches").
     """
 
-    def __init__(self, phrases=()):
+    def __init__(self, phrases=(), continuations=()):
+        self.continuations = np.array(sorted({int(i) for i in continuations}), np.int64)
         self.phrases = [tuple(int(t) for t in phrase) for phrase in phrases]
         for phrase in self.phrases:
             if not phrase:
@@ -118,6 +126,10 @@ class Constraints:
             new.append(matched)
         return tuple(new)
 
+    def completes(self, progress, after):
+        """Whether the token that took `progress` to `after` ended a phrase."""
+        return any(a == n > m for m, a, n in zip(progress, after, self.lengths, strict=True))
+
     def met_tokens(self, progress):
         """Tokens of met phrases, plus the longest partial match of the others (the bank)."""
         met = sum(m for m, n in zip(progress, self.lengths, strict=True) if m == n)
@@ -143,6 +155,20 @@ class Constraints:
         return self.all_met(progress)
 
 
+def word_continuations(tokenizer):
+    """The ids of a SentencePiece vocabulary's pieces that continue a word: those
+    that do not start one ("▁") and begin with a letter or digit. None for a
+    word vocabulary, whose every token is a word."""
+    if not isinstance(tokenizer, SentencePieceModel):
+        return ()
+    pieces = tokenizer.pieces(range(len(tokenizer)))
+    return [
+        i
+        for i, piece in enumerate(pieces)
+        if i > UNK_ID and not piece.startswith("\u2581") and piece[:1].isalnum()
+    ]
+
+
 def _failure_table(phrase):
     table, k = [0] * len(phrase), 0
     for i in range(1, len(phrase)):
@@ -165,7 +191,7 @@ def check_fits(constraints, limit, where="the sentence"):
         )
 
 
-def encode_constraints(phrases, encode, max_tokens=None, where="the sentence"):
+def encode_constraints(phrases, encode, max_tokens=None, where="the sentence", continuations=()):
     """Tokenizes one sentence's phrases into a `Constraints`, refusing what cannot be met.
 
     Args:
@@ -173,6 +199,7 @@ def encode_constraints(phrases, encode, max_tokens=None, where="the sentence"):
         encode: the target tokenizer's `encode(text) -> ids`.
         max_tokens: the most tokens an output may hold before EOS; None: no check.
         where: how errors name the sentence ("line 3").
+        continuations: as for `Constraints`.
 
     Raises:
         ValueError: naming the phrase: not a string, empty, tokenized to
@@ -200,13 +227,15 @@ def encode_constraints(phrases, encode, max_tokens=None, where="the sentence"):
                 f"{max_tokens} an output holds (max_length, EOS excluded)."
             )
         encoded.append(ids)
-    constraints = Constraints(encoded)
+    constraints = Constraints(encoded, continuations)
     if max_tokens is not None:
         check_fits(constraints, max_tokens + 1, where)
     return constraints
 
 
-def sentence_constraints(texts, phrases, encode, model_max_length, max_length=None, lengths=None):
+def sentence_constraints(
+    texts, phrases, encode, model_max_length, max_length=None, lengths=None, continuations=()
+):
     """Each text's `Constraints` from its phrases (a list of strings, or None for none).
 
     Checks every phrase against the output limit of its sentence (as
@@ -214,6 +243,8 @@ def sentence_constraints(texts, phrases, encode, model_max_length, max_length=No
     sentence as "line N" (1-based). An empty text translates to an empty
     output, so its phrases are not searched for. `lengths` are the sources'
     token counts (EOS included) where they are known already (truncated, say).
+    `continuations`: the target tokenizer's `word_continuations`, so that
+    phrases stand as whole words.
     """
     if len(phrases) != len(texts):
         raise ValueError(
@@ -225,7 +256,7 @@ def sentence_constraints(texts, phrases, encode, model_max_length, max_length=No
         lengths = [len(encode(text)) + 1 if text.strip() else 0 for text in texts]
     limits = output_limits(lengths, max_length, model_max_length)
     return [
-        encode_constraints(entry, encode, max_tokens=limit - 1, where=f"line {i}")
+        encode_constraints(entry, encode, limit - 1, f"line {i}", continuations)
         if entry and limit
         else Constraints()
         for i, (entry, limit) in enumerate(zip(phrases, limits, strict=True), 1)
@@ -331,6 +362,7 @@ class ConstrainedSearch(SentenceSearch):
         if self.limit:
             check_fits(constraints, self.limit - len(self.prefix))
         self.progress = [constraints.start()] * len(self.live)  # one per live hypothesis
+        self.ended_phrase = [False] * len(self.live)  # its last token ended a phrase
         self.met = []  # the met tokens of each finished hypothesis
 
     def _finish(self, t, tokens, total, steps, progress):
@@ -348,6 +380,9 @@ class ConstrainedSearch(SentenceSearch):
             ]
         )
         self.step += 1
+        if len(rules.continuations):
+            # A phrase stands as whole words: no piece continues its last word.
+            scored[np.ix_(np.flatnonzero(self.ended_phrase), rules.continuations)] = -np.inf
         vocab = scored.shape[-1]
         top_ids, top_values = top_tokens(scored, 2 * k)
         candidates = {}  # beam * vocab + token -> summed score
@@ -386,12 +421,13 @@ class ConstrainedSearch(SentenceSearch):
             if len(grown) == k:
                 break
         grown.sort(key=lambda item: (-item[1], item[0]))  # score order, as plain beams
-        live, progress, parents = [], [], []
+        live, progress, ended, parents = [], [], [], []
         for key, total, after in grown:
             beam, token = divmod(key, vocab)
             tokens, _, steps = self.live[beam]
             live.append((tokens + [token], total, steps + [float(scored[beam, token])]))
             progress.append(after)
+            ended.append(rules.completes(self.progress[beam], after))
             parents.append(beam)
         if t + 1 >= self.limit:  # out of room: live hypotheses end here, without EOS
             for (tokens, total, steps), after in zip(live, progress, strict=True):
@@ -405,9 +441,9 @@ class ConstrainedSearch(SentenceSearch):
             or top / self._penalty(self.limit) <= bar
             or (len(self.finished) >= k and top / self._penalty(t + 1) <= bar)
         ):
-            self.done, self.live, self.progress = True, [], []
+            self.done, self.live, self.progress, self.ended_phrase = True, [], [], []
             return []
-        self.live, self.progress = live, progress
+        self.live, self.progress, self.ended_phrase = live, progress, ended
         return parents
 
     def results(self):

@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from keras_transformer_runtime import tokenizers
-from keras_transformer_runtime.constraints import sentence_constraints
+from keras_transformer_runtime.constraints import sentence_constraints, word_continuations
 from keras_transformer_runtime.search import (
     add_alignments,
     beam_loop,
@@ -808,11 +808,16 @@ class OnnxTranslator:
             prefixes = self._checked_texts(prefixes, "prefixes")
             if len(prefixes) != len(sentences):
                 raise ValueError(f"{len(prefixes)} prefixes for {len(sentences)} sentences.")
-            prefix_ids = encode_prefixes(self.tokenizer, prefixes)
+            prefix_ids = encode_prefixes(self.tokenizer, prefixes, options.max_length)
         phrases = None
         if constraints is not None:
             phrases = sentence_constraints(
-                sentences, constraints, self.tokenizer.encode, self.max_length, options.max_length
+                sentences,
+                constraints,
+                self.tokenizer.encode,
+                self.max_length,
+                options.max_length,
+                continuations=word_continuations(self.tokenizer),
             )
 
         def search(sources, indices):

@@ -553,11 +553,13 @@ def translate_texts(
     return [decode(tokens) for tokens in outputs]
 
 
-def encode_prefixes(tokenizer, texts):
+def encode_prefixes(tokenizer, texts, max_length=None):
     """Target prefixes as ids (no EOS), one per text (None or "" for none).
 
     A prefix with a word the vocabulary lacks (it would read as UNK) is
-    refused, naming the word: forcing UNK is never what was meant.
+    refused, naming the word: forcing UNK is never what was meant. So is,
+    naming its line, a prefix that leaves no room under `max_length` (the
+    most tokens generated, EOS included), before any batch is searched.
     """
     prefixes = []
     for n, text in enumerate(texts):
@@ -567,6 +569,12 @@ def encode_prefixes(tokenizer, texts):
             raise ValueError(
                 f"the target prefix of line {n + 1} ({text!r}) holds "
                 f"{words[0] if words else 'a piece'!r}, which is not in the vocabulary."
+            )
+        if max_length is not None and ids and len(ids) >= max_length:
+            raise ValueError(
+                f"the target prefix of line {n + 1} ({text!r}) is {len(ids)} tokens: it "
+                f"leaves no room under max_length={max_length} (EOS included); raise "
+                "max_length or shorten the prefix."
             )
         prefixes.append(ids)
     return prefixes

@@ -85,7 +85,8 @@ def add_search_flags(parser, outputs=True):
         "--seed",
         type=int,
         default=0,
-        help="sampling seed: line N draws from a generator seeded (seed, N), whatever the batch",
+        help="sampling seed: each line draws from a generator seeded with the seed and the "
+        "line's place in the input, so whatever the batch",
     )
     add(
         "--max-input-length",

@@ -31,7 +31,7 @@ import signal
 import sys
 import time
 
-from keras_transformer_runtime.constraints import sentence_constraints
+from keras_transformer_runtime.constraints import sentence_constraints, word_continuations
 from keras_transformer_runtime.runtime import (
     ExportFileError,
     OnnxTranslator,
@@ -217,6 +217,7 @@ class Engine:
             raise ExportFileError(f"The export in {onnx_dir} has no tokenizer file.")
         self.tokenizer = first.tokenizer
         self.max_length = first.max_length
+        self.continuations = word_continuations(self.tokenizer)  # for constraints
         self.vocabulary_size = first.vocabulary_size
         self.provider = first.provider
 
@@ -562,7 +563,11 @@ def create_app(engine, settings):
 
         def prepare():
             encoded = [engine.encode(t, options.max_input_length) for t in texts]
-            prefix_ids = encode_prefixes(engine.tokenizer, prefixes) if prefixes else None
+            prefix_ids = (
+                encode_prefixes(engine.tokenizer, prefixes, options.max_length)
+                if prefixes
+                else None
+            )
             phrases = None
             if constraints is not None:
                 phrases = sentence_constraints(
@@ -572,6 +577,7 @@ def create_app(engine, settings):
                     engine.max_length,
                     options.max_length,
                     lengths=[len(ids) for ids, _ in encoded],  # as truncated
+                    continuations=engine.continuations,
                 )
             return encoded, prefix_ids, phrases
 

@@ -72,6 +72,10 @@ def test_export_folder_is_complete_and_valid(exported):
         "shape": ["batch", config.vocabulary_size],
     }
     assert manifest["graphs"]["model"]["inputs"]["target_ids"]["shape"] == ["batch", "target_len"]
+    assert manifest["graphs"]["model"]["outputs"]["alignment_weights"] == {
+        "dtype": "float32",
+        "shape": ["batch", "target_len", "source_len"],
+    }
     for name in ("greedy_search", "greedy_batch_search"):
         search = manifest["graphs"][name]
         assert search["inputs"]["limits"] == {"dtype": "int64", "shape": ["sentences"]}
@@ -82,7 +86,7 @@ def test_export_folder_is_complete_and_valid(exported):
         assert beam["inputs"]["length_penalty"] == {"dtype": "float64", "shape": []}
         assert beam["outputs"]["tokens"] == {"dtype": "int64", "shape": ["sentences", "steps"]}
         assert beam["outputs"]["scores"] == {"dtype": "float64", "shape": ["sentences"]}
-    assert manifest["format_version"] == 5
+    assert manifest["format_version"] == 6
     # The graphs that translate hold no weights of their own: one file per
     # precision holds them, each tensor once (the decoder's are in three graphs).
     assert manifest["weights"] == {"float32": "weights.bin", "float16": "weights_fp16.bin"}

@@ -205,6 +205,36 @@ def test_constraints_with_a_prefix_n_best_and_suppressed_tokens():
         assert [h.tokens for h in single] == [h.tokens for h in hypotheses]
 
 
+def _as_words(tokens, phrase, continuations):
+    """Whether `phrase` occurs in `tokens` with no continuation token after it."""
+    n = len(phrase)
+    return any(
+        list(tokens[i : i + n]) == list(phrase)
+        and (i + n == len(tokens) or tokens[i + n] not in continuations)
+        for i in range(len(tokens) - n + 1)
+    )
+
+
+def test_a_phrase_stands_as_whole_words():
+    """With continuation tokens (pieces that extend the word before them), none
+    follows a phrase's last token; without, the toy decoder often puts one there."""
+    continuations = {3, 9, 10, 11}
+    limits = np.full(24, 10)
+    phrases = [[[4 + s % 5]] if s % 2 else [[5 + s % 4, 4 + s % 3]] for s in range(24)]
+    (free, _), _ = _loop(limits, 3, [Constraints(p) for p in phrases])
+    rules = [Constraints(p, continuations) for p in phrases]
+    (tokens, _), _ = _loop(limits, 3, rules)
+    for row, entry, loose in zip(tokens, phrases, free, strict=True):
+        assert all(_as_words(row, p, continuations) for p in entry), (row, entry)
+        assert all(_contains(loose, p) for p in entry)
+    attached = sum(
+        not _as_words(row, p, continuations)
+        for row, entry in zip(free, phrases, strict=True)
+        for p in entry
+    )
+    assert attached >= 2
+
+
 class _Words:
     """A whitespace tokenizer over a fixed word list (ids from 4)."""
 

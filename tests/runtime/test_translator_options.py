@@ -128,6 +128,15 @@ def test_texts_prefixes_sampling_and_scoring(toy):
     ]  # fmt: skip
     with pytest.raises(ValueError, match="line 2 .* holds 'zzzz', which is not in the vocabulary"):
         translator.translate_hypotheses(lines[:2], prefixes=["ko", "ka zzzz"])
+    # A prefix too long for --max-length is named by its line before any search.
+    short, prefixes = SearchOptions(beam_size=2, max_length=3), ["ko", "ko ka ko ka"]
+    assert len(tokenizer.encode(prefixes[0])) < 3 <= len(tokenizer.encode(prefixes[1]))
+    for run in (
+        lambda: translator.translate_hypotheses(lines[:2], short, prefixes),
+        lambda: translate_hypotheses(model, tokenizer, lines[:2], short, prefixes),
+    ):
+        with pytest.raises(ValueError, match="prefix of line 2 .* no room under max_length=3"):
+            run()
 
     sampling = SearchOptions(beam_size=1, sampling_topk=0, sampling_temperature=2.0, seed=1)
     one = translator.translate(lines, options=sampling, batch_size=5)

@@ -16,6 +16,7 @@ import pytest
 from keras_transformer import cli
 from keras_transformer.config import TransformerConfig
 from keras_transformer.model import build_transformer
+from keras_transformer.train.data_parallel import SINGLE_PROCESS
 from tests.conftest import train_args as _train_args
 
 # Trained fixtures, exports and commands end to end: `make integration`.
@@ -269,7 +270,7 @@ def test_a_resumed_start_does_not_replay_the_first_starts_batches_and_masks(
     done = len(json.loads((trained_run / "history.json").read_text()))
 
     def start(out_dir, verbose=0):
-        run = run_dir._Run(str(out_dir), True, None, True, verbose)
+        run = run_dir._Run(str(out_dir), True, None, SINGLE_PROCESS, verbose)
         data = stages._load_data(run, settings, *texts)
         batches = [b[0]["source_ids"].numpy() for b in data.train.take(3)]
         model = build_transformer(data.config)
