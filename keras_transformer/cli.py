@@ -55,6 +55,15 @@ def _prepare(args):
         raise SystemExit(f"error: {error}") from None
 
 
+def _data(args):
+    from keras_transformer.data.fetch import FetchError, data_command
+
+    try:
+        return data_command(args)
+    except FetchError as error:
+        raise SystemExit(f"error: {error}") from None
+
+
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
@@ -346,6 +355,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_prepare_arguments(prepare)
     prepare.set_defaults(func=_prepare)
+
+    from keras_transformer.data.fetch import add_data_arguments
+
+    data = sub.add_parser(
+        "data",
+        help="download a published corpus (Multi30k) and check its SHA-256",
+        description="Download a published corpus into --out, checking every file's SHA-256. "
+        "`data list` names each corpus, its license, citation and files.",
+    )
+    add_data_arguments(data)
+    data.set_defaults(func=_data)
 
     train = sub.add_parser(
         "train",
