@@ -11,7 +11,9 @@
 # Every epoch is scored by greedy BLEU on val; the final weights are the best
 # on val among the last, the best and the means of up to 10 epoch checkpoints.
 # Rerunning the same command resumes an interrupted run.
-# Overridable: MULTI30K (data folder), EPOCHS, TOKENS (--tokens-per-batch; unset:
+# Overridable: MULTI30K (data folder; unset: data/multi30k; missing files are
+# fetched there by `keras-transformer data multi30k`), MULTI30K_MIRROR (that
+# command's --mirror URL), EPOCHS, TOKENS (--tokens-per-batch; unset:
 # train's automatic choice), DROPOUT (--dropout; unset: the preset's),
 # ATTENTION_DROPOUT (--attention-dropout; unset: DROPOUT's value), VOCAB
 # (--vocab-size; unset: 8000), COOLDOWN (--cooldown; unset: none), SUBWORD_ALPHA
@@ -26,8 +28,10 @@ set -euo pipefail
 SRC=${1:?source language (de, en or fr)}
 TGT=${2:?target language}
 RUN=${3:-runs/multi30k-$SRC-$TGT}
-DATA=${MULTI30K:-../shared/data/multi30k}
+DATA=${MULTI30K:-data/multi30k}
 KT=${KT:-.venv/bin/keras-transformer}
+ls "$DATA"/{train,val,test_2016_flickr}.{"$SRC","$TGT"}.gz >/dev/null 2>&1 ||
+  "$KT" data multi30k --out "$DATA" --languages "$SRC" "$TGT" ${MULTI30K_MIRROR:+--mirror "$MULTI30K_MIRROR"}
 if [ "$SRC-$TGT" = en-de ]; then
   : "${EPOCHS:=20}" "${RDROP:=5}" "${INTERMEDIATE_DIM:=2048}"
 fi
