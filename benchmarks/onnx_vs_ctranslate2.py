@@ -158,10 +158,9 @@ def _systems(run_dir, tokenizer, model, threads, parallel_batches, split_batches
     return systems, sizes
 
 
-def run(args):
-    from benchmarks.machine import write_report
+def _load(args):
+    """The sentences, references, tokenizer, systems and sizes that both modes time."""
     from keras_transformer.data.pipeline import read_lines
-    from keras_transformer.evaluation import score_translations
     from keras_transformer.export.onnx import float32_copy
     from keras_transformer.translation import load_run
 
@@ -176,6 +175,14 @@ def run(args):
         args.parallel_batches,
         False if args.whole_batches else None,
     )
+    return lines, references, tokenizer, systems, sizes
+
+
+def run(args):
+    from benchmarks.machine import write_report
+    from keras_transformer.evaluation import score_translations
+
+    lines, references, tokenizer, systems, sizes = _load(args)
     results = []
     for label, beam, batch in args.cells:
         times = {name: [] for name in SYSTEMS}
@@ -234,21 +241,8 @@ def run_options(args):
     from keras_transformer_runtime.spec import SearchOptions
 
     from benchmarks.machine import write_report
-    from keras_transformer.data.pipeline import read_lines
-    from keras_transformer.export.onnx import float32_copy
-    from keras_transformer.translation import load_run
 
-    lines = read_lines(args.src)[: args.lines]
-    references = read_lines(args.ref)[: args.lines] if args.ref else None
-    model, tokenizer = load_run(args.run_dir)
-    systems, _ = _systems(
-        args.run_dir,
-        tokenizer,
-        float32_copy(model),
-        args.threads,
-        args.parallel_batches,
-        False if args.whole_batches else None,
-    )
+    lines, references, tokenizer, systems, _ = _load(args)
     batch, parallel = OPTIONS_BATCH, args.parallel_batches
 
     def request(name, option):

@@ -309,8 +309,19 @@ def beam_search(
     if (limits == 0).all():
         return beam_loop(None, None, limits, beam_size, length_penalty, ignore_eos)
 
-    # Every sentence is repeated beam_size times: row b * k + j is beam j of sentence b.
-    tiled = np.repeat(source, beam_size, axis=0)
+    step, reorder = _tiled_steps(decoder, source, beam_size, limits)
+    return beam_loop(step, reorder, limits, beam_size, length_penalty, ignore_eos)
+
+
+def _tiled_steps(decoder, source, k, limits):
+    """`(step, reorder)` over `k` hypotheses per sentence, for the numpy search loops.
+
+    Every sentence is repeated k times: row b * k + j is hypothesis j of
+    sentence b. `step(last, t)` gives the log-probabilities of the next token
+    (numpy) and advances the self-attention caches; `reorder(rows)` makes
+    row i continue hypothesis `rows[i]`.
+    """
+    tiled = np.repeat(source, k, axis=0)
     _, source_mask, cross_caches = decoder._encode(ops.convert_to_tensor(tiled))
     steps = int(limits.max())
     state = {"caches": decoder.empty_self_caches(len(tiled), -(-steps // 8) * 8)}
@@ -329,7 +340,7 @@ def beam_search(
         rows = ops.convert_to_tensor(rows)
         state["caches"] = [ops.take(cache, rows, axis=0) for cache in state["caches"]]
 
-    return beam_loop(step, reorder, limits, beam_size, length_penalty, ignore_eos)
+    return step, reorder
 
 
 def search(model, source_ids, options=None, prefixes=None, indices=None, constraints=None):
@@ -393,26 +404,7 @@ def _search(model, source_ids, options, prefixes, indices, constraints):
     limits = prefixed_limits(limits, prefixes, options.max_length)
     if (limits == 0).all():
         return options_loop(None, None, limits, options, prefixes, indices, constraints=constraints)
-    k = options.beam_size
-    tiled = np.repeat(source, k, axis=0)  # row p * k + j: hypothesis j of sentence p
-    _, source_mask, cross_caches = decoder._encode(ops.convert_to_tensor(tiled))
-    steps = int(limits.max())
-    state = {"caches": decoder.empty_self_caches(len(tiled), -(-steps // 8) * 8)}
-
-    def step(last, t):
-        log_probs, state["caches"] = decoder._step(
-            ops.convert_to_tensor(last[:, None]),
-            ops.convert_to_tensor(t, "int32"),
-            state["caches"],
-            cross_caches,
-            source_mask,
-        )
-        return _to_numpy(log_probs)
-
-    def reorder(rows):
-        rows = ops.convert_to_tensor(rows)
-        state["caches"] = [ops.take(cache, rows, axis=0) for cache in state["caches"]]
-
+    step, reorder = _tiled_steps(decoder, source, options.beam_size, limits)
     return options_loop(step, reorder, limits, options, prefixes, indices, constraints=constraints)
 
 

@@ -433,14 +433,7 @@ class ConstrainedSearch(SentenceSearch):
             for (tokens, total, steps), after in zip(live, progress, strict=True):
                 self._finish(t, tokens, total, steps, after)
             live = []
-        ranks = sorted((f[0] for f in self.finished), reverse=True)
-        bar = ranks[self.options.n_best - 1] if len(ranks) >= self.options.n_best else -np.inf
-        top = max((total for _, total, _ in live), default=-np.inf)
-        if (
-            not live
-            or top / self._penalty(self.limit) <= bar
-            or (len(self.finished) >= k and top / self._penalty(t + 1) <= bar)
-        ):
+        if self._ends(live, t):
             self.done, self.live, self.progress, self.ended_phrase = True, [], [], []
             return []
         self.live, self.progress, self.ended_phrase = live, progress, ended

@@ -444,6 +444,23 @@ class SentenceSearch:
         self.finished = []  # (score, tokens, log_prob, token_scores)
         self.done = not self.limit
 
+    def _ends(self, live, t):
+        """Whether the search ends after step `t`, `live` being what would go on.
+
+        It ends with nothing live, or when no live hypothesis can still beat
+        the n-th best finished one: not even at the longest length allowed,
+        or, once beam_size have finished, not at its present length.
+        """
+        ranks = sorted((f[0] for f in self.finished), reverse=True)
+        n = self.options.n_best
+        bar = ranks[n - 1] if len(ranks) >= n else -np.inf
+        top = max((total for _, total, _ in live), default=-np.inf)
+        return (
+            not live
+            or top / self._penalty(self.limit) <= bar
+            or (len(self.finished) >= self.options.beam_size and top / self._penalty(t + 1) <= bar)
+        )
+
     def _penalty(self, length):
         return length_penalty_factor(length, self.options.length_penalty)
 
@@ -485,14 +502,7 @@ class SentenceSearch:
             for tokens, total, steps in grown:
                 self.finished.append((total / self._penalty(t + 1), tokens, total, steps))
             grown = []
-        ranks = sorted((f[0] for f in self.finished), reverse=True)
-        bar = ranks[self.options.n_best - 1] if len(ranks) >= self.options.n_best else -np.inf
-        top = max((total for _, total, _ in grown), default=-np.inf)
-        if (
-            not grown
-            or top / self._penalty(self.limit) <= bar
-            or (len(self.finished) >= k and top / self._penalty(t + 1) <= bar)
-        ):
+        if self._ends(grown, t):
             self.done, self.live = True, []
             return []
         self.live = grown
