@@ -218,7 +218,7 @@ def run(args):
             ours, theirs = cell["systems"][name], cell["systems"][peer]
             ours["ratio_to_ct2"] = ours["sentences_per_second"] / theirs["sentences_per_second"]
         results.append(cell)
-        print(_row(cell), flush=True)
+        print(_row(f"{cell['search']}, batch {cell['batch_size']}:", cell["systems"]), flush=True)
     for name in SYSTEMS:
         if name.startswith("ct2"):
             systems[name].close()
@@ -299,7 +299,7 @@ def run_options(args):
                     if a["log_prob"] is not None
                 )
         results.append(entry)
-        print(_option_row(entry), flush=True)
+        print(_row(f"{entry['option']}:", entry["systems"]), flush=True)
     report = write_report(
         "onnx_vs_ctranslate2",
         args,
@@ -332,13 +332,6 @@ def _option_checks(option, found, plain):
     return checks
 
 
-def _option_row(entry):
-    parts = [f"{entry['option']}:"]
-    for name, measured in entry["systems"].items():
-        parts.append(f"{name} {measured['sentences_per_second']:.1f}/s")
-    return " ".join(parts)
-
-
 def options_table(report):
     """The markdown table of an `--options` report."""
     lines = [
@@ -361,11 +354,10 @@ def options_table(report):
     return "\n".join(lines)
 
 
-def _row(cell):
-    parts = [f"{cell['search']}, batch {cell['batch_size']}:"]
-    for name, entry in cell["systems"].items():
-        parts.append(f"{name} {entry['sentences_per_second']:.1f}/s")
-    return " ".join(parts)
+def _row(label, systems):
+    """A progress line: `label` and each system's sentences/s."""
+    rates = [f"{name} {entry['sentences_per_second']:.1f}/s" for name, entry in systems.items()]
+    return " ".join([label, *rates])
 
 
 def table(report):
