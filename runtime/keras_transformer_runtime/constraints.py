@@ -62,7 +62,7 @@ import os
 
 import numpy as np
 
-from keras_transformer_runtime.spec import Hypothesis, SearchOptions, SentenceSearch, step_scores
+from keras_transformer_runtime.spec import SearchOptions, SentenceSearch, step_scores
 from keras_transformer_runtime.specials import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 from keras_transformer_runtime.tokenizers import SentencePieceModel
 
@@ -447,16 +447,7 @@ class ConstrainedSearch(SentenceSearch):
         order = sorted(
             range(len(self.finished)), key=lambda i: (-self.met[i], -self.finished[i][0])
         )
-        best = [self.finished[i] for i in order[: self.options.n_best]]
-        return [
-            Hypothesis(
-                list(tokens),
-                float(score),
-                float(log_prob),
-                list(steps) if self.options.token_scores else None,
-            )
-            for score, tokens, log_prob, steps in best
-        ]
+        return self._hypotheses([self.finished[i] for i in order[: self.options.n_best]])
 
 
 def constrained_beam(log_probs, limit, beam_size, constraints, length_penalty=0.6):

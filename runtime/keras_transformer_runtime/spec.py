@@ -536,6 +536,10 @@ class SentenceSearch:
         ranked = sorted(self.finished, key=lambda f: -f[0])[: self.options.n_best]
         if not ranked:  # every candidate was masked at the first step
             ranked = [(-np.inf, [], -np.inf, [])]
+        return self._hypotheses(ranked)
+
+    def _hypotheses(self, ranked):
+        """`Hypothesis` records of finished entries `(score, tokens, log_prob, steps)`."""
         return [
             Hypothesis(
                 list(tokens),
