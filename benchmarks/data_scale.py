@@ -194,20 +194,23 @@ def measure(pairs, args) -> dict:
         common = ["--preset", args.preset, "--max-steps", str(UPDATES + 5), "--select-by",
                   "loss", "--tokens-per-batch", str(args.tokens_per_batch)]  # fmt: skip
         row = {"pairs": pairs, "text_bytes": text_bytes}
+        files = [
+            "--src-train",
+            src,
+            "--tgt-train",
+            tgt,
+            "--src-valid",
+            valid[0],
+            "--tgt-valid",
+            valid[1],
+        ]
         child = [sys.executable, "-c", CHILD.replace("{updates}", str(UPDATES))]
         if args.text_up_to is None or pairs <= args.text_up_to:
             text = run_measured(
                 child
                 + [
                     "train",
-                    "--src-train",
-                    src,
-                    "--tgt-train",
-                    tgt,
-                    "--src-valid",
-                    valid[0],
-                    "--tgt-valid",
-                    valid[1],
+                    *files,
                     "--out",
                     os.path.join(folder, "run-text"),
                     *common,
@@ -224,14 +227,7 @@ def measure(pairs, args) -> dict:
                 "-m",
                 "keras_transformer.cli",
                 "prepare",
-                "--src-train",
-                src,
-                "--tgt-train",
-                tgt,
-                "--src-valid",
-                valid[0],
-                "--tgt-valid",
-                valid[1],
+                *files,
                 "--out",
                 data_dir,
                 "--max-length",
