@@ -186,6 +186,8 @@ def pipeline_rate(data_dir, tokens_per_batch, batches) -> dict:
 
 
 def measure(pairs, args) -> dict:
+    if args.work:
+        os.makedirs(args.work, exist_ok=True)  # a --work folder that does not exist yet
     folder = tempfile.mkdtemp(prefix=f"data-scale-{pairs}-", dir=args.work)
     try:
         src, tgt = generate_corpus(pairs, folder, args.seed)
