@@ -11,8 +11,11 @@ process and one after the other:
   batches, in target positions per second.
 
 Memory is the proportional set size (PSS) of a process and its children
-together, sampled every 0.2 s from /proc; "first update" is the time from the process start to the
-end of its first training step. The corpora are written under `--work` and
+together, sampled every 0.2 s from /proc, and its anonymous part (`peak_anon`:
+arrays and heap, without shared libraries and the page cache of memory-mapped
+shards, whose PSS falls when other processes map the same files). Compare
+sizes from one run only. "First update" is the time from the process start
+to the end of its first training step. The corpora are written under `--work` and
 never kept in the repository.
 
     python -m benchmarks.data_scale --pairs 100000 1000000 \\
@@ -55,9 +58,11 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-def _tree_rss(pid: int) -> int:
+def _tree_rss(pid: int) -> tuple[int, int]:
     """Proportional resident bytes (PSS: shared pages divided among their sharers) of
-    `pid` and its descendants: forked workers' shared pages are counted once."""
+    `pid` and its descendants, forked workers' shared pages counted once; and the
+    anonymous part of it (the heap and arrays, without the shared libraries and the
+    page cache of memory-mapped files, whose PSS depends on what else runs)."""
     children = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -67,7 +72,7 @@ def _tree_rss(pid: int) -> int:
                 children.setdefault(ppid, []).append(int(entry))
             except (OSError, ValueError, IndexError):
                 pass
-    total, todo = 0, [pid]
+    total, anonymous, todo = 0, 0, [pid]
     while todo:
         p = todo.pop()
         todo.extend(children.get(p, []))
@@ -76,9 +81,11 @@ def _tree_rss(pid: int) -> int:
                 for line in f:
                     if line.startswith("Pss:"):
                         total += int(line.split()[1]) * 1024
+                    elif line.startswith("Pss_Anon:"):
+                        anonymous += int(line.split()[1]) * 1024
         except OSError:
             pass
-    return total
+    return total, anonymous
 
 
 def run_measured(command, env=None) -> dict:
@@ -87,12 +94,12 @@ def run_measured(command, env=None) -> dict:
     process = subprocess.Popen(
         command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
     )
-    samples = []  # (time, rss)
+    samples = []  # (time, pss, anonymous pss)
     stop = threading.Event()
 
     def sample():
         while not stop.is_set():
-            samples.append((time.time(), _tree_rss(process.pid)))
+            samples.append((time.time(), *_tree_rss(process.pid)))
             stop.wait(0.2)
 
     sampler = threading.Thread(target=sample, daemon=True)
@@ -119,15 +126,24 @@ def _gib(n):
     return round(n / 2**30, 3)
 
 
+def _peaks(samples) -> dict:
+    """Peak PSS and peak anonymous PSS of `run_measured`'s samples, GiB."""
+    return {
+        "peak_rss_gib": _gib(max(s[1] for s in samples)),
+        "peak_anon_gib": _gib(max(s[2] for s in samples)),
+    }
+
+
 def training_figures(result, tokens_per_batch) -> dict:
     marks = _marks(result)
     first, last = marks["FIRST_UPDATE"], marks["LAST_UPDATE"]
-    peak = max(rss for _, rss in result["samples"])
-    training = [rss for t, rss in result["samples"] if t >= first] or [0]
+    samples = result["samples"]
+    training = [s for s in samples if s[0] >= first] or [(0, 0, 0)]
     return {
         "first_update_seconds": round(first - result["started"], 1),
-        "peak_rss_gib": _gib(peak),
-        "peak_rss_while_training_gib": _gib(max(training)),
+        **_peaks(samples),
+        "peak_rss_while_training_gib": _gib(max(s[1] for s in training)),
+        "peak_anon_while_training_gib": _gib(max(s[2] for s in training)),
         # Padded target positions the train step consumed per second, updates 2..UPDATES.
         "step_target_positions_per_second": round(
             tokens_per_batch * (UPDATES - 1) / (last - first)
@@ -181,7 +197,7 @@ def pipeline_rate(data_dir, tokens_per_batch, batches) -> dict:
     return {
         "target_positions_per_second": round(float(positions)),
         "target_tokens_per_second": round(float(tokens)),
-        "peak_rss_gib": _gib(max(rss for _, rss in result["samples"])),
+        **_peaks(result["samples"]),
     }
 
 
@@ -240,7 +256,7 @@ def measure(pairs, args) -> dict:
             manifest = json.load(f)
         row["prepare"] = {
             "seconds": round(prepared["seconds"], 1),
-            "peak_rss_gib": _gib(max(rss for _, rss in prepared["samples"])),
+            **_peaks(prepared["samples"]),
             "disk_bytes": _disk_bytes(data_dir),
             "shards": len(manifest["shards"]),
             **manifest["stats"],

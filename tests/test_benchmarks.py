@@ -437,4 +437,6 @@ def test_data_scale_counts_the_memory_of_a_process_and_its_children():
     figures = training_figures(result, tokens_per_batch=1000)
     # The child's copy of `block` is shared, not counted twice; its own block is.
     assert 0.39 < figures["peak_rss_gib"] < 0.6
+    # Both blocks are anonymous memory; the interpreter's own files are not.
+    assert 0.39 < figures["peak_anon_gib"] <= figures["peak_rss_gib"]
     assert figures["step_target_positions_per_second"] == round(1000 * 19 / 1.9)

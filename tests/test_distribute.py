@@ -496,9 +496,9 @@ def test_rdrop_over_two_devices_of_one_process(fixed_corpus, tmp_path):
 @pytest.mark.slow
 @pytest.mark.skipif(not _jax_available(), reason="needs jax (pip install '.[jax]')")
 def test_two_processes_train_on_a_prepared_dataset(fixed_corpus, tmp_path):
-    """`train --data` under data-parallel: both processes stream the prepared shards, keep
-    their rows of every batch, and run in spans of --save-every-steps updates; process 0
-    records the data position."""
+    """`train --data` under data-parallel: each process streams its own half of the prepared
+    pairs as its rows of every global batch, in spans of --save-every-steps updates;
+    process 0 records the data position and the number of readers."""
     prepared = tmp_path / "prepared"
     command = [
         sys.executable, "-m", "keras_transformer.cli", "prepare", "--out", str(prepared),
@@ -515,5 +515,7 @@ def test_two_processes_train_on_a_prepared_dataset(fixed_corpus, tmp_path):
     history = json.loads((out / "history.json").read_text())
     assert [e["steps"] for e in history] == [2, 4]
     assert [e["data_epochs"] for e in history] == [0.4, 0.8]  # 5 batches an epoch
-    assert json.loads((out / "data_position.json").read_text()) == {"1": 2, "2": 4}
-    assert "Training on 2 devices of 2 processes" in Path(f"{out}.process0.log").read_text()
+    assert json.loads((out / "data_position.json").read_text()) == {"1": 2, "2": 4, "readers": 2}
+    log = Path(f"{out}.process0.log").read_text()
+    assert "Training on 2 devices of 2 processes" in log
+    assert "Each of the 2 processes reads its own 1/2 of the pairs" in log

@@ -15,6 +15,13 @@ in-memory pipeline counts (`EncodedPairs.batches`), every pair once, and a
 stream can start at any `(epoch, batch)` without reading the ids of the
 batches before it: resuming neither replays nor skips a batch.
 
+Several readers (the processes of a data-parallel run) split the pairs into
+contiguous runs (`part_pieces`): each reads only its own ~1/N of the shards,
+with its own windows. A shared `schedule` of length buckets (from the
+manifest's length histograms, the same on every reader) makes every
+reader's batch of a step the same shape; a reader short of batches of a
+bucket answers with empty rows. Its look-ahead holds only pair references.
+
 Memory is bounded by one window: the pairs' lengths and positions of
 `interleave` shards, and memory maps of the few shards whose pairs are in the
 current batches (closed when the window moves on), whatever the corpus size.
@@ -94,6 +101,7 @@ class PreparedData:
 
     def __init__(self, directory: str, check_inputs: bool = False):
         self.directory = directory
+        self._steps = {}  # (tokens_per_batch, readers) -> global steps per bucket
         path = os.path.join(directory, MANIFEST)
         if not os.path.isfile(path):
             pending = os.path.isfile(os.path.join(directory, "prepare.json"))
@@ -162,23 +170,81 @@ class PreparedData:
             return None
         return os.path.join(self.directory, "valid.src"), os.path.join(self.directory, "valid.tgt")
 
-    def own_shards(self, shard_index: int = 0, shard_count: int = 1) -> list[int]:
-        """The shards that reader `shard_index` of `shard_count` reads: every shard_count-th."""
-        if not 0 <= shard_index < shard_count:
-            raise ValueError(
-                f"shard_index must be in [0, shard_count). Received: shard_index={shard_index}, "
-                f"shard_count={shard_count}"
-            )
-        if shard_count > len(self.manifest["shards"]):
-            raise DataError(
-                f"{self.directory} has {len(self.manifest['shards'])} shards, fewer than the "
-                f"{shard_count} readers: prepare it with a smaller --pairs-per-shard."
-            )
-        return list(range(shard_index, len(self.manifest["shards"]), shard_count))
+    def part_pieces(self, part=(0, 1)) -> list[tuple[int, int, int]]:
+        """`(shard, first_row, end_row)` runs that reader `index` of `count` reads (`part`).
 
-    def stats(self, shards=None) -> PipelineStats:
-        """The `PipelineStats` of `shards` (default: all); `batches` left 0."""
-        records = self._records(shards)
+        The dataset's pairs, in shard order, cut into `count` contiguous runs
+        of equal size (to one pair): a reader's run is whole shards but for
+        at most one at each end, so it opens only its own ~1/count of the
+        shards, and the readers together read every pair once.
+        """
+        index, count = part
+        if not 0 <= index < count:
+            raise ValueError(
+                f"A reader's index must be in [0, count). Received: index={index}, count={count}"
+            )
+        kept = [int(record["kept_pairs"]) for record in self.manifest["shards"]]
+        total = sum(kept)
+        if count > total:
+            raise DataError(f"{self.directory} holds {total} pairs, fewer than {count} readers.")
+        low, high = index * total // count, (index + 1) * total // count
+        pieces, start = [], 0
+        for shard, pairs in enumerate(kept):
+            first, end = max(low, start), min(high, start + pairs)
+            if first < end:
+                pieces.append((shard, first - start, end - start))
+            start += pairs
+        return pieces
+
+    def _bucket_pairs(self, pieces, boundaries) -> np.ndarray:
+        """Pairs per length bucket in `pieces`: from the manifest's histograms for whole
+        shards, from `lengths.npy` for the cut ones."""
+        counts = np.zeros(len(boundaries), np.int64)
+        for shard, first, end in pieces:
+            record = self.manifest["shards"][shard]
+            if first == 0 and end == record["kept_pairs"]:
+                histogram = np.asarray(record["length_histogram"], np.int64)
+                buckets = np.searchsorted(boundaries, np.arange(len(histogram)))
+                counts += np.bincount(buckets, weights=histogram, minlength=len(boundaries)).astype(
+                    np.int64
+                )
+            else:
+                keys = self._lengths(shard)[first:end].max(axis=1) + 1
+                counts += np.bincount(
+                    np.searchsorted(boundaries, keys), minlength=len(boundaries)
+                ).astype(np.int64)
+        return counts
+
+    def bucket_steps(self, tokens_per_batch: int, count: int) -> np.ndarray:
+        """Global steps per length bucket in an epoch read by `count` readers at
+        `tokens_per_batch` tokens each: the most batches any reader has of that bucket."""
+        key = (tokens_per_batch, count)
+        if key not in self._steps:
+            boundaries = bucket_boundaries(self.max_length)
+            sizes = np.asarray(_batch_sizes(boundaries, tokens_per_batch))
+            batches = [
+                -(-self._bucket_pairs(self.part_pieces((i, count)), boundaries) // sizes)
+                for i in range(count)
+            ]
+            self._steps[key] = np.max(batches, axis=0)
+        return self._steps[key]
+
+    def steps_per_epoch(self, tokens_per_batch: int, count: int = 1) -> int:
+        """Global steps of one epoch read by `count` readers (`batches_per_epoch` for one)."""
+        if count == 1:
+            return self.batches_per_epoch(tokens_per_batch)
+        return int(self.bucket_steps(tokens_per_batch, count).sum())
+
+    def schedule(self, epoch: int, seed: int, tokens_per_batch: int, count: int) -> np.ndarray:
+        """The length bucket of every global step of an epoch read by `count` readers:
+        the same on every reader, so that their batches of one step have one shape."""
+        steps = self.bucket_steps(tokens_per_batch, count)
+        rng = np.random.default_rng([seed % 2**32, epoch, count])
+        return rng.permutation(np.repeat(np.arange(len(steps)), steps))
+
+    def stats(self) -> PipelineStats:
+        """The dataset's `PipelineStats`; `batches` left 0."""
+        records = self.manifest["shards"]
         keys = (
             "total_pairs",
             "empty_pairs",
@@ -189,14 +255,10 @@ class PreparedData:
         )
         return PipelineStats(**{k: sum(r[k] for r in records) for k in keys})
 
-    def _records(self, shards=None):
-        records = self.manifest["shards"]
-        return records if shards is None else [records[i] for i in shards]
-
-    def batches_per_epoch(self, tokens_per_batch: int, shards=None) -> int:
-        """The batches of one epoch over `shards` at `tokens_per_batch` padded tokens a side."""
+    def batches_per_epoch(self, tokens_per_batch: int) -> int:
+        """The batches of one epoch at `tokens_per_batch` padded tokens a side."""
         boundaries = bucket_boundaries(self.max_length)
-        histogram = np.sum([r["length_histogram"] for r in self._records(shards)], axis=0)
+        histogram = np.sum([r["length_histogram"] for r in self.manifest["shards"]], axis=0)
         keys = np.arange(len(histogram))
         buckets = np.searchsorted(boundaries, keys)
         counts = np.bincount(buckets, weights=histogram, minlength=len(boundaries))
@@ -207,22 +269,23 @@ class PreparedData:
         name = self.manifest["shards"][shard]["name"]
         return _load(os.path.join(self.directory, name, "lengths.npy"))
 
-    def epoch_plan(self, epoch, seed, tokens_per_batch, shards=None, interleave=DEFAULT_INTERLEAVE):
-        """Yields the batches of one epoch as `(bucket, refs)`: `refs` an int64 array of
-        `shard * 2**32 + row`. Reads only the shards' lengths, never their ids."""
+    def epoch_plan(self, epoch, seed, tokens_per_batch, part=(0, 1), interleave=DEFAULT_INTERLEAVE):
+        """Yields the batches of one epoch of reader `part` (`(index, count)`, default: the one
+        reader of everything) as `(bucket, refs)`: `refs` an int64 array of `shard * 2**32 +
+        row`. Reads only the lengths of the reader's shards, never their ids."""
         check_batch_fits(tokens_per_batch, self.max_length)
-        shards = list(range(len(self.manifest["shards"]))) if shards is None else list(shards)
+        pieces = self.part_pieces(part)
         boundaries = bucket_boundaries(self.max_length)
         sizes = _batch_sizes(boundaries, tokens_per_batch)
         rng = np.random.default_rng([seed % 2**32, epoch])
-        order = [shards[i] for i in rng.permutation(len(shards))]
+        order = [pieces[i] for i in rng.permutation(len(pieces))]
         waiting = [np.zeros(0, np.int64) for _ in boundaries]  # refs in unfilled buckets
         for start in range(0, len(order), interleave):
             window = order[start : start + interleave]
             refs, keys = [], []
-            for shard in window:
-                lengths = self._lengths(shard)
-                refs.append((shard << 32) + np.arange(len(lengths), dtype=np.int64))
+            for shard, first, end in window:
+                lengths = self._lengths(shard)[first:end]
+                refs.append((shard << 32) + np.arange(first, end, dtype=np.int64))
                 keys.append(lengths.max(axis=1) + 1 if len(lengths) else np.zeros(0, np.int32))
             refs, keys = np.concatenate(refs), np.concatenate(keys)
             permutation = rng.permutation(len(refs))
@@ -244,14 +307,36 @@ class PreparedData:
         for i in rng.permutation(len(rest)):
             yield rest[i]
 
+    def reader_steps(self, epoch, seed, tokens_per_batch, part):
+        """Yields reader `part`'s batch of every global step of an epoch as `(bucket, refs)`.
+
+        Every reader takes the buckets in `schedule`'s order and answers each
+        step with its next batch of that bucket from its own `epoch_plan`
+        (looking ahead in its plan when needed), or with no pairs once it has
+        none left of that bucket: those rows are all padding.
+        """
+        plan = self.epoch_plan(epoch, seed, tokens_per_batch, part)
+        if part[1] == 1:
+            yield from plan
+            return
+        waiting = collections.defaultdict(collections.deque)
+        for bucket in self.schedule(epoch, seed, tokens_per_batch, part[1]):
+            while not waiting[bucket]:
+                found = next(plan, None)
+                if found is None:
+                    break
+                waiting[found[0]].append(found[1])
+            refs = waiting[bucket].popleft() if waiting[bucket] else np.zeros(0, np.int64)
+            yield int(bucket), refs
+
     def batches(
         self,
         seed: int,
         tokens_per_batch: int,
         start_epoch: int = 0,
         start_batch: int = 0,
-        shards=None,
-        interleave: int = DEFAULT_INTERLEAVE,
+        part=(0, 1),
+        rows_multiple: int = 1,
         repeat_shapes: bool = True,
     ):
         """Yields `(source, decoder_input, labels)` int32 batches, epoch after epoch, endlessly.
@@ -260,16 +345,27 @@ class PreparedData:
         batches before it are planned but never read. Source = pieces + EOS,
         decoder input = BOS + target pieces, labels = target pieces + EOS;
         with `repeat_shapes` every batch is padded to its bucket's length.
+
+        With `part` = `(index, count)` and count > 1 this is reader `index`'s
+        share of the global steps (`reader_steps`): every reader's batch of
+        one step has the same shape, its bucket's length and row count (a
+        multiple of `rows_multiple`), padded with empty rows.
         """
         boundaries = bucket_boundaries(self.max_length)
+        sizes = _batch_sizes(boundaries, tokens_per_batch)
+        if part[1] > 1 and not repeat_shapes:
+            raise ValueError("Several readers pad every batch to its bucket: repeat_shapes=True.")
         open_shards = collections.OrderedDict()
         epoch, skip = start_epoch, start_batch
         while True:
-            for bucket, refs in self.epoch_plan(epoch, seed, tokens_per_batch, shards, interleave):
+            for bucket, refs in self.reader_steps(epoch, seed, tokens_per_batch, part):
                 if skip:
                     skip -= 1
                     continue
-                yield self._materialize(refs, boundaries[bucket], repeat_shapes, open_shards)
+                rows = 0
+                if part[1] > 1:
+                    rows = -(-sizes[bucket] // rows_multiple) * rows_multiple
+                yield self._materialize(refs, boundaries[bucket], repeat_shapes, open_shards, rows)
             epoch += 1
 
     def _shard(self, index, open_shards) -> _Shard:
@@ -282,14 +378,15 @@ class PreparedData:
                 open_shards.popitem(last=False)  # unmapped once its arrays are gone
         return open_shards[index]
 
-    def _materialize(self, refs, width, repeat_shapes, open_shards):
+    def _materialize(self, refs, width, repeat_shapes, open_shards, rows=0):
         pairs = [self._shard(int(r >> 32), open_shards).pair(int(r & 0xFFFFFFFF)) for r in refs]
         if not repeat_shapes:
             width = max(max(len(s), len(t)) for s, t in pairs) + 1
-        source = np.full((len(pairs), width), PAD_ID, np.int32)
-        decoder = np.full((len(pairs), width), PAD_ID, np.int32)
-        labels = np.full((len(pairs), width), PAD_ID, np.int32)
-        decoder[:, 0] = BOS_ID
+        rows = max(rows, len(pairs))
+        source = np.full((rows, width), PAD_ID, np.int32)
+        decoder = np.full((rows, width), PAD_ID, np.int32)
+        labels = np.full((rows, width), PAD_ID, np.int32)
+        decoder[: len(pairs), 0] = BOS_ID
         for i, (s, t) in enumerate(pairs):
             source[i, : len(s)] = s
             source[i, len(s)] = EOS_ID
@@ -298,12 +395,16 @@ class PreparedData:
             labels[i, len(t)] = EOS_ID
         return source, decoder, labels
 
-    def dataset(self, seed, tokens_per_batch, start_epoch=0, start_batch=0, shards=None):
+    def dataset(
+        self, seed, tokens_per_batch, start_epoch=0, start_batch=0, part=(0, 1), rows_multiple=1
+    ):
         """`batches` as an endless `tf.data.Dataset` of `({"source_ids", "target_ids"}, labels)`."""
         import tensorflow as tf
 
         def generate():
-            yield from self.batches(seed, tokens_per_batch, start_epoch, start_batch, shards)
+            yield from self.batches(
+                seed, tokens_per_batch, start_epoch, start_batch, part, rows_multiple
+            )
 
         spec = tf.TensorSpec((None, None), tf.int32)
         dataset = tf.data.Dataset.from_generator(generate, output_signature=(spec, spec, spec))

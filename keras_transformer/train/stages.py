@@ -311,7 +311,15 @@ def _load_prepared(run, settings, prepared) -> _Data:
         )
     if settings.rdrop_alpha:
         train_data, valid_data = duplicate_rows(train_data), duplicate_rows(valid_data)
-    train_data, valid_data, valid_whole = _shared(run, settings, train_data, valid_data)
+    if plan.readers > 1:
+        run.log(
+            f"Each of the {plan.readers} processes reads its own 1/{plan.readers} of the pairs "
+            f"(contiguous runs of the shards), {tokens_per_batch // plan.readers} tokens a side "
+            f"per batch; {plan.batches_per_epoch} global batches an epoch."
+        )
+    train_data, valid_data, valid_whole = _shared(
+        run, settings, train_data, valid_data, train_is_local=plan.readers > 1
+    )
     return _Data(
         tokenizer,
         config,
@@ -326,14 +334,16 @@ def _load_prepared(run, settings, prepared) -> _Data:
     )
 
 
-def _shared(run, settings, train_data, valid_data):
+def _shared(run, settings, train_data, valid_data, train_is_local=False):
     """`(train, valid, valid_whole)`: this process's share of the global batches, and the
-    whole validation batches for a one-device copy."""
+    whole validation batches for a one-device copy. `train_is_local`: the training
+    batches are already this process's own (`streamed_inputs`)."""
     valid_whole = valid_data
     processes = run.processes
     if processes.distribution is not None:
         paired = bool(settings.rdrop_alpha)
-        train_data = share_of_each_batch(train_data, processes, paired_rows=paired)
+        if not train_is_local:
+            train_data = share_of_each_batch(train_data, processes, paired_rows=paired)
         valid_data = share_of_each_batch(valid_data, processes, paired_rows=paired)
         run.log(
             f"Training on {processes.devices} devices of {processes.count} "
@@ -412,7 +422,12 @@ def _fit(run, settings, model, data, recipe) -> list:
         }
         # Before the recorder's checkpoint and the backup: see `streamed`.
         position = DataPosition(
-            run.out_dir, plan.start_batches, plan.batches_per_epoch, plan.max_batches, run.chief
+            run.out_dir,
+            plan.start_batches,
+            plan.batches_per_epoch,
+            plan.max_batches,
+            run.chief,
+            plan.readers,
         )
         callbacks.insert(0, position)
     steps_done = history[-1]["steps"] if history else 0

@@ -30,6 +30,7 @@ from keras_transformer.data.shards import PreparedData
 from keras_transformer.io_utils import atomic_write_json
 
 POSITIONS = "data_position.json"
+READERS = "readers"  # the key of `data_position.json` that is not a span
 
 
 @dataclasses.dataclass
@@ -41,6 +42,7 @@ class StreamPlan:
     keras_epochs: int  # spans to run, the restored ones included
     start_batches: int  # batches consumed before this start
     max_batches: int | None  # the --epochs budget in batches
+    readers: int = 1  # processes that each read their own part of the data
 
     @property
     def start(self) -> tuple[int, int]:
@@ -57,29 +59,48 @@ def restored_spans(out_dir: str) -> int:
         return int(json.load(f)["epoch"])
 
 
+def _positions(out_dir: str) -> dict:
+    path = os.path.join(out_dir, POSITIONS)
+    if not os.path.isfile(path):
+        return {}
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
 def consumed_batches(out_dir: str, spans: int) -> int:
     """Batches consumed by the end of span `spans` (0 for none), from `data_position.json`."""
     if spans == 0:
         return 0
-    path = os.path.join(out_dir, POSITIONS)
-    positions = {}
-    if os.path.isfile(path):
-        with open(path, encoding="utf-8") as f:
-            positions = json.load(f)
+    positions = _positions(out_dir)
     if str(spans) not in positions:
         raise DataError(
-            f"{out_dir}/backup holds span {spans} but {path} has no data position for it: "
-            "the run cannot resume at the right batch. Start a new --out directory."
+            f"{out_dir}/backup holds span {spans} but {os.path.join(out_dir, POSITIONS)} has no "
+            "data position for it: the run cannot resume at the right batch. Start a new --out "
+            "directory."
         )
     return int(positions[str(spans)])
+
+
+def check_readers(out_dir: str, recorded: int, readers: int) -> None:
+    """Refuses to resume a run whose data was read by `recorded` processes with `readers`."""
+    if recorded != readers:
+        raise DataError(
+            f"{out_dir} was trained with {recorded} process(es), each reading its own part of "
+            f"the data, and this start has {readers}: the order of the batches depends on it, "
+            f"so the run cannot resume at the right batch. Resume it with {recorded} "
+            "process(es), or start a new --out directory."
+        )
 
 
 class DataPosition(keras.callbacks.Callback):
     """Records the batches consumed at the end of each span (before the backup is written),
     and stops the run when the `--epochs` budget (`max_batches`) is spent."""
 
-    def __init__(self, out_dir, start_batches, batches_per_epoch, max_batches=None, chief=True):
+    def __init__(
+        self, out_dir, start_batches, batches_per_epoch, max_batches=None, chief=True, readers=1
+    ):
         super().__init__()
+        self.readers = readers
         self.batches_per_epoch = batches_per_epoch
         self.path = os.path.join(out_dir, POSITIONS)
         self.consumed = start_batches
@@ -102,7 +123,10 @@ class DataPosition(keras.callbacks.Callback):
         self.consumed += self.in_span
         self.positions[str(epoch + 1)] = self.consumed
         # Later spans of an earlier start were not kept by the backup: forget them.
-        self.positions = {k: v for k, v in self.positions.items() if int(k) <= epoch + 1}
+        self.positions = {
+            k: v for k, v in self.positions.items() if k.isdigit() and int(k) <= epoch + 1
+        }
+        self.positions[READERS] = self.readers
         if logs is not None:  # runs before the recorder: history.json says it per span
             logs["data_epochs"] = round(self.consumed / self.batches_per_epoch, 4)
         if self.chief:
@@ -111,16 +135,35 @@ class DataPosition(keras.callbacks.Callback):
 
 def streamed_inputs(run, settings, prepared: PreparedData, tokenizer, config, tokens_per_batch):
     """The training stream from this start's position, the validation batches and the plan."""
-    per_epoch = prepared.batches_per_epoch(tokens_per_batch)
+    processes = run.processes
+    readers, local_tokens = processes.count, tokens_per_batch // processes.count
+    if readers > 1 and local_tokens < prepared.max_length:
+        raise ValueError(
+            f"--tokens-per-batch {tokens_per_batch} is shared by {readers} processes, "
+            f"{local_tokens} each, fewer than max_length ({prepared.max_length}): give at least "
+            f"{readers * prepared.max_length}."
+        )
+    per_epoch = prepared.steps_per_epoch(local_tokens, readers)
     span = (settings.save_every_steps or 0) * settings.accumulate_steps or per_epoch
     # Process 0's run directory says where every process of a data-parallel run resumes.
-    spans_done = run.processes.first_value(restored_spans(run.out_dir) if run.resume else 0)
-    start = run.processes.first_value(consumed_batches(run.out_dir, spans_done) if run.chief else 0)
+    spans_done = processes.first_value(restored_spans(run.out_dir) if run.resume else 0)
+    if spans_done:
+        recorded = int(_positions(run.out_dir).get(READERS, 1)) if run.chief else 0
+        check_readers(run.out_dir, processes.first_value(recorded), readers)
+    start = processes.first_value(consumed_batches(run.out_dir, spans_done) if run.chief else 0)
     max_batches = None if settings.epochs is None else settings.epochs * per_epoch
     keras_epochs = 10_000_000 if max_batches is None else math.ceil(max_batches / span)
-    plan = StreamPlan(per_epoch, span, keras_epochs, start, max_batches)
+    plan = StreamPlan(per_epoch, span, keras_epochs, start, max_batches, readers)
     epoch, batch = plan.start
-    train = prepared.dataset(settings.seed, tokens_per_batch, epoch, batch)
+    # Each process reads its own part; its batches are its rows of the global batch.
+    train = prepared.dataset(
+        settings.seed,
+        local_tokens,
+        epoch,
+        batch,
+        part=(processes.index, readers),
+        rows_multiple=processes.devices // readers,
+    )
     if start:
         run.log(
             f"Data position: epoch {epoch + 1}, batch {batch} of {per_epoch} "

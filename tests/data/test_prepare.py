@@ -84,15 +84,67 @@ def test_a_stream_resumes_at_any_batch_and_reshuffles_each_epoch(prepared):
     assert any(a.shape != b.shape or (a != b).any() for a, b in zip(first, second, strict=True))
 
 
-def test_readers_split_the_shards_and_together_read_every_pair(prepared):
+def _pairs_of(batch):
+    """The (source, target) pieces of the real rows of a batch (rows of padding left out)."""
+    source, _, labels = batch
+    pairs = []
+    for s, lab in zip(source, labels, strict=True):
+        if (lab == PAD_ID).all():
+            continue
+        pieces = s[: np.flatnonzero(s == EOS_ID)[0]].tolist()
+        pairs.append((tuple(pieces), tuple(lab[: np.flatnonzero(lab == EOS_ID)[0]].tolist())))
+    return pairs
+
+
+@pytest.mark.parametrize("count", [2, 3])
+def test_readers_read_their_own_runs_of_shards_in_steps_of_one_shape(prepared, count):
     data = PreparedData(prepared)
-    halves = [data.own_shards(i, 2) for i in range(2)]
-    assert sorted(halves[0] + halves[1]) == list(range(len(data.shard_names)))
-    assert data.stats(halves[0]).kept_pairs + data.stats(halves[1]).kept_pairs == (
-        data.stats().kept_pairs
+    total = data.stats().kept_pairs
+    parts = [data.part_pieces((i, count)) for i in range(count)]
+    # Contiguous runs of equal size that cover every pair once, cut within at most count-1 shards.
+    flat = [(shard, row) for pieces in parts for shard, a, b in pieces for row in range(a, b)]
+    assert len(flat) == len(set(flat)) == total
+    assert (
+        max(sum(b - a for _, a, b in p) for p in parts)
+        - min(sum(b - a for _, a, b in p) for p in parts)
+        <= 1
     )
-    with pytest.raises(DataError, match="fewer than the 99 readers"):
-        data.own_shards(0, 99)
+    opened = [{shard for shard, _, _ in pieces} for pieces in parts]
+    assert sum(len(shards) for shards in opened) <= len(data.shard_names) + count - 1
+
+    # The global batch keeps its budget: each reader fills 1/count of it.
+    local = TOKENS_PER_BATCH // count
+    steps = data.steps_per_epoch(local, count)
+    assert steps == len(data.schedule(0, 0, local, count))
+    own_batches = [sum(1 for _ in data.epoch_plan(0, 0, local, (i, count))) for i in range(count)]
+    assert max(own_batches) <= steps <= sum(own_batches)
+    streams = [
+        list(itertools.islice(data.batches(0, local, part=(i, count), rows_multiple=2), steps))
+        for i in range(count)
+    ]
+    seen = []
+    for step in zip(*streams, strict=True):
+        assert len({batch[0].shape for batch in step}) == 1  # one global batch
+        assert step[0][0].shape[0] % 2 == 0
+        seen += [pair for batch in step for pair in _pairs_of(batch)]
+    one_reader = itertools.islice(
+        data.batches(0, TOKENS_PER_BATCH), data.batches_per_epoch(TOKENS_PER_BATCH)
+    )
+    assert sorted(seen) == sorted(pair for batch in one_reader for pair in _pairs_of(batch))
+    # Each reader's plan refers only to its own rows.
+    for i, pieces in enumerate(parts):
+        own = {(shard << 32) + row for shard, a, b in pieces for row in range(a, b)}
+        planned = np.concatenate([refs for _, refs in data.epoch_plan(0, 0, local, (i, count))])
+        assert set(planned.tolist()) == own
+    # A reader resumes at any global step of any epoch.
+    later = list(itertools.islice(data.batches(0, local, part=(1, count)), steps + 9))
+    resumed = data.batches(0, local, start_epoch=1, start_batch=4, part=(1, count))
+    for expected, batch in zip(later[steps + 4 :], resumed, strict=False):
+        np.testing.assert_array_equal(batch[2], expected[2])
+    with pytest.raises(DataError, match="fewer than 99999 readers"):
+        data.part_pieces((0, 99999))
+    with pytest.raises(ValueError, match="index must be in"):
+        data.part_pieces((2, 2))
 
 
 def test_a_rerun_on_a_prepared_directory_does_nothing(text, prepared):

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -87,7 +88,14 @@ def test_a_resumed_run_continues_at_the_same_batch_with_the_same_weights(prepare
     metrics = train(_settings(prepared, max_steps=3 * SPAN + 1, **every), whole, verbose=0)
     train(_settings(prepared, max_steps=2 * SPAN, **every), split, verbose=0)
     with open(os.path.join(split, "data_position.json"), encoding="utf-8") as f:
-        assert json.load(f) == {"1": SPAN, "2": 2 * SPAN}
+        assert json.load(f) == {"1": SPAN, "2": 2 * SPAN, "readers": 1}
+    # The order of the data depends on how many processes read it: another count is refused.
+    refused = str(tmp_path / "refused")
+    shutil.copytree(split, refused)
+    with open(os.path.join(refused, "data_position.json"), "w", encoding="utf-8") as f:
+        json.dump({"1": SPAN, "2": 2 * SPAN, "readers": 2}, f)
+    with pytest.raises(DataError, match=r"trained with 2 process\(es\).*this start has 1"):
+        train(_settings(prepared, max_steps=3 * SPAN + 1, **every), refused, verbose=0)
     resumed = train(_settings(prepared, max_steps=3 * SPAN + 1, **every), split, verbose=0)
     # One history entry (and checkpoint) per span of SPAN updates; the last is short.
     assert [e["steps"] for e in metrics["history"]] == [3, 6, 9, 10]
