@@ -14,7 +14,7 @@ A run directory holds everything a run needs and produces:
   finished another way).
 - `spm.model`: the joint SentencePiece model, trained on the first start.
 - `backup/`: Keras `BackupAndRestore` state (weights and optimizer) of the last
-  completed epoch; rerunning the same command resumes from it, with data
+  completed epoch, replaced as one step (`backup.py`); rerunning the same command resumes from it, with data
   order and dropout masks drawn anew (`stream_seed`), not replayed.
 - `checkpoints/epoch-NNN.weights.h5`: the weights after the last epochs and
   after the best ones on validation, for choosing and averaging.

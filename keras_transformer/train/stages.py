@@ -33,6 +33,7 @@ from keras_transformer.precision import (
 )
 from keras_transformer.schedules import TransformerSchedule
 from keras_transformer.startup import onednn_enabled
+from keras_transformer.train.backup import AtomicBackupAndRestore, settle_backup
 from keras_transformer.train.callbacks import (
     _bleu_on,
     _EpochProgress,
@@ -397,12 +398,13 @@ def _fit(run, settings, model, data, recipe) -> list:
     )
     # Several processes: every one restores process 0's backup (restoring is a collective).
     backup = os.path.join(run.out_dir, "backup")
+    settle_backup(backup)
     share_backup(run.processes, backup)
     callbacks = [
         # The recorder writes its checkpoint before the backup is taken: a
         # kill in between makes the resumed run redo that epoch, never skip it.
         recorder,
-        keras.callbacks.BackupAndRestore(backup, delete_checkpoint=False),
+        AtomicBackupAndRestore(backup, delete_checkpoint=False),
         keras.callbacks.TensorBoard(os.path.join(run.out_dir, "logs"), update_freq="epoch"),
         _EpochProgress(settings.budget()),
     ]
