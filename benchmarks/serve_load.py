@@ -393,7 +393,9 @@ def build_parser():
         help="which of offline, batching, no-batching to measure",
     )
     parser.add_argument(
-        "--server-flags", default="", help="extra flags of the batching server, one string"
+        "--server-flags",
+        default="",
+        help="extra flags of the servers, one string (the no-batching one then turns batching off)",
     )
     parser.add_argument("--soak", type=float, default=0, help="soak seconds (0: none)")
     parser.add_argument("--soak-clients", type=int, default=32)
@@ -424,7 +426,8 @@ def main(argv=None):
                 rows.append(offline(args.onnx, args.source, args.limit, beam_size, 32, in_order))
     servers = {
         "batching": args.server_flags.split(),
-        "no-batching": NO_BATCHING_FLAGS,
+        # The same server with batching off: the flags that are not about batching apply.
+        "no-batching": args.server_flags.split() + NO_BATCHING_FLAGS,
     }
     soak_row = None
     for name, flags in servers.items():

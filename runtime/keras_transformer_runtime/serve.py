@@ -166,6 +166,18 @@ def build_parser():
         help="on SIGTERM, seconds to finish the accepted requests before exiting (default 30)",
     )
     add(
+        "--http",
+        default="auto",
+        choices=["auto", "httptools", "h11"],
+        help="uvicorn's HTTP parser (default auto: httptools where installed, else h11)",
+    )
+    add(
+        "--loop",
+        default="auto",
+        choices=["auto", "uvloop", "asyncio"],
+        help="uvicorn's event loop (default auto: uvloop where installed, else asyncio)",
+    )
+    add(
         "--log-level",
         default="warning",
         choices=["critical", "error", "warning", "info", "debug"],
@@ -903,6 +915,20 @@ def _exit_quietly(signum, frame):
     raise SystemExit(0)
 
 
+def _http_stack(http, loop) -> str:
+    """The parser and event loop that uvicorn's "auto" picks: the fast ones where installed."""
+    import importlib.util
+
+    def installed(name):
+        return importlib.util.find_spec(name) is not None
+
+    if http == "auto":
+        http = "httptools" if installed("httptools") else "h11"
+    if loop == "auto":
+        loop = "uvloop" if installed("uvloop") and sys.platform != "win32" else "asyncio"
+    return f"{http} on {loop}"
+
+
 def main(argv=None):
     args = build_parser().parse_args(argv)
     check_settings(args)
@@ -930,8 +956,8 @@ def main(argv=None):
         app,
         host=args.host,
         port=args.port,
-        http="h11",
-        loop="asyncio",
+        http=args.http,
+        loop=args.loop,
         lifespan="on",
         access_log=False,
         log_level=args.log_level,
@@ -943,7 +969,8 @@ def main(argv=None):
     signal.signal(signal.SIGINT, _exit_quietly)
     print(
         f"keras-transformer-serve: {args.onnx_dir} on {engine.provider}, {workers} worker(s) "
-        f"of {threads or 'default'} thread(s), http://{args.host}:{args.port}",
+        f"of {threads or 'default'} thread(s), {_http_stack(args.http, args.loop)}, "
+        f"http://{args.host}:{args.port}",
         file=sys.stderr,
         flush=True,
     )
