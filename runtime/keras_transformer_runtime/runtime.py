@@ -89,6 +89,59 @@ SLEEPING_FLOAT32_GRAPHS = ("greedy_batch_search",)
 # batch's, and by default they keep whole batches (their outputs then do
 # not depend on the thread count). `split_batches` chooses otherwise.
 SPLIT_MIN_ROWS = 8
+# The parts of a split batch are runs of its sentences in order of length,
+# sized so that the parts end together. A part's time is taken as (rows +
+# this) x its longest source: the rows' work, and the part of every step that
+# does not grow with the rows (the operators' fixed cost), in rows.
+SPLIT_STEP_ROWS = 8
+
+
+def length_runs(lengths, parts, step_rows=SPLIT_STEP_ROWS):
+    """Indices of `lengths` cut into `parts` runs in order of length (shortest first), each
+    non-empty, that make the longest estimated part time, `(rows + step_rows) x longest
+    length`, as short as it can be.
+
+    Against dealing the sentences out in turn (every part then runs as long as
+    the longest sentence of the whole batch), a part of short sentences takes
+    more of them and ends with the part of long ones: the padding of a batch
+    of mixed lengths is not computed.
+    """
+    lengths = np.asarray(lengths)
+    order = np.argsort(lengths, kind="stable")
+    ordered = np.maximum(lengths[order], 1).astype(np.float64)
+    count = len(order)
+    parts = max(1, min(parts, count))
+
+    def cuts_within(limit):
+        """Ends of the runs, made greedily from the shortest, none over `limit`; or None."""
+        ends, start = [], 0
+        while start < count:
+            end = start + 1
+            if (1 + step_rows) * ordered[start] > limit:
+                return None
+            while end < count and (end + 1 - start + step_rows) * ordered[end] <= limit:
+                end += 1
+            ends.append(end)
+            start = end
+        return ends if len(ends) <= parts else None
+
+    low, high = 0.0, (count + step_rows) * ordered[-1]
+    for _ in range(50):  # bisection on the longest part time
+        middle = (low + high) / 2
+        if cuts_within(middle) is None:
+            low = middle
+        else:
+            high = middle
+    ends = cuts_within(high)
+    # Fewer runs than parts: split the largest runs so that every part has work.
+    runs = [order[a:b] for a, b in zip([0, *ends[:-1]], ends, strict=True)]
+    while len(runs) < parts:
+        largest = max(range(len(runs)), key=lambda i: len(runs[i]))
+        run = runs.pop(largest)
+        runs[largest:largest] = [run[: len(run) // 2], run[len(run) // 2 :]]
+    return runs
+
+
 _CUDA = "CUDAExecutionProvider"
 _CPU = "CPUExecutionProvider"
 
@@ -360,9 +413,9 @@ class OnnxTranslator:
     def _split_search(self, source, parts, search):
         """`search(translator, rows)` on `parts` parts of `source` at once; results in order.
 
-        The sentences are dealt to the parts in order of length, so that
-        every part has sentences of every length and the parts end together.
-        Each part runs on a one-thread translator of its own.
+        The parts are runs of the sentences in order of length, sized so that
+        they end together (`length_runs`). Each part runs on a one-thread
+        translator of its own.
         """
         with self._split_lock:
             while len(self._split_workers) < parts:
@@ -370,8 +423,7 @@ class OnnxTranslator:
             if self._split_pool is None:
                 self._split_pool = ThreadPoolExecutor(parts - 1, "split-search")
             workers, pool = self._split_workers[:parts], self._split_pool
-        order = np.argsort((source != PAD_ID).sum(1), kind="stable")  # by source length
-        groups = [order[j::parts] for j in range(parts)]
+        groups = length_runs((source != PAD_ID).sum(1), parts)
         # The first part runs on this thread; the pool's threads only search.
         futures = [
             pool.submit(search, worker, source[group])

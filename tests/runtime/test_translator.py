@@ -20,7 +20,9 @@ from keras_transformer_runtime.runtime import (  # noqa: E402
     FORMAT_VERSION,
     ExportFileError,
     OnnxTranslator,
+    length_runs,
 )
+from keras_transformer_runtime.search import source_array  # noqa: E402
 
 from keras_transformer.decoding import beam_search, greedy_search  # noqa: E402
 from keras_transformer.translation import translate_lines  # noqa: E402
@@ -154,6 +156,31 @@ def test_search_graphs_spin_and_the_encoder_sleeps(exported):
         OnnxTranslator(out, spinning=False)
 
 
+def test_length_runs_cut_a_batch_into_parts_that_end_together():
+    rng = np.random.default_rng(4)
+    lengths = rng.integers(3, 60, 32)
+
+    def longest_part(runs, step_rows=8):
+        return max((len(run) + step_rows) * lengths[run].max() for run in runs)
+
+    for parts in (2, 3, 4):
+        runs = length_runs(lengths, parts, step_rows=8)
+        assert len(runs) == parts and all(len(run) for run in runs)
+        # Every sentence once, each run a range of the lengths, shortest first.
+        assert sorted(np.concatenate(runs).tolist()) == list(range(32))
+        for shorter, longer in zip(runs, runs[1:], strict=False):
+            assert lengths[shorter].max() <= lengths[longer].min()
+        # Shorter than dealing the sentences out in turn, and no cut does better.
+        order = np.argsort(lengths, kind="stable")
+        assert longest_part(runs) < longest_part([order[j::parts] for j in range(parts)])
+        if parts == 2:
+            best = min(longest_part([order[:k], order[k:]]) for k in range(1, 32))
+            assert longest_part(runs) == pytest.approx(best, rel=1e-6)
+    # Equal lengths: equal halves; more parts than sentences: one sentence each.
+    assert [len(run) for run in length_runs([7] * 10, 2)] == [5, 5]
+    assert [run.tolist() for run in length_runs([5, 2, 9], 4)] == [[1], [0], [2]]
+
+
 def test_a_batch_searches_as_one_part_per_thread(exported, monkeypatch, capsys):
     """On the CPU with several threads, a batch with enough decoder rows runs as
     one search per thread, each part on a one-thread translator of its own, the
@@ -207,10 +234,12 @@ def test_a_batch_searches_as_one_part_per_thread(exported, monkeypatch, capsys):
 
             setattr(worker, search, record)
         assert getattr(two, search)(sources, **kwargs)[0] == expected_tokens
-    # Each search: two parts (10 and 9 sentences), one on another thread.
+    # Each search: two parts, runs of the sentences in order of length, one on another thread.
+    _, lengths = source_array(sources, whole.max_length, multiple=1)  # as the search sees them
+    expected_rows = sorted(len(run) for run in length_runs(lengths, 2))
     for search in ("greedy_search", "beam_search"):
         parts = [(rows, thread) for name, rows, thread in calls if name == search]
-        assert sorted(rows for rows, _ in parts) == [9, 10]
+        assert sorted(rows for rows, _ in parts) == expected_rows
         assert {thread is threading.current_thread() for _, thread in parts} == {True, False}
 
     # The runtime command: `--whole-batches` keeps batches whole, the same lines.
