@@ -38,11 +38,12 @@ def write_report(module, args, **fields):
     that made it (`python -m benchmarks.<module> ARGV`), its settings, `fields` in
     the order given, and the machine. `args` holds the parsed options and `argv`."""
     import json
+    import shlex
 
     from keras_transformer.io_utils import atomic_write_text
 
     report = {
-        "command": f"python -m benchmarks.{module} " + " ".join(args.argv),
+        "command": f"python -m benchmarks.{module} " + shlex.join(args.argv),
         "settings": {k: v for k, v in vars(args).items() if k != "argv"},
         **fields,
         "machine": describe_machine(),
