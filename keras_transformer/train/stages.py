@@ -316,7 +316,8 @@ def _load_prepared(run, settings, prepared) -> _Data:
         run.log(
             f"Each of the {plan.readers} processes reads its own 1/{plan.readers} of the pairs "
             f"(contiguous runs of the shards), {tokens_per_batch // plan.readers} tokens a side "
-            f"per batch; {plan.batches_per_epoch} global batches an epoch."
+            f"per batch; {plan.batches_per_epoch} global batches an epoch (one process reading "
+            f"everything: {prepared.batches_per_epoch(tokens_per_batch)})."
         )
     train_data, valid_data, valid_whole = _shared(
         run, settings, train_data, valid_data, train_is_local=plan.readers > 1
