@@ -18,11 +18,15 @@ releases the GIL. Its rules, and why:
   the worker came free if that was later. Concurrent requests arrive in
   bursts (the clients of a batch, answered together, send again
   together): the quiet gap ends a burst, so a batch gathers the whole
-  burst without waiting longer than it lasts, and a lone request waits
-  only the gap. Sentences left over from a full batch wait for the burst
+  burst without waiting longer than it lasts. Sentences left over from a full batch wait for the burst
   that batch's answers bring back, rather than leave at once as a small
   batch that the burst then waits behind. `max_wait_ms` bounds the
   latency a steady trickle of requests could add.
+- The wait for a batch to fill is for clients that were just answered and
+  may send again: each answered request counts one, each arrival takes one
+  off. Once none is outstanding (every client of the last batches is back,
+  or nobody was answered), the batch leaves at once: a lone client does not
+  wait for the quiet gap, and a burst that is complete leaves without it.
 - A batch takes one sentence from each waiting request in turn (round
   robin, requests in arrival order) until it is full. With k requests
   waiting, each gets at least `max_batch_sentences // k` places in a batch,
@@ -139,6 +143,8 @@ class Batcher:
         self._queued = 0  # unbatched sentences
         self._last_arrival = {}  # key -> when its latest request arrived
         self._free_since = 0.0  # when a worker last came free
+        # Requests answered whose clients have not sent again yet (see _schedule).
+        self._returning = 0
         self._free = list(range(workers - 1, -1, -1))  # free worker indices (a stack)
         self.workers = workers
         self._running = 0
@@ -210,6 +216,7 @@ class Batcher:
             )
         self._queues.setdefault(key, collections.OrderedDict())[id(ticket)] = ticket
         self._last_arrival[key] = ticket.arrived
+        self._returning = max(0, self._returning - 1)
         self._queued += len(payloads)
         self._wake.set()
         return ticket
@@ -266,9 +273,11 @@ class Batcher:
                 deadline = min(deadline, last + limits.quiet_ms / 1000)
             wait = deadline - time.monotonic()
 
-            if waiting < limits.max_batch_sentences and wait > 0:
-                # Not a full batch yet: wait for more, until arrivals pause or the oldest
-                # has waited enough.
+            if waiting < limits.max_batch_sentences and wait > 0 and self._returning:
+                # Not a full batch yet, and clients just answered may send again: wait
+                # for more, until arrivals pause or the oldest has waited enough. With
+                # every answered client back (or none answered), nobody is expected:
+                # the batch leaves at once, so a lone client never waits for the gap.
                 self._wake.clear()
                 try:
                     await asyncio.wait_for(self._wake.wait(), wait)
@@ -341,6 +350,7 @@ class Batcher:
                 ticket.left -= 1
                 if ticket.left == 0:
                     ticket.future.set_result(ticket.results)
+                    self._returning += 1
             if self._observe_batch is not None:
                 self._observe_batch(
                     len(taken), longest * len(taken), time.monotonic() - started, queue_wait

@@ -5,6 +5,7 @@ The HTTP server on a real export is tested in tests/runtime/test_serve.py."""
 
 import asyncio
 import threading
+import time
 
 import pytest
 from keras_transformer_runtime.serve_batching import Batcher, BatchLimits, QueueFull
@@ -132,6 +133,34 @@ def test_sentences_left_over_wait_for_the_burst_their_batch_brings_back():
 
     batches = [payloads for _, _, payloads in run(main()).batches]
     assert batches == [list("abcd"), list("efgh")]
+
+
+def test_a_lone_client_and_a_complete_burst_do_not_wait_for_the_quiet_gap():
+    async def main():
+        recorder = Recorder()
+        batcher = await started(recorder, max_batch_sentences=32, quiet_ms=2000, max_wait_ms=4000)
+        # One client, request after request: nobody else is expected, each leaves at once.
+        start = time.monotonic()
+        for payload in "abc":
+            await submit(batcher, GREEDY, [payload]).future
+        lone = time.monotonic() - start
+        # Three clients answered together; two send again: their batch waits for the third.
+        await asyncio.gather(*(submit(batcher, GREEDY, [p]).future for p in "def"))
+        start = time.monotonic()
+        back = [submit(batcher, GREEDY, [p]) for p in "gh"]
+        await asyncio.sleep(0.2)
+        waited = not any(t.future.done() for t in back)
+        back.append(submit(batcher, GREEDY, ["i"]))  # the burst is complete: it leaves
+        await asyncio.gather(*(t.future for t in back))
+        burst = time.monotonic() - start
+        await batcher.close()
+        return recorder, lone, waited, burst
+
+    recorder, lone, waited, burst = run(main())
+    assert lone < 1.0  # not three quiet gaps of 2 s
+    assert waited and burst < 1.5  # not the 2 s gap after the third arrival
+    batches = [payloads for _, _, payloads in recorder.batches]
+    assert batches == [["a"], ["b"], ["c"], list("def"), list("ghi")]
 
 
 def test_free_workers_share_the_waiting_sentences():
