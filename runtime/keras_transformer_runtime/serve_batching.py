@@ -24,9 +24,11 @@ releases the GIL. Its rules, and why:
   latency a steady trickle of requests could add.
 - The wait for a batch to fill is for clients that were just answered and
   may send again: each answered request counts one, each arrival takes one
-  off. Once none is outstanding (every client of the last batches is back,
-  or nobody was answered), the batch leaves at once: a lone client does not
-  wait for the quiet gap, and a burst that is complete leaves without it.
+  off; those not back within `max_wait_ms` of the latest answer are not
+  counted. Once none is outstanding (every client of the last batches is
+  back, or nobody was answered), the batch leaves at once: a lone client
+  does not wait for the quiet gap, and a burst that is complete leaves
+  without it.
 - A batch takes one sentence from each waiting request in turn (round
   robin, requests in arrival order) until it is full. With k requests
   waiting, each gets at least `max_batch_sentences // k` places in a batch,
@@ -145,6 +147,7 @@ class Batcher:
         self._free_since = 0.0  # when a worker last came free
         # Requests answered whose clients have not sent again yet (see _schedule).
         self._returning = 0
+        self._answered_at = 0.0  # when the latest request was answered
         self._free = list(range(workers - 1, -1, -1))  # free worker indices (a stack)
         self.workers = workers
         self._running = 0
@@ -271,7 +274,10 @@ class Batcher:
             last = self._last_arrival[key]
             if last >= start:
                 deadline = min(deadline, last + limits.quiet_ms / 1000)
-            wait = deadline - time.monotonic()
+            now = time.monotonic()
+            wait = deadline - now
+            if self._returning and now - self._answered_at > limits.max_wait_ms / 1000:
+                self._returning = 0  # not back within the longest wait: not coming back soon
 
             if waiting < limits.max_batch_sentences and wait > 0 and self._returning:
                 # Not a full batch yet, and clients just answered may send again: wait
@@ -351,6 +357,7 @@ class Batcher:
                 if ticket.left == 0:
                     ticket.future.set_result(ticket.results)
                     self._returning += 1
+                    self._answered_at = time.monotonic()
             if self._observe_batch is not None:
                 self._observe_batch(
                     len(taken), longest * len(taken), time.monotonic() - started, queue_wait

@@ -163,6 +163,21 @@ def test_a_lone_client_and_a_complete_burst_do_not_wait_for_the_quiet_gap():
     assert batches == [["a"], ["b"], ["c"], list("def"), list("ghi")]
 
 
+def test_clients_that_did_not_come_back_are_not_waited_for():
+    async def main():
+        batcher = await started(Recorder(), quiet_ms=2000, max_wait_ms=300)
+        # Three clients answered together, and none sends again within max_wait_ms.
+        await asyncio.gather(*(submit(batcher, GREEDY, [p]).future for p in "abc"))
+        await asyncio.sleep(0.4)
+        start = time.monotonic()
+        await submit(batcher, GREEDY, ["d"]).future
+        alone = time.monotonic() - start
+        await batcher.close()
+        return alone
+
+    assert run(main()) < 0.15  # not the 300 ms max_wait_ms
+
+
 def test_free_workers_share_the_waiting_sentences():
     async def main():
         recorder = Recorder()
