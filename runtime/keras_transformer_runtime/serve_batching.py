@@ -24,8 +24,7 @@ releases the GIL. Its rules, and why:
   latency a steady trickle of requests could add.
 - The wait for a batch to fill is for clients that were just answered and
   may send again: each answered request counts one, each arrival takes one
-  off; those not back within `max_wait_ms` of the latest answer are not
-  counted. Once none is outstanding (every client of the last batches is
+  off; one not back within `max_wait_ms` of its answer is not counted. Once none is outstanding (every client of the last batches is
   back, or nobody was answered), the batch leaves at once: a lone client
   does not wait for the quiet gap, and a burst that is complete leaves
   without it.
@@ -145,9 +144,9 @@ class Batcher:
         self._queued = 0  # unbatched sentences
         self._last_arrival = {}  # key -> when its latest request arrived
         self._free_since = 0.0  # when a worker last came free
-        # Requests answered whose clients have not sent again yet (see _schedule).
-        self._returning = 0
-        self._answered_at = 0.0  # when the latest request was answered
+        # When the requests were answered whose clients may still send again
+        # (oldest first; see _schedule).
+        self._returning = collections.deque()
         self._free = list(range(workers - 1, -1, -1))  # free worker indices (a stack)
         self.workers = workers
         self._running = 0
@@ -219,7 +218,8 @@ class Batcher:
             )
         self._queues.setdefault(key, collections.OrderedDict())[id(ticket)] = ticket
         self._last_arrival[key] = ticket.arrived
-        self._returning = max(0, self._returning - 1)
+        if self._returning:
+            self._returning.popleft()  # one answered client is back
         self._queued += len(payloads)
         self._wake.set()
         return ticket
@@ -274,10 +274,8 @@ class Batcher:
             last = self._last_arrival[key]
             if last >= start:
                 deadline = min(deadline, last + limits.quiet_ms / 1000)
-            now = time.monotonic()
-            wait = deadline - now
-            if self._returning and now - self._answered_at > limits.max_wait_ms / 1000:
-                self._returning = 0  # not back within the longest wait: not coming back soon
+            wait = deadline - time.monotonic()
+            self._forget_returning()
 
             if waiting < limits.max_batch_sentences and wait > 0 and self._returning:
                 # Not a full batch yet, and clients just answered may send again: wait
@@ -296,6 +294,12 @@ class Batcher:
                 taken = self._take(key, min(share, limits.max_batch_sentences))
                 waiting -= len(taken)
                 self._launch(key, taken)
+
+    def _forget_returning(self):
+        """Drops the answered clients that have not sent again within `max_wait_ms`."""
+        oldest = time.monotonic() - self.limits.max_wait_ms / 1000
+        while self._returning and self._returning[0] < oldest:
+            self._returning.popleft()
 
     def _take(self, key, size):
         """Up to `size` sentences of queue `key`, one per request in turn, within the token budget."""
@@ -356,8 +360,8 @@ class Batcher:
                 ticket.left -= 1
                 if ticket.left == 0:
                     ticket.future.set_result(ticket.results)
-                    self._returning += 1
-                    self._answered_at = time.monotonic()
+                    self._returning.append(time.monotonic())
+            self._forget_returning()
             if self._observe_batch is not None:
                 self._observe_batch(
                     len(taken), longest * len(taken), time.monotonic() - started, queue_wait

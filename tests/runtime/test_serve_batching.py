@@ -172,10 +172,19 @@ def test_clients_that_did_not_come_back_are_not_waited_for():
         start = time.monotonic()
         await submit(batcher, GREEDY, ["d"]).future
         alone = time.monotonic() - start
+        # Again, but a lone client starts at once and keeps sending: only its first
+        # request can wait for the three (at most max_wait_ms), not every one.
+        await asyncio.gather(*(submit(batcher, GREEDY, [p]).future for p in "efg"))
+        start = time.monotonic()
+        for payload in "hijkl":
+            await submit(batcher, GREEDY, [payload]).future
+        steady = time.monotonic() - start
         await batcher.close()
-        return alone
+        return alone, steady
 
-    assert run(main()) < 0.15  # not the 300 ms max_wait_ms
+    alone, steady = run(main())
+    assert alone < 0.15  # not the 300 ms max_wait_ms
+    assert steady < 0.6  # one wait of 300 ms at most, not five
 
 
 def test_free_workers_share_the_waiting_sentences():
