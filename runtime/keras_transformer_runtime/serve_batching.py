@@ -219,7 +219,9 @@ class Batcher:
         self._queues.setdefault(key, collections.OrderedDict())[id(ticket)] = ticket
         self._last_arrival[key] = ticket.arrived
         if self._returning:
-            self._returning.popleft()  # one answered client is back
+            # One answered client is back: taken as the latest answered, so that the
+            # older answers, of clients that did not come back, expire.
+            self._returning.pop()
         self._queued += len(payloads)
         self._wake.set()
         return ticket

@@ -187,6 +187,27 @@ def test_clients_that_did_not_come_back_are_not_waited_for():
     assert steady < 0.6  # one wait of 300 ms at most, not five
 
 
+def test_after_a_crowd_a_lone_client_is_not_held_by_its_absent_clients():
+    """128 clients for three requests each, then one client alone: once the crowd's
+    answers are older than max_wait_ms, the lone client's requests leave at once."""
+
+    async def main():
+        batcher = await started(Recorder(), quiet_ms=200, max_wait_ms=400)
+
+        async def client(requests):
+            for _ in range(requests):
+                await submit(batcher, GREEDY, ["x"]).future
+
+        await asyncio.gather(*(client(3) for _ in range(128)))
+        start = time.monotonic()
+        await client(20)
+        alone = time.monotonic() - start
+        await batcher.close()
+        return alone
+
+    assert run(main()) < 1.2  # the crowd's 400 ms at most, not 20 quiet gaps of 200 ms
+
+
 def test_free_workers_share_the_waiting_sentences():
     async def main():
         recorder = Recorder()
