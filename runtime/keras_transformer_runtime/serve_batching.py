@@ -23,8 +23,9 @@ releases the GIL. Its rules, and why:
   batch that the burst then waits behind. `max_wait_ms` bounds the
   latency a steady trickle of requests could add.
 - The wait for a batch to fill is for clients that were just answered and
-  may send again: each answered request counts one, each arrival takes one
-  off; one not back within `max_wait_ms` of its answer is not counted. Once none is outstanding (every client of the last batches is
+  may send again: each answered request counts one, each arrival takes off
+  the latest; one not back within `max_wait_ms` of its answer is not
+  counted. Once none is outstanding (every client of the last batches is
   back, or nobody was answered), the batch leaves at once: a lone client
   does not wait for the quiet gap, and a burst that is complete leaves
   without it.
