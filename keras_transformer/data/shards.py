@@ -231,8 +231,6 @@ class PreparedData:
 
     def steps_per_epoch(self, tokens_per_batch: int, count: int = 1) -> int:
         """Global steps of one epoch read by `count` readers (`batches_per_epoch` for one)."""
-        if count == 1:
-            return self.batches_per_epoch(tokens_per_batch)
         return int(self.bucket_steps(tokens_per_batch, count).sum())
 
     def schedule(self, epoch: int, seed: int, tokens_per_batch: int, count: int) -> np.ndarray:
@@ -257,13 +255,7 @@ class PreparedData:
 
     def batches_per_epoch(self, tokens_per_batch: int) -> int:
         """The batches of one epoch at `tokens_per_batch` padded tokens a side."""
-        boundaries = bucket_boundaries(self.max_length)
-        histogram = np.sum([r["length_histogram"] for r in self.manifest["shards"]], axis=0)
-        keys = np.arange(len(histogram))
-        buckets = np.searchsorted(boundaries, keys)
-        counts = np.bincount(buckets, weights=histogram, minlength=len(boundaries))
-        sizes = _batch_sizes(boundaries, tokens_per_batch)
-        return int(sum(-(-int(n) // size) for n, size in zip(counts, sizes, strict=True)))
+        return self.steps_per_epoch(tokens_per_batch, 1)
 
     def _lengths(self, shard: int) -> np.ndarray:
         name = self.manifest["shards"][shard]["name"]

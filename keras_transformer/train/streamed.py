@@ -108,10 +108,7 @@ class DataPosition(keras.callbacks.Callback):
         self.consumed = start_batches
         self.max_batches = max_batches
         self.chief = chief
-        self.positions = {}
-        if os.path.isfile(self.path):
-            with open(self.path, encoding="utf-8") as f:
-                self.positions = json.load(f)
+        self.positions = _positions(out_dir)
 
     def on_epoch_begin(self, epoch, logs=None):
         self.in_span = 0
