@@ -12,6 +12,7 @@ import numpy as np
 
 from keras_transformer.data.tokenizer import SentencePieceTokenizer, train_sentencepiece
 from keras_transformer.io_utils import atomic_write_json
+from keras_transformer.train.backup import settle_backup
 from keras_transformer.train.data_parallel import SINGLE_PROCESS, Processes
 from keras_transformer.train.settings import RESUMABLE_FIELDS, TrainSettings
 
@@ -98,6 +99,9 @@ def _open_run(settings, out_dir, verbose, strategy, processes=SINGLE_PROCESS) ->
     if not processes.first:
         out_dir = tempfile.mkdtemp(prefix=f"keras-transformer-process-{processes.index}-")
     resume = _check_run_directory(out_dir, settings)
+    if resume:
+        # Before anything reads the backup: finish or discard a commit a kill cut short.
+        settle_backup(os.path.join(out_dir, "backup"))
     os.makedirs(out_dir, exist_ok=True)
     atomic_write_json(
         os.path.join(out_dir, "train_config.json"),

@@ -33,7 +33,7 @@ from keras_transformer.precision import (
 )
 from keras_transformer.schedules import TransformerSchedule
 from keras_transformer.startup import onednn_enabled
-from keras_transformer.train.backup import AtomicBackupAndRestore, settle_backup
+from keras_transformer.train.backup import AtomicBackupAndRestore
 from keras_transformer.train.callbacks import (
     _bleu_on,
     _EpochProgress,
@@ -399,7 +399,6 @@ def _fit(run, settings, model, data, recipe) -> list:
     )
     # Several processes: every one restores process 0's backup (restoring is a collective).
     backup = os.path.join(run.out_dir, "backup")
-    settle_backup(backup)
     share_backup(run.processes, backup)
     callbacks = [
         # The recorder writes its checkpoint before the backup is taken: a

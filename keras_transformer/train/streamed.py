@@ -28,7 +28,6 @@ import keras
 from keras_transformer.data.pipeline import DataError, batch_pairs, encode_pairs, read_parallel
 from keras_transformer.data.shards import PreparedData
 from keras_transformer.io_utils import atomic_write_json
-from keras_transformer.train.backup import settle_backup
 
 POSITIONS = "data_position.json"
 READERS = "readers"  # the key of `data_position.json` that is not a span
@@ -53,7 +52,6 @@ class StreamPlan:
 
 def restored_spans(out_dir: str) -> int:
     """The spans the run's backup holds (Keras' `BackupAndRestore` metadata), 0 without one."""
-    settle_backup(os.path.join(out_dir, "backup"))
     path = os.path.join(out_dir, "backup", "training_metadata.json")
     if not os.path.isfile(path):
         return 0
