@@ -154,7 +154,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     args.argv = argv
 
-    from keras_transformer_runtime.runtime import OnnxTranslator
+    from keras_transformer_runtime import OnnxTranslator
 
     translator = OnnxTranslator(
         args.onnx_dir, providers=["CPUExecutionProvider"], num_threads=args.threads

@@ -36,7 +36,8 @@ import tempfile
 import threading
 import time
 
-MULTI30K = "/work/shared/data/multi30k"
+from benchmarks.machine import SHARED_MULTI30K
+
 UPDATES = 20
 
 # Run in the training child: marks the first update and ends the process
@@ -151,11 +152,11 @@ def training_figures(result, tokens_per_batch) -> dict:
     }
 
 
-def generate_corpus(pairs: int, folder: str, seed: int = 0) -> tuple[str, str]:
+def generate_corpus(pairs: int, folder: str, multi30k: str, seed: int = 0) -> tuple[str, str]:
     """`pairs` lines, each two random Multi30k training pairs joined (de -> en)."""
-    with gzip.open(os.path.join(MULTI30K, "train.de.gz"), "rt", encoding="utf-8") as f:
+    with gzip.open(os.path.join(multi30k, "train.de.gz"), "rt", encoding="utf-8") as f:
         de = f.read().splitlines()
-    with gzip.open(os.path.join(MULTI30K, "train.en.gz"), "rt", encoding="utf-8") as f:
+    with gzip.open(os.path.join(multi30k, "train.en.gz"), "rt", encoding="utf-8") as f:
         en = f.read().splitlines()
     rng = random.Random(seed)
     src, tgt = os.path.join(folder, "train.de"), os.path.join(folder, "train.en")
@@ -206,8 +207,8 @@ def measure(pairs, args) -> dict:
         os.makedirs(args.work, exist_ok=True)  # a --work folder that does not exist yet
     folder = tempfile.mkdtemp(prefix=f"data-scale-{pairs}-", dir=args.work)
     try:
-        src, tgt = generate_corpus(pairs, folder, args.seed)
-        valid = [os.path.join(MULTI30K, f"val.{lang}.gz") for lang in ("de", "en")]
+        src, tgt = generate_corpus(pairs, folder, args.multi30k, args.seed)
+        valid = [os.path.join(args.multi30k, f"val.{lang}.gz") for lang in ("de", "en")]
         text_bytes = os.path.getsize(src) + os.path.getsize(tgt)
         common = ["--preset", args.preset, "--max-steps", str(UPDATES + 5), "--select-by",
                   "loss", "--tokens-per-batch", str(args.tokens_per_batch)]  # fmt: skip
@@ -286,6 +287,9 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pairs", type=int, nargs="+", default=[100_000, 1_000_000])
     parser.add_argument("--preset", default="tiny")
+    parser.add_argument(
+        "--multi30k", default=SHARED_MULTI30K, help="the Multi30k folder (default: ../shared)"
+    )
     parser.add_argument("--max-length", type=int, default=48, help="the tiny preset's")
     parser.add_argument("--tokens-per-batch", type=int, default=4096)
     parser.add_argument("--pipeline-batches", type=int, default=300)

@@ -50,3 +50,11 @@ def write_report(module, args, **fields):
     }
     atomic_write_text(args.out, json.dumps(report, indent=2) + "\n")  # key order kept
     return report
+
+
+# The shared Multi30k mirror, found beside the repository (`../shared`), never
+# at a path of one machine; every benchmark that reads it also takes the path
+# as an argument.
+SHARED_MULTI30K = os.path.join(
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared", "data", "multi30k"
+)

@@ -30,7 +30,7 @@ import time
 from benchmarks.machine import describe_machine
 from benchmarks.throughput.batches import training_flops
 from benchmarks.throughput.timing import matmul_peak, time_product
-from benchmarks.train_throughput import _setup, _write_json
+from benchmarks.train_throughput import setup_model, write_json
 
 
 def step_products(config, batch_size, source_len, target_len):
@@ -147,7 +147,7 @@ def main(argv=None):
     import keras
 
     backend = keras.backend.backend()
-    config, batches = _setup(args.shape, args.budget, argparse.Namespace(batches=1))
+    config, batches = setup_model(args.shape, args.budget, argparse.Namespace(batches=1))
     batch = batches[0]
     batch_size, width = batch["source"].shape
     target_width = batch["target_in"].shape[1]
@@ -228,7 +228,7 @@ def main(argv=None):
     out = args.out or (
         f"benchmarks/results/matmul_ceiling-{backend}-{args.shape}-{args.budget}.json"
     )
-    _write_json(
+    write_json(
         out,
         {
             "command": "python -m benchmarks.matmul_ceiling " + " ".join(sys.argv[1:]),

@@ -80,7 +80,7 @@ def main(argv=None):
     parser.add_argument("--out", help="JSON path")
     args = parser.parse_args(argv)
 
-    from keras_transformer_runtime.runtime import OnnxTranslator
+    from keras_transformer_runtime import OnnxTranslator
 
     from keras_transformer.export.onnx import export_onnx, float32_copy
     from keras_transformer.model import transformer_parts
@@ -109,15 +109,15 @@ def main(argv=None):
     for i, text in enumerate(lines[:32]):
         ids = tokenizer.encode(text) + [tokenizer.eos_id]
         sources[i, : len(ids)] = ids
-    from keras_transformer.decoding import _decoder_for
+    from keras_transformer.keras_decoder import compiled_steps
 
-    keras_encode = _decoder_for(model)._encode  # the compiled encoder the Keras search uses
+    keras_encode = compiled_steps(model).encode  # the compiled encoder the Keras search uses
 
     def keras_encoder():
         np.asarray(keras_encode(sources)[0])
 
     def onnx_encoder():
-        translator.encode(sources)
+        translator.decoder.encode(sources)
 
     jobs = {("encoder", 0, 32): {"keras": keras_encoder, "onnxruntime": onnx_encoder}}
     outputs = {}

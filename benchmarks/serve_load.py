@@ -42,7 +42,9 @@ import sys
 import time
 import urllib.request
 
-DEFAULT_SOURCE = "/work/shared/data/multi30k/test_2016_flickr.de.gz"
+from benchmarks.machine import SHARED_MULTI30K
+
+DEFAULT_SOURCE = os.path.join(SHARED_MULTI30K, "test_2016_flickr.de.gz")
 STARTUP_SECONDS = 300
 
 

@@ -72,7 +72,7 @@ def _precision(name, args):
     return "float32"
 
 
-def _setup(config_name, budget, args):
+def setup_model(config_name, budget, args):
     from keras_transformer import TransformerConfig
 
     overrides = {"vocabulary_size": 37000} if config_name.startswith("paper") else {}
@@ -91,7 +91,7 @@ def memory_probe(config_name, budget, name, args):
     import keras
 
     args.device = _device()
-    config, batches = _setup(config_name, budget, args)
+    config, batches = setup_model(config_name, budget, args)
     keras.ops.convert_to_numpy(keras.ops.ones((2, 2)) @ keras.ops.ones((2, 2)))
     if name == "torch":
         import torch
@@ -160,7 +160,7 @@ def measure_memory(args, save):
 
 def benchmark(config_name, budget, peers, args, peak_gflops):
     """Runs `peers` on one configuration; `peak_gflops` maps precision -> matmul peak."""
-    config, batches = _setup(config_name, budget, args)
+    config, batches = setup_model(config_name, budget, args)
     real_target = int(sum(b["target_lengths"].sum() for b in batches))
     real_source = int(sum(b["source_lengths"].sum() for b in batches))
     padded = int(sum(b["source"].size for b in batches))
@@ -390,7 +390,7 @@ def main(argv=None):
         machine = describe_machine()
         measure_memory(
             args,
-            lambda rows: _write_json(out, {"command": command, "machine": machine, "rows": rows}),
+            lambda rows: write_json(out, {"command": command, "machine": machine, "rows": rows}),
         )
         print(f"wrote {out}")
         return
@@ -416,7 +416,7 @@ def main(argv=None):
                     precision = row["peak_precision"]
                     peak[precision] = max(peak[precision], row["peak_gflops"])
             print_table(rows)
-            _write_json(  # after every configuration, so a long run keeps what it measured
+            write_json(  # after every configuration, so a long run keeps what it measured
                 out,
                 {
                     "command": command,
@@ -470,7 +470,7 @@ def measure_peaks(args):
     }
 
 
-def _write_json(path, payload):
+def write_json(path, payload):
     """Writes `path` atomically (temp file, then rename), without importing the package."""
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 # One definition, shared with the TensorFlow-free runtime (which this package depends on).
-from keras_transformer_runtime.search import check_positive_int
+from keras_transformer_runtime.sources import check_positive_int
 
 __all__ = ["check_consistency", "check_positive_int", "check_rate"]
 

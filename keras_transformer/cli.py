@@ -7,7 +7,6 @@ import dataclasses
 import json
 import os
 import sys
-import typing
 
 from keras_transformer_runtime.search_flags import (
     add_search_flags,
@@ -18,6 +17,8 @@ from keras_transformer_runtime.search_flags import (
     run_and_write,
 )
 from keras_transformer_runtime.text import read_input_lines, warn
+
+from keras_transformer.settings_parser import add_settings_arguments, settings_values
 
 
 def _demo(args):
@@ -64,50 +65,12 @@ def _data(args):
         raise SystemExit(f"error: {error}") from None
 
 
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-def _option_type(annotation):
-    """The one type a field holds besides None: `int | None` -> int."""
-    types = [t for t in typing.get_args(annotation) or (annotation,) if t is not type(None)]
-    if len(types) != 1:
-        raise TypeError(f"An option must hold one type (or None). Received: {annotation}")
-    return types[0]
-
-
-def _add_settings_arguments(parser, settings_class, groups):
-    """One option per field of the dataclass `settings_class`, in the argument group
-    its metadata names (`groups`: {name: title}), with the field's default, help,
-    choices and metavar (fairseq's pattern: the parser is generated from the settings)."""
-    sections = {name: parser.add_argument_group(title) for name, title in groups.items()}
-    hints = typing.get_type_hints(settings_class)
-    for field in dataclasses.fields(settings_class):
-        meta = field.metadata
-        kind = _option_type(hints[field.name])
-        kwargs = {"help": meta.get("help")}
-        if field.default is dataclasses.MISSING:
-            kwargs["required"] = True
-        else:
-            kwargs["default"] = field.default
-        if kind is bool:
-            kwargs["action"] = "store_true"
-        else:
-            if kind is not str:
-                kwargs["type"] = kind
-            for key in ("choices", "metavar"):
-                if key in meta:
-                    kwargs[key] = meta[key]
-        sections[meta["group"]].add_argument(_flag(field.name), **kwargs)
-    return sections
-
-
 def _add_train_arguments(parser):
     """`train`'s options: `--out`, one per `TrainSettings` field, and `--average-last`."""
     from keras_transformer.train.settings import GROUPS, TrainSettings
 
     parser.add_argument("--out", required=True, help="run directory")
-    sections = _add_settings_arguments(parser, TrainSettings, GROUPS)
+    sections = add_settings_arguments(parser, TrainSettings, GROUPS)
     sections["selection"].add_argument(
         "--average-last",
         type=int,
@@ -121,7 +84,7 @@ def _settings_from_arguments(args, settings_class):
     `--average-last K`, the one option that is not a field, stands for
     `--final last --average K`.
     """
-    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(settings_class)}
+    values = settings_values(args, settings_class)
     if args.average_last:
         values.update(final="last", average=args.average_last)
     return settings_class(**values)
@@ -159,7 +122,7 @@ def _translate(args):
     length_penalty = _length_penalty(args)
     model, tokenizer = _load(args.run_dir)
     lines = read_input_lines(sys.stdin, warn)
-    options = options_from_args(args, beam, length_penalty, tokenizer)
+    options = options_from_args(args, tokenizer, beam_size=beam)
     progress = not sys.stdin.isatty() and len(lines) > args.batch_size
     try:
         if is_plain_run(args, options):
@@ -238,7 +201,7 @@ def _evaluate(args):
     except DataError as error:
         raise SystemExit(f"error: {error}") from None
     model, tokenizer = _load(args.run_dir)
-    options = options_from_args(args, beam, length_penalty, tokenizer)
+    options = options_from_args(args, tokenizer, beam_size=beam)
     if is_plain_run(args, options):
         hypotheses = translate_lines(
             model,
@@ -312,16 +275,10 @@ def _export(args):
     return 0
 
 
-def _add_search_flags(parser):
-    parser.add_argument("--beam", type=int, default=4, help="beam size (default 4)")
-    parser.add_argument("--greedy", action="store_true", help="greedy search instead of beam")
-    parser.add_argument(
-        "--length-penalty",
-        type=float,
-        default=0.6,
-        help="beam search's alpha: scores are divided by ((5 + length) / 6) ** alpha "
-        "(Wu et al. 2016); default 0.6; higher favours longer translations; choose it on val",
-    )
+def _add_batch_flags(parser):
+    """--greedy (the same as --beam 1) and --batch-size; the decoding options are
+    `add_search_flags`'s, made from `SearchOptions`."""
+    parser.add_argument("--greedy", action="store_true", help="greedy search (--beam 1)")
     parser.add_argument("--batch-size", type=int, default=32, help="sentences per batch")
 
 
@@ -380,7 +337,7 @@ def build_parser() -> argparse.ArgumentParser:
         "translate", help="translate lines from stdin to stdout, in order, one per line"
     )
     translate.add_argument("run_dir", help="run directory with model.keras and its tokenizer")
-    _add_search_flags(translate)
+    _add_batch_flags(translate)
     add_search_flags(translate)
     translate.add_argument(
         "--plot-attention",
@@ -400,7 +357,7 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--src", required=True, help="source sentences (plain or .gz)")
     evaluate.add_argument("--ref", required=True, help="reference translations, parallel to --src")
     evaluate.add_argument("--output", help="hypotheses file (default: RUN_DIR/<src name>.hyp)")
-    _add_search_flags(evaluate)
+    _add_batch_flags(evaluate)
     add_search_flags(evaluate, outputs=False)
     evaluate.set_defaults(func=_evaluate)
 

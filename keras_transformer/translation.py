@@ -1,22 +1,18 @@
-"""Translating text with a trained run directory: load, batch, decode, detokenize."""
+"""Translating text with a trained run directory: load the model and tokenizer, translate.
+
+The text-level functions are the runtime's one translation core
+(`keras_transformer_runtime.translator.Translator`) over the Keras decoder:
+the same batching, options, prefixes, constraints and scoring as
+`OnnxTranslator`.
+"""
 
 from __future__ import annotations
 
 import os
 
 import keras
-from keras_transformer_runtime.constraints import sentence_constraints, word_continuations
-from keras_transformer_runtime.search import (
-    encode_prefixes,
-    hypothesis_records,
-    search_texts,
-    translate_texts,
-)
-from keras_transformer_runtime.spec import SearchOptions
 
-from keras_transformer import decoding
-from keras_transformer.decoding import beam_search, greedy_search
-from keras_transformer.model import transformer_parts
+from keras_transformer.decoding import translator
 
 
 def load_run(run_dir: str):
@@ -102,33 +98,22 @@ def translate_lines(
 ):
     """Translates `lines` in order; `beam_size=1` (or `None`) is greedy search.
 
-    `length_penalty` is the beam search's alpha (see `decoding.beam_search`).
+    `Translator.translate`: sentences sorted by length into batches and put
+    back in order; empty lines give empty lines; a line longer than the
+    model's `max_length` is translated whole and reported to `warn(message)`.
     `constraints`, one entry per line (a list of target phrases, or None or
     `[]` for none), makes every translation hold its phrases
-    (`translate_hypotheses`; docs/constraints.md).
-
-    Sentences are sorted by length into batches, so padding stays small, and
-    the outputs are put back in input order. Empty lines give empty lines;
-    a line longer than the model's `max_length` is translated whole and
-    reported to `warn(message)` when given.
+    (docs/constraints.md).
     """
-    if constraints is not None:
-        options = SearchOptions(beam_size or 1, length_penalty, max_length=max_length)
-        found = translate_hypotheses(
-            model, tokenizer, lines, options, None, batch_size, progress, warn, constraints
-        )
-        return [hypotheses[0]["text"] for hypotheses in found]
-    limit = transformer_parts(model).config.max_length
-
-    def search(batch):
-        if beam_size is None or beam_size == 1:
-            return greedy_search(model, batch, max_length=max_length)[0]
-        return beam_search(
-            model, batch, beam_size=beam_size, length_penalty=length_penalty, max_length=max_length
-        )[0]
-
-    return translate_texts(
-        lines, tokenizer.encode, tokenizer.decode, search, limit, batch_size, progress, warn
+    return translator(model, tokenizer).translate(
+        lines,
+        beam_size=beam_size or 1,
+        max_length=max_length,
+        batch_size=batch_size,
+        progress=progress,
+        warn=warn,
+        length_penalty=length_penalty,
+        constraints=constraints,
     )
 
 
@@ -143,63 +128,15 @@ def translate_hypotheses(
     warn=None,
     constraints=None,
 ):
-    """Translates `lines` under `options` (a `SearchOptions`), as
-    `OnnxTranslator.translate_hypotheses` does: per line a list of dicts, best
-    first, with `text`, `score`, `log_prob` (and `token_scores`). `prefixes`
-    are target texts forced first, one per line ("" for none); `constraints`,
-    per line, target phrases every translation must hold (docs/constraints.md)."""
-    options = options if options is not None else SearchOptions()
-    prefix_ids = None
-    if prefixes is not None:
-        if len(prefixes) != len(lines):
-            raise ValueError(f"{len(prefixes)} prefixes for {len(lines)} lines.")
-        prefix_ids = encode_prefixes(tokenizer, prefixes, options.max_length)
-    phrases = None
-    if constraints is not None:
-        limit = transformer_parts(model).config.max_length
-        phrases = sentence_constraints(
-            lines,
-            constraints,
-            tokenizer.encode,
-            limit,
-            options.max_length,
-            continuations=word_continuations(tokenizer),
-        )
-
-    def search(sources, indices):
-        chosen = None if prefix_ids is None else [prefix_ids[i] for i in indices]
-        chosen_phrases = None if phrases is None else [phrases[i] for i in indices]
-        return decoding.search(model, sources, options, chosen, indices, chosen_phrases)
-
-    found = search_texts(
-        lines,
-        tokenizer.encode,
-        search,
-        transformer_parts(model).config.max_length,
-        batch_size=batch_size,
-        progress=progress,
-        warn=warn,
-        max_input_length=options.max_input_length,
+    """Translates `lines` under `options` (a `SearchOptions`): per line a list of
+    dicts, best first, with `text`, `score`, `log_prob` (and `token_scores`,
+    `alignment`); `Translator.translate_hypotheses`."""
+    return translator(model, tokenizer).translate_hypotheses(
+        lines, options, prefixes, batch_size, progress, warn, constraints
     )
-    return [hypothesis_records(hypotheses, tokenizer.decode) for hypotheses in found]
 
 
 def score_lines(model, tokenizer, sources, targets, batch_size=32, progress=False, warn=None):
-    """Forced decoding of text pairs, as `OnnxTranslator.score`: per pair a dict of
-    `log_prob` (summed, EOS included) and `token_scores` (None for an empty source)."""
-    if len(sources) != len(targets):
-        raise ValueError(f"{len(targets)} targets for {len(sources)} sources.")
-
-    def search(batch, indices):
-        return decoding.score(model, batch, [tokenizer.encode(targets[i]) for i in indices])
-
-    found = search_texts(
-        sources,
-        tokenizer.encode,
-        search,
-        transformer_parts(model).config.max_length,
-        batch_size,
-        progress,
-        warn,
-    )
-    return [{"log_prob": total, "token_scores": steps} for total, steps in found]
+    """Forced decoding of text pairs: per pair a dict of `log_prob` (summed, EOS
+    included) and `token_scores` (None for an empty source); `Translator.score`."""
+    return translator(model, tokenizer).score(sources, targets, batch_size, progress, warn)

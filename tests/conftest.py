@@ -145,7 +145,7 @@ def exported(toy_run, trained_run, float16_run, tmp_path_factory):
     SentencePiece runs trained under mixed_bfloat16 and mixed_float16,
     exported from their float32 rebuild. Each is made on first use.
     """
-    from keras_transformer_runtime.runtime import OnnxTranslator
+    from keras_transformer_runtime import OnnxTranslator
 
     from keras_transformer import cli
     from keras_transformer.export.onnx import export_onnx, float32_copy

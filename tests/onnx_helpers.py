@@ -81,7 +81,7 @@ def spec_view(translator, source):
     def log_probs(prefix):
         if tuple(prefix) not in known:
             target = np.array([[BOS_ID, *prefix]], np.int32)
-            logits = translator.logits(source, target)[0, -1].astype(np.float64)
+            logits = translator.decoder.logits(source, target)[0, -1].astype(np.float64)
             top = logits.max()
             known[tuple(prefix)] = logits - top - np.log(np.exp(logits - top).sum())
         return known[tuple(prefix)]

@@ -440,22 +440,3 @@ def test_data_scale_counts_the_memory_of_a_process_and_its_children():
     # Both blocks are anonymous memory; the interpreter's own files are not.
     assert 0.39 < figures["peak_anon_gib"] <= figures["peak_rss_gib"]
     assert figures["step_target_positions_per_second"] == round(1000 * 19 / 1.9)
-
-
-def test_readers_steps_counts_the_global_steps_of_several_readers(tmp_path):
-    from benchmarks.readers_steps import main as readers_main
-    from keras_transformer.data.prepare import PrepareSettings, prepare
-    from keras_transformer.data.toy import generate_toy_corpus
-
-    files = generate_toy_corpus(num_train=900, num_valid=4, num_test=1).write(str(tmp_path / "toy"))
-    data = str(tmp_path / "prepared")
-    settings = PrepareSettings(vocab_size=400, max_length=24, pairs_per_shard=200)
-    prepare(files["train.src"], files["train.tgt"], data, settings, workers=1, verbose=0)
-    out = tmp_path / "readers.json"
-    report = readers_main([data, "--tokens", "240", "--readers", "2", "3", "--out", str(out)])
-    assert json.loads(out.read_text()) == json.loads(json.dumps(report))
-    assert [row["readers"] for row in report["rows"]] == [2, 3]
-    for row in report["rows"]:
-        # Never fewer steps than the busiest reader has batches.
-        assert row["global_steps"] >= row["one_reader_batches"] / row["readers"]
-        assert row["extra"] == round(row["global_steps"] / row["one_reader_batches"] - 1, 4)

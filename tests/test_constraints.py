@@ -7,7 +7,7 @@ import io
 import numpy as np
 import pytest
 from keras_transformer_runtime.constraints import Constraints, constrained_beam
-from keras_transformer_runtime.search import output_limits
+from keras_transformer_runtime.sources import output_limits
 from keras_transformer_runtime.spec import SearchOptions
 
 from keras_transformer import cli, decoding

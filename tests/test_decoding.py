@@ -285,7 +285,7 @@ def test_one_compiled_search_per_shape_does_not_warn_of_retracing(random_model, 
         for n in range(1, 8):
             double(tf.ones((n,)))
     retracing = [r.getMessage() for r in caplog.records if "retracing" in r.getMessage()]
-    assert retracing and all("_Decoder." not in message for message in retracing)
+    assert retracing and all("CompiledSteps." not in message for message in retracing)
 
 
 @pytest.mark.parametrize(

@@ -68,7 +68,7 @@ def test_multi30k_train_evaluate_translate_smoke(multi30k_run, tmp_path, monkeyp
 
 def test_onnx_export_translates_multi30k_like_keras(multi30k_run, tmp_path):
     import numpy as np
-    from keras_transformer_runtime.runtime import OnnxTranslator
+    from keras_transformer_runtime import OnnxTranslator
 
     from keras_transformer.decoding import beam_search, greedy_search
     from keras_transformer.export.onnx import export_onnx

@@ -194,10 +194,10 @@ class EncodedPairs:
         lengths = [
             max(len(s), len(t)) + 1 for s, t in zip(self.source_ids, self.target_ids, strict=True)
         ]
-        return _count_batches(lengths, boundaries, _batch_sizes(boundaries, tokens_per_batch))
+        return _count_batches(lengths, boundaries, bucket_rows(boundaries, tokens_per_batch))
 
 
-def _batch_sizes(boundaries, tokens_per_batch) -> list[int]:
+def bucket_rows(boundaries, tokens_per_batch) -> list[int]:
     return [max(1, tokens_per_batch // b) for b in boundaries]
 
 
@@ -318,7 +318,7 @@ def batch_pairs(
         )
     stats = dataclasses.replace(encoded.stats, batches=encoded.batches(tokens_per_batch))
     boundaries = bucket_boundaries(encoded.max_length)
-    batch_sizes = _batch_sizes(boundaries, tokens_per_batch)
+    batch_sizes = bucket_rows(boundaries, tokens_per_batch)
     source_ids, target_ids = encoded.source_ids, encoded.target_ids
 
     def ragged(ids):

@@ -69,23 +69,35 @@ CHUNK_LINES = 10_000
 FINGERPRINT_HEAD_BYTES = 1 << 20
 
 
+def _setting(default, help):
+    return dataclasses.field(default=default, metadata={"group": "settings", "help": help})
+
+
 @dataclasses.dataclass(frozen=True)
 class PrepareSettings:
     """What defines a prepared directory; a rerun must repeat it to resume or reuse it.
 
-    Args:
-        vocab_size: joint SentencePiece vocabulary size (as `train --vocab-size`).
-        max_length: longest kept sequence in positions, EOS or BOS included.
-        seed: seeds the reservoir sample and SentencePiece's training.
-        spm_pairs: most pairs sampled to train SentencePiece (two sentences each).
-        pairs_per_shard: input lines per shard.
+    One field per option of `keras-transformer prepare`: the parser is
+    generated from the fields, their defaults and help
+    (`settings_parser.add_settings_arguments`).
     """
 
-    vocab_size: int = DEFAULT_VOCABULARY_SIZE
-    max_length: int = 128
-    seed: int = 0
-    spm_pairs: int = DEFAULT_SPM_PAIRS
-    pairs_per_shard: int = DEFAULT_PAIRS_PER_SHARD
+    vocab_size: int = _setting(
+        DEFAULT_VOCABULARY_SIZE, "joint SentencePiece vocabulary size (default %(default)s)"
+    )
+    max_length: int = _setting(
+        128,
+        "drop pairs longer than this many positions, EOS or BOS included; at most the "
+        "model's max_length (default %(default)s, the small preset's)",
+    )
+    seed: int = _setting(0, "seed of the reservoir sample and SentencePiece's training")
+    spm_pairs: int = _setting(
+        DEFAULT_SPM_PAIRS,
+        "pairs sampled to train SentencePiece, two sentences each (default %(default)s)",
+    )
+    pairs_per_shard: int = _setting(
+        DEFAULT_PAIRS_PER_SHARD, "input lines per shard (default %(default)s)"
+    )
 
     def __post_init__(self):
         for name in ("vocab_size", "max_length", "spm_pairs", "pairs_per_shard"):
@@ -484,13 +496,9 @@ def prepare(
 
 def prepare_command(args) -> int:
     """The `keras-transformer prepare` command's body."""
-    settings = PrepareSettings(
-        vocab_size=args.vocab_size,
-        max_length=args.max_length,
-        seed=args.seed,
-        spm_pairs=args.spm_pairs,
-        pairs_per_shard=args.pairs_per_shard,
-    )
+    from keras_transformer.settings_parser import settings_values
+
+    settings = PrepareSettings(**settings_values(args, PrepareSettings))
     prepare(
         args.src_train,
         args.tgt_train,
@@ -504,40 +512,16 @@ def prepare_command(args) -> int:
 
 
 def add_prepare_arguments(parser) -> None:
-    """`prepare`'s options, with `PrepareSettings`' defaults."""
-    defaults = PrepareSettings()
+    """`prepare`'s options: the files, one per `PrepareSettings` field, and `--workers`."""
+    from keras_transformer.settings_parser import add_settings_arguments
+
     parser.add_argument("--src-train", required=True, help="source side (plain or .gz)")
     parser.add_argument("--tgt-train", required=True, help="target side, parallel to it")
     parser.add_argument("--src-valid", help="validation source side, copied for train --data")
     parser.add_argument("--tgt-valid", help="validation target side")
     parser.add_argument("--out", required=True, help="the prepared directory")
-    parser.add_argument(
-        "--vocab-size",
-        type=int,
-        default=defaults.vocab_size,
-        help="joint SentencePiece vocabulary size (default %(default)s)",
-    )
-    parser.add_argument(
-        "--max-length",
-        type=int,
-        default=defaults.max_length,
-        help="drop pairs longer than this many positions, EOS or BOS included; at most the "
-        "model's max_length (default %(default)s, the small preset's)",
-    )
-    parser.add_argument(
-        "--seed", type=int, default=defaults.seed, help="seed of the sample and SentencePiece"
-    )
-    parser.add_argument(
-        "--spm-pairs",
-        type=int,
-        default=defaults.spm_pairs,
-        help="pairs sampled to train SentencePiece (default %(default)s)",
-    )
-    parser.add_argument(
-        "--pairs-per-shard",
-        type=int,
-        default=defaults.pairs_per_shard,
-        help="input lines per shard (default %(default)s)",
+    add_settings_arguments(
+        parser, PrepareSettings, {"settings": "what defines the prepared directory"}
     )
     parser.add_argument(
         "--workers", type=int, help="encoding processes (default: the number of CPUs)"

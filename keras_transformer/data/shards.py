@@ -39,8 +39,8 @@ from keras_transformer_runtime.specials import BOS_ID, EOS_ID, PAD_ID
 from keras_transformer.data.pipeline import (
     DataError,
     PipelineStats,
-    _batch_sizes,
     bucket_boundaries,
+    bucket_rows,
     check_batch_fits,
 )
 from keras_transformer.data.prepare import FORMAT_VERSION, MANIFEST, SHARD_FILES, SPM_MODEL
@@ -221,7 +221,7 @@ class PreparedData:
         key = (tokens_per_batch, count)
         if key not in self._steps:
             boundaries = bucket_boundaries(self.max_length)
-            sizes = np.asarray(_batch_sizes(boundaries, tokens_per_batch))
+            sizes = np.asarray(bucket_rows(boundaries, tokens_per_batch))
             batches = [
                 -(-self._bucket_pairs(self.part_pieces((i, count)), boundaries) // sizes)
                 for i in range(count)
@@ -268,7 +268,7 @@ class PreparedData:
         check_batch_fits(tokens_per_batch, self.max_length)
         pieces = self.part_pieces(part)
         boundaries = bucket_boundaries(self.max_length)
-        sizes = _batch_sizes(boundaries, tokens_per_batch)
+        sizes = bucket_rows(boundaries, tokens_per_batch)
         rng = np.random.default_rng([seed % 2**32, epoch])
         order = [pieces[i] for i in rng.permutation(len(pieces))]
         waiting = [np.zeros(0, np.int64) for _ in boundaries]  # refs in unfilled buckets
@@ -344,7 +344,7 @@ class PreparedData:
         multiple of `rows_multiple`), padded with empty rows.
         """
         boundaries = bucket_boundaries(self.max_length)
-        sizes = _batch_sizes(boundaries, tokens_per_batch)
+        sizes = bucket_rows(boundaries, tokens_per_batch)
         if part[1] > 1 and not repeat_shapes:
             raise ValueError("Several readers pad every batch to its bucket: repeat_shapes=True.")
         open_shards = collections.OrderedDict()

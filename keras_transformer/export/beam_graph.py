@@ -1,6 +1,6 @@
 """The whole beam search as one ONNX graph: the decoder step inside an ONNX `Loop`.
 
-The step-by-step beam search (`keras_transformer_runtime.search.beam_loop`)
+The step-by-step beam search (`keras_transformer_runtime.search.search_loop`)
 calls the decoder-step graph once per token and, between the calls, ranks
 the candidates, books the finished hypotheses and reorders the caches in
 numpy. At small batches that Python work and the feeds and fetches around
@@ -8,15 +8,15 @@ each call cost as much as the step itself. Here all of it runs inside ONNX
 Runtime: one call per batch of sentences.
 
 The loop body is the decoder-step graph of the same precision, then
-`beam_loop`'s rules, vectorized over sentences (row `p * k + j` of the
-state is beam j of sentence p; the first step runs one row per sentence,
-as `beam_loop(shared_first_step=True)` does):
+the rules of `keras_transformer_runtime.spec.beam`, vectorized over
+sentences (row `p * k + j` of the state is beam j of sentence p; the first
+step runs one row per sentence, its beams all starting from BOS):
 
 - a sentence's candidates are its live beams' scores plus each beam's
   `2k` best tokens (the step's `top_k`), summed in double precision, and
   ranked with `TopK`, whose ties go to the lower beam, then the step's
-  order (best first, ties to the lower token id): `beam_loop`'s
-  `lexsort` order;
+  order (best first, ties to the lower token id): the specification's
+  order (`beam * vocabulary + token`);
 - among the `2k` best, an EOS candidate ranked within the first `k`
   finishes its beam; the first `k` other candidates are the new beams;
 - at a sentence's length limit the new beams finish as they are;
@@ -124,7 +124,7 @@ def _first_state(o, heads, head_dim, cache_type):
 
 
 def _beam_step_rules(b, self_names):
-    """`beam_loop`'s rules after one decoder step, in the loop body `b`.
+    """`spec.beam`'s rules after one decoder step, in the loop body `b`.
 
     Reads the step's `top_ids` and `top_log_probs` ((rows, 2k), rows = S * n:
     n rows per sentence, 1 at the first step and k after) and the state;

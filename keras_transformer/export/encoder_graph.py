@@ -25,14 +25,14 @@ import numpy as np
 
 from keras_transformer.export.graph_builder import GraphBuilder
 from keras_transformer.export.step_graph import (
-    _position_encoding,
-    _value,
     check_relu,
     fused_qkv_weights,
     gemm,
     layer_norm,
+    position_encoding,
     projection_weights,
     residual_block,
+    weight_array,
 )
 from keras_transformer.ops.attention import MASKED_SCORE
 
@@ -81,13 +81,13 @@ def build_encoder(parts, opset=17):
 
     # Embedding and positions 0 .. S-1, as (B * S, D) rows.
     embedding = parts.source_embedding
-    x = g.node("Gather", [g.const("embeddings", _value(embedding._embeddings)), "source_ids"])
+    x = g.node("Gather", [g.const("embeddings", weight_array(embedding._embeddings)), "source_ids"])
     x = g.node("Mul", [x, g.const("embedding_scale", np.float32(embedding._scale))])
     length = g.node("Squeeze", [g.node("Shape", ["source_ids"], start=1, end=2)])
     positions = g.node(
         "Range", [g.const("start", np.int64(0)), length, g.const("delta", np.int64(1))]
     )
-    encoding = _position_encoding(
+    encoding = position_encoding(
         g,
         positions,
         np.asarray(embedding._table, np.float32),
@@ -124,8 +124,8 @@ def build_encoder(parts, opset=17):
                 gemm(
                     g,
                     y,
-                    _value(ff.intermediate_dense.kernel),
-                    _value(ff.intermediate_dense.bias),
+                    weight_array(ff.intermediate_dense.kernel),
+                    weight_array(ff.intermediate_dense.bias),
                     f"{prefix}.ff_in",
                 )
             ],
@@ -133,8 +133,8 @@ def build_encoder(parts, opset=17):
         return gemm(
             g,
             inner,
-            _value(ff.output_dense.kernel),
-            _value(ff.output_dense.bias),
+            weight_array(ff.output_dense.kernel),
+            weight_array(ff.output_dense.bias),
             f"{prefix}.ff_out",
         )
 

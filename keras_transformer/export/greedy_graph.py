@@ -8,7 +8,7 @@ caches carried from one iteration to the next without leaving the runtime.
 
 The loop body is the decoder-step graph of the same precision (float32,
 float16 or int8: built from that graph's own proto), plus the rules of
-`keras_transformer_runtime.search.greedy_loop`: each row takes the step's
+`keras_transformer_runtime.spec.greedy`: each row takes the step's
 best token other than padding and BOS; a row that produced EOS, or reached
 its length limit, is done and is fed EOS from then on; the loop stops when
 every row is done. Rows are independent, so a finished row changes nothing
@@ -75,7 +75,7 @@ def fixed_top_k(b, k):
 
 
 def _greedy_choice(b, top_ids, top_log_probs, steps_made, limits, prefix=""):
-    """`greedy_loop`'s choice after a step: each row's best token and its
+    """`spec.greedy`'s choice after a step: each row's best token and its
     log-probability ((rows,) each, from the step's `top_k` = 1 outputs), whether
     it is EOS, and whether the row has reached its length limit."""
     next_id = b.squeeze(top_ids, [1], prefix + "next_id")  # (rows,)
@@ -96,7 +96,7 @@ def build_greedy_search(step):
     g = GraphBuilder("greedy.")
     eos, no_token = g.int64s(EOS_ID), g.int64s(-1)
 
-    # ---- the loop body: the step, then greedy_loop's rules
+    # ---- the loop body: the step, then spec.greedy's rules
     b = g.body()
     fixed_top_k(b, 1)
     b.extend(step.graph.node)
@@ -190,7 +190,7 @@ def build_greedy_batch_search(step, steps_per_iteration=1, blocked=True):
     per_step = g.int64s(steps_per_iteration)
     no_tokens, zero_scores = g.name("no_tokens"), g.name("zero_scores")  # (sentences,)
 
-    # ---- the loop body: the steps, each followed by greedy_loop's rules,
+    # ---- the loop body: the steps, each followed by spec.greedy's rules,
     # then one compaction
     b = g.body()
     fixed_top_k(b, 1)

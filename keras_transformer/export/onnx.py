@@ -57,7 +57,7 @@ import os
 import shutil
 import tempfile
 
-from keras_transformer_runtime.runtime import FORMAT_VERSION, MANIFEST
+from keras_transformer_runtime.export_format import FORMAT_VERSION, MANIFEST
 from keras_transformer_runtime.spec import alignment_layer
 
 from keras_transformer.export.beam_graph import build_beam_batch_search, build_beam_search

@@ -17,13 +17,13 @@ the Keras model to 1e-4.
 from __future__ import annotations
 
 import numpy as np
-from keras_transformer_runtime.search import banned_ids
+from keras_transformer_runtime.spec import banned_ids
 
 from keras_transformer.export.graph_builder import GraphBuilder
 from keras_transformer.ops.attention import MASKED_SCORE
 
 
-def _value(weight):
+def weight_array(weight):
     return np.asarray(weight.numpy() if hasattr(weight, "numpy") else weight, np.float32)
 
 
@@ -33,8 +33,8 @@ def layer_norm(g, x, layer, prefix):
         "LayerNormalization",
         [
             x,
-            g.const(f"{prefix}.gamma", _value(layer.gamma)),
-            g.const(f"{prefix}.beta", _value(layer.beta)),
+            g.const(f"{prefix}.gamma", weight_array(layer.gamma)),
+            g.const(f"{prefix}.beta", weight_array(layer.beta)),
         ],
         axis=-1,
         epsilon=float(layer.epsilon),
@@ -51,14 +51,14 @@ def scaled_query_weights(mha, d, h):
     attention's 1/sqrt(head_dim) folded in (Keras scales the projected queries)."""
     scale = np.float32(1.0 / np.sqrt(h))
     return (
-        _value(mha.query_dense.kernel).reshape(d, d) * scale,
-        _value(mha.query_dense.bias).reshape(d) * scale,
+        weight_array(mha.query_dense.kernel).reshape(d, d) * scale,
+        weight_array(mha.query_dense.bias).reshape(d) * scale,
     )
 
 
 def projection_weights(dense, d):
     """An `EinsumDense` projection `(d, heads, head_dim)` as `(d, d)` kernel and `(d,)` bias."""
-    return _value(dense.kernel).reshape(d, -1), _value(dense.bias).reshape(-1)
+    return weight_array(dense.kernel).reshape(d, -1), weight_array(dense.bias).reshape(-1)
 
 
 def fused_qkv_weights(mha, d, h):
@@ -87,7 +87,7 @@ def check_relu(layers, graph):
             )
 
 
-def _position_encoding(g, position, table, frequencies):
+def position_encoding(g, position, table, frequencies):
     """The sinusoids of `position` ((T,) int64) as `(T, d)`: from the table inside it,
     computed in float32 past it, as `positional_encoding` does in Keras."""
     from onnx import TensorProto
@@ -170,14 +170,14 @@ def build_decoder_step(parts, opset=17):
     f32 = TensorProto.FLOAT
 
     # Embedding of the new token at position past_len (read off the first cache).
-    embeddings = _value(parts.target_embedding._embeddings)
+    embeddings = weight_array(parts.target_embedding._embeddings)
     table = np.asarray(parts.target_embedding._table, np.float32)
     frequencies = np.asarray(parts.target_embedding._frequencies, np.float32)
     tokens = g.node("Reshape", ["token_ids", g.const("shape_flat", np.array([-1], np.int64))])
     x = g.node("Gather", [g.const("embeddings", embeddings), tokens], axis=0)
     x = g.node("Mul", [x, g.const("embedding_scale", np.float32(parts.target_embedding._scale))])
     position = g.node("Shape", ["self_key_0"], start=2, end=3)  # (1,) int64
-    x = g.node("Add", [x, _position_encoding(g, position, table, frequencies)])
+    x = g.node("Add", [x, position_encoding(g, position, table, frequencies)])
 
     # Additive mask of the source padding, (batch, 1, source_len, 1), shared by the layers.
     mask = g.node("Unsqueeze", ["source_mask", g.const("axes_1_3", np.array([1, 3], np.int64))])
@@ -263,13 +263,16 @@ def build_decoder_step(parts, opset=17):
         def feed_forward(y, ff=ff, p=p):
             inner = dense(
                 y,
-                _value(ff.intermediate_dense.kernel),
-                _value(ff.intermediate_dense.bias),
+                weight_array(ff.intermediate_dense.kernel),
+                weight_array(ff.intermediate_dense.bias),
                 f"{p}.ff_in",
             )
             inner = g.node("Relu", [inner])
             return dense(
-                inner, _value(ff.output_dense.kernel), _value(ff.output_dense.bias), f"{p}.ff_out"
+                inner,
+                weight_array(ff.output_dense.kernel),
+                weight_array(ff.output_dense.bias),
+                f"{p}.ff_out",
             )
 
         x = residual(x, self_attention, layer.self_attention_norm, f"{p}.self_norm")
@@ -283,8 +286,8 @@ def build_decoder_step(parts, opset=17):
     else:
         logits = dense(
             x,
-            _value(parts.output_projection.kernel),
-            _value(parts.output_projection.bias),
+            weight_array(parts.output_projection.kernel),
+            weight_array(parts.output_projection.bias),
             "output_projection",
         )
     g.node("LogSoftmax", [logits], ["log_probs"], axis=-1)

@@ -10,8 +10,8 @@ import keras
 
 from keras_transformer.io_utils import atomic_path, atomic_write_json
 from keras_transformer.train.checkpoints import (
-    _checkpoint_epoch,
-    _epoch_checkpoints,
+    checkpoint_epoch,
+    epoch_checkpoints,
     patience_spent,
     ranked_epochs,
 )
@@ -19,7 +19,7 @@ from keras_transformer.train.data_parallel import SINGLE_PROCESS
 from keras_transformer.train.settings import KEEP_CHECKPOINTS
 
 
-class _EpochProgress(keras.callbacks.ProgbarLogger):
+class EpochProgress(keras.callbacks.ProgbarLogger):
     """Keras' progress bar, under an epoch line that states the real budget.
 
     Keras would print "Epoch 3/10000" for a run bounded by minutes or steps.
@@ -46,7 +46,7 @@ def fit_verbosity(verbose: int, terminal: bool) -> int:
     return 2 if verbose == 1 and not terminal else verbose
 
 
-class _RunRecorder(keras.callbacks.Callback):
+class RunRecorder(keras.callbacks.Callback):
     """Keeps `history.json` (per-epoch metrics and seconds), epoch checkpoints, and stops.
 
     Each epoch's entry adds `epoch_fields` (the precision and device of this
@@ -121,15 +121,15 @@ class _RunRecorder(keras.callbacks.Callback):
         with atomic_path(path, suffix=".weights.h5") as tmp:
             self.model.save_weights(tmp)
         wanted = set(ranked_epochs(self.history, self.select_by)[: self.keep])
-        checkpoints = _epoch_checkpoints(self.out_dir)
-        wanted.update(_checkpoint_epoch(p) for p in checkpoints[-self.keep :])
+        checkpoints = epoch_checkpoints(self.out_dir)
+        wanted.update(checkpoint_epoch(p) for p in checkpoints[-self.keep :])
         for old in checkpoints:
-            if _checkpoint_epoch(old) not in wanted:
+            if checkpoint_epoch(old) not in wanted:
                 os.remove(old)
         atomic_write_json(os.path.join(self.out_dir, "history.json"), self.history)
 
 
-class _ValidationBleu(keras.callbacks.Callback):
+class ValidationBleu(keras.callbacks.Callback):
     """Adds `val_bleu` and `val_bleu_lowercase` (greedy, sacreBLEU) to each epoch's logs.
 
     Runs before the recorder, so the scores reach `history.json`, the
@@ -150,7 +150,7 @@ class _ValidationBleu(keras.callbacks.Callback):
         if (epoch + 1) % self.every:
             return
         if self.processes.distribution is None:
-            scores = _bleu_on(self.model, self.tokenizer, self.pairs, beam_size=1)
+            scores = bleu_on(self.model, self.tokenizer, self.pairs, beam_size=1)
             values = [scores["bleu"], scores["bleu_lowercase"]]
         else:
             values = [0.0, 0.0]
@@ -168,12 +168,12 @@ class _ValidationBleu(keras.callbacks.Callback):
             if self._copy is None:
                 self._copy = keras.models.clone_model(self.model)
             self._copy.set_weights(self.model.get_weights())
-            return _bleu_on(self._copy, self.tokenizer, self.pairs, beam_size=1)
+            return bleu_on(self._copy, self.tokenizer, self.pairs, beam_size=1)
         finally:
             keras.distribution.set_distribution(distribution)
 
 
-def _bleu_on(model, tokenizer, pairs, beam_size, progress=False) -> dict:
+def bleu_on(model, tokenizer, pairs, beam_size, progress=False) -> dict:
     from keras_transformer.evaluation import score_translations
     from keras_transformer.translation import translate_lines
 

@@ -21,10 +21,10 @@ def ranked_epochs(history, select_by) -> list[int]:
     """
     key = MEASURES[select_by][0]
     scored = [(e[key], e["epoch"]) for e in history if e.get(key) is not None]
-    return [epoch for _, epoch in sorted(scored, key=lambda x: (_worse(select_by, x[0]), x[1]))]
+    return [epoch for _, epoch in sorted(scored, key=lambda x: (sort_key(select_by, x[0]), x[1]))]
 
 
-def _worse(select_by, value) -> float:
+def sort_key(select_by, value) -> float:
     """`value` of the measure `select_by` as a key that sorts the best first."""
     return -value if MEASURES[select_by][1] else value
 
@@ -77,13 +77,13 @@ def final_candidates(history, checkpoint_epochs, select_by, average, final="auto
     return candidates
 
 
-def _checkpoint_epoch(path) -> int:
+def checkpoint_epoch(path) -> int:
     return int(re.search(r"epoch-(\d+)", os.path.basename(path)).group(1))
 
 
-def _epoch_checkpoints(out_dir):
+def epoch_checkpoints(out_dir):
     paths = glob.glob(os.path.join(out_dir, "checkpoints", "epoch-*.weights.h5"))
-    return sorted(paths, key=_checkpoint_epoch)
+    return sorted(paths, key=checkpoint_epoch)
 
 
 def average_checkpoints(model, paths) -> None:

@@ -89,7 +89,7 @@ class _Run:
             print(*args, **kwargs)
 
 
-def _open_run(settings, out_dir, verbose, strategy, processes=SINGLE_PROCESS) -> _Run:
+def open_run(settings, out_dir, verbose, strategy, processes=SINGLE_PROCESS) -> _Run:
     """The run directory: checked against an earlier run, created, and its settings written.
 
     Only process 0 opens `out_dir`; every other process of a data-parallel run
@@ -110,7 +110,7 @@ def _open_run(settings, out_dir, verbose, strategy, processes=SINGLE_PROCESS) ->
     return _Run(out_dir, resume, strategy, processes, verbose if processes.first else 0)
 
 
-def _read_history(run) -> list:
+def read_history(run) -> list:
     """The epochs recorded in the run's `history.json` (none for a new run)."""
     path = os.path.join(run.out_dir, "history.json")
     if not (run.resume and os.path.isfile(path)):
@@ -119,9 +119,9 @@ def _read_history(run) -> list:
         return json.load(f)
 
 
-def _epochs_done(run) -> int:
+def finished_epochs(run) -> int:
     """The epochs in process 0's `history.json` (0 for a new run), the same on every process."""
-    return run.processes.first_value(len(_read_history(run)))
+    return run.processes.first_value(len(read_history(run)))
 
 
 def stream_seed(seed: int, epochs_done: int) -> int:
@@ -144,7 +144,7 @@ def stream_seed(seed: int, epochs_done: int) -> int:
     return int(np.random.SeedSequence(entropy).generate_state(1)[0] >> 1)
 
 
-def _portable_identity(settings) -> bytes:
+def portable_identity(settings) -> bytes:
     """The settings that every process of a run must share, without machine-specific file paths."""
     values = settings.identity()
     for name in ("src_train", "tgt_train", "src_valid", "tgt_valid", "data"):
@@ -152,7 +152,7 @@ def _portable_identity(settings) -> bytes:
     return json.dumps(values, sort_keys=True).encode()
 
 
-def _load_or_train_tokenizer(out_dir, settings, resume, sources, targets):
+def load_or_train_tokenizer(out_dir, settings, resume, sources, targets):
     path = os.path.join(out_dir, "spm.model")
     if resume and os.path.isfile(path):
         return SentencePieceTokenizer.load(path)

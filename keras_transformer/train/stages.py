@@ -35,20 +35,20 @@ from keras_transformer.schedules import TransformerSchedule
 from keras_transformer.startup import onednn_enabled
 from keras_transformer.train.backup import AtomicBackupAndRestore
 from keras_transformer.train.callbacks import (
-    _bleu_on,
-    _EpochProgress,
-    _RunRecorder,
-    _ValidationBleu,
+    EpochProgress,
+    RunRecorder,
+    ValidationBleu,
+    bleu_on,
     fit_verbosity,
 )
 from keras_transformer.train.checkpoints import (
-    _checkpoint_epoch,
-    _epoch_checkpoints,
-    _worse,
     average_checkpoints,
+    checkpoint_epoch,
+    epoch_checkpoints,
     final_candidates,
     patience_spent,
     ranked_epochs,
+    sort_key,
 )
 from keras_transformer.train.compile import build_and_compile
 from keras_transformer.train.data_parallel import (
@@ -58,11 +58,11 @@ from keras_transformer.train.data_parallel import (
     start_data_parallel,
 )
 from keras_transformer.train.run_dir import (
-    _epochs_done,
-    _load_or_train_tokenizer,
-    _open_run,
-    _portable_identity,
-    _read_history,
+    finished_epochs,
+    load_or_train_tokenizer,
+    open_run,
+    portable_identity,
+    read_history,
     stream_seed,
 )
 from keras_transformer.train.settings import (
@@ -139,7 +139,7 @@ def train(settings: TrainSettings, out_dir: str, verbose: int = 1, strategy=None
         # Checked before anything is written: complete, and its inputs unchanged.
         prepared = PreparedData(settings.data, check_inputs=True)
         _check_prepared(settings, prepared)
-        run = _open_run(settings, out_dir, verbose, strategy, processes)
+        run = open_run(settings, out_dir, verbose, strategy, processes)
         data = _load_prepared(run, settings, prepared)
     else:
         # Both pairs of files readable and parallel before anything is written.
@@ -147,7 +147,7 @@ def train(settings: TrainSettings, out_dir: str, verbose: int = 1, strategy=None
             *read_parallel(settings.src_train, settings.tgt_train),
             *read_parallel(settings.src_valid, settings.tgt_valid),
         )
-        run = _open_run(settings, out_dir, verbose, strategy, processes)
+        run = open_run(settings, out_dir, verbose, strategy, processes)
         data = _load_data(run, settings, *texts)
     recipe = _recipe(run, settings, data)
     model = build_and_compile(data.config, run.strategy, **recipe.compile_args(settings))
@@ -187,10 +187,10 @@ def _strategy(settings, strategy):
 
 def _load_data(run, settings, src_train, tgt_train, src_valid, tgt_valid) -> _Data:
     """The tokenizer (trained on the first start), the model config and the datasets."""
-    epochs_done = _epochs_done(run)
+    epochs_done = finished_epochs(run)
     seed = stream_seed(settings.seed, epochs_done)
     keras.utils.set_random_seed(seed)
-    tokenizer = _load_or_train_tokenizer(run.out_dir, settings, run.resume, src_train, tgt_train)
+    tokenizer = load_or_train_tokenizer(run.out_dir, settings, run.resume, src_train, tgt_train)
     config = settings.model_config(tokenizer.vocabulary_size)
     run.log(
         f"SentencePiece vocabulary: {tokenizer.vocabulary_size} pieces (asked for "
@@ -226,7 +226,7 @@ def _load_data(run, settings, src_train, tgt_train, src_valid, tgt_valid) -> _Da
     run.processes.check_agree(
         **{
             "SentencePiece model (CRC-32)": zlib.crc32(tokenizer.model_proto),
-            "training settings (CRC-32)": zlib.crc32(_portable_identity(settings)),
+            "training settings (CRC-32)": zlib.crc32(portable_identity(settings)),
             "training pairs": train_stats.kept_pairs,
             "training target tokens": train_stats.target_tokens,
             "validation pairs": valid_stats.kept_pairs,
@@ -298,7 +298,7 @@ def _load_prepared(run, settings, prepared) -> _Data:
     run.processes.check_agree(
         **{
             "SentencePiece model (CRC-32)": zlib.crc32(tokenizer.model_proto),
-            "training settings (CRC-32)": zlib.crc32(_portable_identity(settings)),
+            "training settings (CRC-32)": zlib.crc32(portable_identity(settings)),
             "training pairs": train_stats.kept_pairs,
             "data position (batches)": plan.start_batches,
         },
@@ -384,8 +384,8 @@ def _recipe(run, settings, data) -> _Recipe:
 
 def _fit(run, settings, model, data, recipe) -> list:
     """`model.fit` with the run's callbacks, unless the budget is spent; returns the history."""
-    history = _read_history(run)
-    recorder = _RunRecorder(
+    history = read_history(run)
+    recorder = RunRecorder(
         run.out_dir,
         history,
         settings.max_steps,
@@ -406,14 +406,14 @@ def _fit(run, settings, model, data, recipe) -> list:
         recorder,
         AtomicBackupAndRestore(backup, delete_checkpoint=False),
         keras.callbacks.TensorBoard(os.path.join(run.out_dir, "logs"), update_freq="epoch"),
-        _EpochProgress(settings.budget()),
+        EpochProgress(settings.budget()),
     ]
     # Validate every `every` spans (`--validate-every-steps`), else at each one.
     every = 1
     if settings.validate_every_steps:
         every = settings.validate_every_steps // settings.save_every_steps
     if settings.select_by == "bleu":
-        callbacks.insert(0, _ValidationBleu(data.tokenizer, data.valid_pairs, every, run.processes))
+        callbacks.insert(0, ValidationBleu(data.tokenizer, data.valid_pairs, every, run.processes))
     fit_args = {"epochs": settings.epochs if settings.epochs is not None else 10_000}
     if data.stream is not None:
         plan = data.stream
@@ -468,7 +468,7 @@ def _choose_final(run, settings, model, data, history) -> tuple[dict, dict | Non
     only means of checkpoints are scored here. Returns the choice and, when
     it was decoded here, the chosen weights' greedy validation scores.
     """
-    paths = {_checkpoint_epoch(p): p for p in _epoch_checkpoints(run.out_dir)}
+    paths = {checkpoint_epoch(p): p for p in epoch_checkpoints(run.out_dir)}
     candidates = final_candidates(
         history, paths, settings.select_by, settings.average, settings.final
     )
@@ -483,14 +483,14 @@ def _choose_final(run, settings, model, data, history) -> tuple[dict, dict | Non
         if value is None:
             average_checkpoints(model, [paths[e] for e in epochs])
             if settings.select_by == "bleu":
-                decoded[name] = _bleu_on(model, data.tokenizer, data.valid_pairs, beam_size=1)
+                decoded[name] = bleu_on(model, data.tokenizer, data.valid_pairs, beam_size=1)
                 value = decoded[name]["bleu"]
             else:
                 value = float(model.evaluate(data.valid, verbose=0, return_dict=True)["loss"])
         scored.append({"name": name, "epochs": epochs, key: value})
         run.log(f"  {name} (epochs {', '.join(map(str, epochs))}): {key} {value:.4g}")
     # The first of equals: the earlier candidate in `final_candidates`' order.
-    chosen = min(scored, key=lambda c: _worse(settings.select_by, c.get(key, 0.0)))
+    chosen = min(scored, key=lambda c: sort_key(settings.select_by, c.get(key, 0.0)))
     average_checkpoints(model, [paths[e] for e in chosen["epochs"]])
     run.log(f"Final weights: {chosen['name']} (epochs {', '.join(map(str, chosen['epochs']))}).")
     final = {"chosen": chosen["name"], "epochs": chosen["epochs"], "candidates": scored}
@@ -503,7 +503,7 @@ def _validate_and_record(run, settings, model, data, history, recipe, final, gre
     valid_scores = (
         greedy
         if greedy is not None and settings.valid_beam == 1
-        else _bleu_on(
+        else bleu_on(
             model, data.tokenizer, data.valid_pairs, settings.valid_beam, progress=bool(run.verbose)
         )
     )

@@ -1,9 +1,11 @@
-"""keras-transformer's ONNX Runtime translator: numpy, onnxruntime and sentencepiece only.
+"""Translate with keras-transformer's ONNX exports: numpy, onnxruntime and sentencepiece only.
 
-`keras-transformer export` (the TensorFlow side) writes the folder that
-`OnnxTranslator` loads; `keras-transformer-translate` is its command line.
+`OnnxTranslator` is the translation core (`translator.Translator`) over an
+export's graphs (`onnx_decoder.OnnxDecoder`).
 """
 
-from keras_transformer_runtime.runtime import ExportFileError, OnnxTranslator
+from keras_transformer_runtime.export_format import ExportFileError
+from keras_transformer_runtime.onnx_translator import OnnxTranslator
+from keras_transformer_runtime.translator import Translator
 
-__all__ = ["ExportFileError", "OnnxTranslator"]
+__all__ = ["ExportFileError", "OnnxTranslator", "Translator"]

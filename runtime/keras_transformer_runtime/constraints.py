@@ -9,7 +9,7 @@ The search is the beam search of `spec.SentenceSearch` with constraints as
 one more per-hypothesis state (Post and Vilar 2018, "Fast Lexically
 Constrained Decoding with Dynamic Beam Allocation"; Hu et al. 2019,
 "Improved Lexically Constrained Decoding"): `ConstrainedSearch`, which
-`search.options_loop` runs for every sentence of a batch (for the Keras
+`search.search_loop` runs for every sentence of a batch (for the Keras
 decoder and the ONNX Runtime translator) and `constrained_beam` for one
 sentence (the reference of the tests). The rules:
 
@@ -250,7 +250,7 @@ def sentence_constraints(
         raise ValueError(
             f"constraints has {len(phrases)} entries for {len(texts)} sentences (one each)."
         )
-    from keras_transformer_runtime.search import output_limits  # search imports this module
+    from keras_transformer_runtime.sources import output_limits
 
     if lengths is None:
         lengths = [len(encode(text)) + 1 if text.strip() else 0 for text in texts]

@@ -1,40 +1,51 @@
 """The decoding flags and output formats of both translate commands, defined once.
 
 `keras-transformer-translate` (ONNX Runtime) and `keras-transformer
-translate` / `evaluate` (Keras) both call `add_search_flags(parser)`, turn
-the parsed flags into a `spec.SearchOptions` with `options_from_args`, and
-write what they found with `run_and_write`; so a flag means the same in
-both. The meaning of each option: docs/decoding.md.
+translate` / `evaluate` (Keras) both call `add_search_flags(parser)`, whose
+flags are made from the fields of `spec.SearchOptions` (their names, types,
+defaults and help), turn the parsed flags into a `SearchOptions` with
+`options_from_args`, and write what they found with `run_and_write`; so a
+flag means the same in both, and in the server's requests. The meaning of each option: docs/decoding.md.
 """
 
 from __future__ import annotations
 
 import json
 
-from keras_transformer_runtime.spec import SearchOptions
+from keras_transformer_runtime.spec import SearchOptions, option_fields
 
 FORMATS = ("text", "tsv", "jsonl")
 
 
+def _dest(field):
+    return field.flag[2:].replace("-", "_")
+
+
 def add_search_flags(parser, outputs=True):
-    """Adds the decoding options (all but --beam and --length-penalty, which each
-    command has already) and, with `outputs`, the output flags (--n-best,
-    --scores, --token-scores, --format, --score) to an argparse parser."""
+    """Adds every decoding option of `spec.SearchOptions` as a flag (`spec.option_fields`:
+    its name, type, default and help are the option's own), `--suppress`,
+    `--prefix` and `--constraints`, and with `outputs` the options that shape
+    the output (--n-best, --token-scores, --alignment) and the output flags
+    (--scores, --format, --score), to an argparse parser."""
     group = parser.add_argument_group("decoding options (docs/decoding.md)")
     add = group.add_argument
-    add("--max-length", type=int, help="most output tokens per sentence, EOS included")
-    add("--min-length", type=int, default=0, help="EOS is not allowed before this many tokens")
-    if outputs:
-        add("--n-best", type=int, default=1, help="hypotheses per sentence, best first (<= beam)")
-        add("--scores", action="store_true", help="text format: each line is 'score<TAB>text'")
-        add("--token-scores", action="store_true", help="also each token's log-probability")
-        add("--format", choices=FORMATS, default="text", help="output format (default text)")
+    for field in option_fields():
+        if field.output and not outputs:
+            continue
+        if field.kind is bool:
+            add(field.flag, action="store_true", dest=_dest(field), help=field.help)
+            continue
+        default = "" if field.optional else f" (default {field.default})"
         add(
-            "--alignment",
-            action="store_true",
-            help="also, per output token, the source token it attends to most "
-            "('source-target' position pairs, 0-based, of the tokenized sentences)",
+            field.flag,
+            type=field.kind,
+            default=field.default,
+            dest=_dest(field),
+            help=field.help + default,
         )
+    if outputs:
+        add("--scores", action="store_true", help="text format: each line is 'score<TAB>text'")
+        add("--format", choices=FORMATS, default="text", help="output format (default text)")
         add(
             "--score",
             metavar="FILE",
@@ -60,64 +71,20 @@ def add_search_flags(parser, outputs=True):
         "tab-separated phrases, or a JSON list of strings per line in a .jsonl file; an "
         "empty line for none (docs/constraints.md)",
     )
-    add("--disable-unk", action="store_true", help="never generate the unknown token")
-    add(
-        "--repetition-penalty",
-        type=float,
-        default=1.0,
-        help="> 1 makes tokens already generated less likely (default 1: off)",
-    )
-    add(
-        "--no-repeat-ngram-size",
-        type=int,
-        default=0,
-        help="no n-gram of this size twice in an output (default 0: off)",
-    )
-    add(
-        "--sampling-topk",
-        type=int,
-        default=1,
-        help="1 (default): search; 0: sample from every token; K: from the K best (needs --beam 1)",
-    )
-    add("--sampling-topp", type=float, default=1.0, help="sample from this probability mass")
-    add("--sampling-temperature", type=float, default=1.0, help="sampling temperature")
-    add(
-        "--seed",
-        type=int,
-        default=0,
-        help="sampling seed: each line draws from a generator seeded with the seed and the "
-        "line's place in the input, so whatever the batch",
-    )
-    add(
-        "--max-input-length",
-        type=int,
-        help="truncate sources longer than this many tokens (with a warning); default: "
-        "translate them whole",
-    )
     return group
 
 
-def options_from_args(args, beam_size, length_penalty, tokenizer):
-    """The `SearchOptions` of parsed flags; a bad value exits with a clear error."""
+def options_from_args(args, tokenizer, **overrides):
+    """The `SearchOptions` of parsed flags (`overrides` win, e.g. `beam_size=1` for
+    `--greedy`); a bad value exits with a clear error that names the flag."""
+    values = {
+        field.name: getattr(args, _dest(field))
+        for field in option_fields()
+        if hasattr(args, _dest(field))
+    }
     try:
-        return SearchOptions(
-            beam_size=beam_size,
-            length_penalty=length_penalty,
-            n_best=getattr(args, "n_best", 1),
-            token_scores=getattr(args, "token_scores", False),
-            suppress_sequences=[_suppressed(tokenizer, text) for text in args.suppress],
-            disable_unk=args.disable_unk,
-            min_length=args.min_length,
-            max_length=args.max_length,
-            repetition_penalty=args.repetition_penalty,
-            no_repeat_ngram_size=args.no_repeat_ngram_size,
-            sampling_topk=args.sampling_topk,
-            sampling_topp=args.sampling_topp,
-            sampling_temperature=args.sampling_temperature,
-            seed=args.seed,
-            max_input_length=args.max_input_length,
-            alignment=getattr(args, "alignment", False),
-        )
+        values["suppress_sequences"] = [_suppressed(tokenizer, text) for text in args.suppress]
+        return SearchOptions(**{**values, **overrides})
     except ValueError as error:
         raise SystemExit(f"error: {_as_flag(str(error))}") from None
 
@@ -131,20 +98,9 @@ def _suppressed(tokenizer, text):
 
 def _as_flag(message):
     """Names options as the flags that set them."""
-    for name in (
-        "n_best",
-        "min_length",
-        "max_length",
-        "repetition_penalty",
-        "no_repeat_ngram_size",
-        "sampling_topk",
-        "sampling_topp",
-        "sampling_temperature",
-        "max_input_length",
-        "beam_size",
-    ):
-        flag = "--beam" if name == "beam_size" else "--" + name.replace("_", "-")
-        message = message.replace(f"{name}=", f"{flag}=").replace(f"{name} ", f"{flag} ")
+    for field in option_fields():
+        message = message.replace(f"{field.name}=", f"{field.flag}=")
+        message = message.replace(f"{field.name} ", f"{field.flag} ")
     return message
 
 

@@ -1,13 +1,13 @@
 """The search specification: greedy and beam search for one sentence, written plainly,
 and the decoding options (`SearchOptions`) with their per-step rules (`step_scores`).
 
-Every decoder of this project follows these rules: the batched numpy loops
-(`keras_transformer_runtime.search.greedy_loop` and `beam_loop`), the Keras
-decoder (`keras_transformer.decoding`) and the ONNX search graphs
+Every search of this project follows these rules: the one batched loop
+(`keras_transformer_runtime.search.search_loop`, over `SentenceSearch`) for
+both decoders, the Keras compiled greedy loop and the ONNX search graphs
 (`greedy_search`, `greedy_batch_search`, `beam_search`, `beam_batch_search`).
-They are fast, batched, cached and hard to read; this module is slow and
-easy to read, and the tests check each of them against it (same tokens,
-scores within float32 round-off).
+They are fast, batched, cached and hard to read; `greedy` and `beam` here
+are slow and easy to read: the documented test oracle, against which the
+tests check each of them (same tokens, scores within float32 round-off).
 
 A search here sees the model only through `log_probs(prefix)`: the
 next-token log-probabilities (a 1-D array over the vocabulary) after the
@@ -142,6 +142,15 @@ def _is_number(value):
     return not isinstance(value, bool) and isinstance(value, (int, float, np.integer, np.floating))
 
 
+def _option(default, help, flag=None, output=False, front_end=True):
+    """A `SearchOptions` field with what its front ends need: its help, its
+    command-line flag (default `--name-with-dashes`), whether it shapes the
+    output (the commands that write no hypotheses leave it out), and whether
+    the front ends offer it as it is (`option_fields`)."""
+    metadata = {"help": help, "flag": flag, "output": output, "front_end": front_end}
+    return dataclasses.field(default=default, metadata=metadata)
+
+
 @dataclasses.dataclass(frozen=True)
 class SearchOptions:
     """Every decoding option, checked when made; one meaning in every decoder.
@@ -153,25 +162,56 @@ class SearchOptions:
     docs/decoding.md.
 
     Per-sentence inputs (target prefixes) are not options: the searches
-    take them beside the options, one per sentence.
+    take them beside the options, one per sentence. Each field is defined
+    once, with its help: both translate commands' flags and the server's
+    request fields and schema are made from them (`option_fields`).
     """
 
-    beam_size: int = 4  # live hypotheses kept; 1 = greedy (or sampling)
-    length_penalty: float = 0.6  # beam search's alpha; 0 disables it
-    n_best: int = 1  # hypotheses returned per sentence, best first; <= beam_size
-    token_scores: bool = False  # also return each token's log-probability
-    suppress_sequences: tuple = ()  # id sequences never generated (a 1-tuple: one token)
-    disable_unk: bool = False  # never generate UNK
-    min_length: int = 0  # EOS is not allowed before this many tokens
-    max_length: int | None = None  # most tokens generated, EOS included (None: source + 50)
-    repetition_penalty: float = 1.0  # > 1: a token already generated is less likely
-    no_repeat_ngram_size: int = 0  # > 0: no n-gram of this size twice in an output
-    sampling_topk: int = 1  # 1: search; 0: sample from every token; k > 1: the k best
-    sampling_topp: float = 1.0  # sample from the smallest set of this probability mass
-    sampling_temperature: float = 1.0  # sampling divides the log-probabilities by this
-    seed: int = 0  # sampling: sentence i draws from a generator seeded (seed, i)
-    max_input_length: int | None = None  # longer sources are truncated (docs/decoding.md)
-    alignment: bool = False  # also each output token's most attended source token
+    beam_size: int = _option(
+        4, "live hypotheses kept; 1 is greedy search (or sampling)", flag="--beam"
+    )
+    length_penalty: float = _option(
+        0.6,
+        "beam search's alpha: scores are divided by ((5 + length) / 6) ** alpha (Wu et al. "
+        "2016); higher favours longer translations; 0 disables it",
+    )
+    n_best: int = _option(
+        1, "hypotheses answered per sentence, best first (at most beam_size)", output=True
+    )
+    token_scores: bool = _option(False, "also each token's log-probability", output=True)
+    # Id sequences never generated (a 1-tuple: one token); the front ends take
+    # them as text (`--suppress`, "suppress") and tokenize it.
+    suppress_sequences: tuple = _option((), "", front_end=False)
+    disable_unk: bool = _option(False, "never generate the unknown token")
+    min_length: int = _option(0, "EOS is not allowed before this many tokens")
+    max_length: int | None = _option(
+        None, "most output tokens per sentence, EOS included; default: the source length + 50"
+    )
+    repetition_penalty: float = _option(
+        1.0, "> 1 makes tokens already generated less likely (1: off)"
+    )
+    no_repeat_ngram_size: int = _option(0, "no n-gram of this size twice in an output (0: off)")
+    sampling_topk: int = _option(
+        1, "1: search; 0: sample from every token; k > 1: from the k best (needs beam 1)"
+    )
+    sampling_topp: float = _option(1.0, "sample from the smallest set of this probability mass")
+    sampling_temperature: float = _option(1.0, "sampling divides the log-probabilities by this")
+    seed: int = _option(
+        0,
+        "sampling: sentence i of the input draws from a generator seeded (seed, i), so "
+        "whatever the batch",
+    )
+    max_input_length: int | None = _option(
+        None,
+        "sources longer than this many tokens are truncated (with a warning); default: "
+        "translated whole",
+    )
+    alignment: bool = _option(
+        False,
+        "also, per output token, the source position it attends to most (0-based, of the "
+        "tokenized sentences)",
+        output=True,
+    )
 
     def __post_init__(self):
         def refuse(name, what):
@@ -263,6 +303,37 @@ class SearchOptions:
                         f"the target prefix of sentence {n} holds token id {i!r}: a prefix "
                         f"holds tokens of the output, ids {UNK_ID}..{vocabulary_size - 1}."
                     )
+
+
+@dataclasses.dataclass(frozen=True)
+class OptionField:
+    """A `SearchOptions` field as the front ends offer it (`option_fields`)."""
+
+    name: str
+    kind: type  # int, float or bool
+    default: object
+    help: str
+    flag: str  # the command-line flag
+    output: bool  # it shapes the output (n-best, scores, alignments)
+    optional: bool  # None is a value (the default)
+
+
+def option_fields():
+    """The options the front ends offer as they are, in `SearchOptions` order."""
+    found = []
+    for field in dataclasses.fields(SearchOptions):
+        meta = field.metadata
+        if not meta.get("front_end", True):
+            continue
+        default = field.default
+        kind = type(default) if default is not None else int
+        flag = meta["flag"] or "--" + field.name.replace("_", "-")
+        found.append(
+            OptionField(
+                field.name, kind, default, meta["help"], flag, meta["output"], default is None
+            )
+        )
+    return found
 
 
 def alignment_layer(num_layers):

@@ -11,7 +11,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from keras_transformer_runtime.runtime import ExportFileError, OnnxTranslator, available_cores
+from keras_transformer_runtime.export_format import ExportFileError
+from keras_transformer_runtime.onnx_sessions import available_cores
+from keras_transformer_runtime.onnx_translator import OnnxTranslator
 from keras_transformer_runtime.search_flags import (
     add_search_flags,
     is_plain_run,
@@ -27,14 +29,6 @@ def build_parser():
         description="Translate lines from stdin to stdout with an ONNX export of keras-transformer.",
     )
     parser.add_argument("onnx_dir", help="folder written by `keras-transformer export`")
-    parser.add_argument("--beam", type=int, default=4, help="beam size; 1 = greedy (default 4)")
-    parser.add_argument(
-        "--length-penalty",
-        type=float,
-        default=0.6,
-        help="beam search's alpha: scores are divided by ((5 + length) / 6) ** alpha; "
-        "default 0.6; higher favours longer translations",
-    )
     parser.add_argument("--batch-size", type=int, default=32, help="sentences per batch")
     parser.add_argument(
         "--threads",
@@ -88,7 +82,7 @@ def main(argv=None):
             split_batches=False if args.whole_batches else None,
         )
         lines = read_input_lines(sys.stdin, warn)
-        options = options_from_args(args, args.beam, args.length_penalty, translator.tokenizer)
+        options = options_from_args(args, translator.tokenizer)
         progress = not sys.stdin.isatty() and len(lines) > args.batch_size
         if is_plain_run(args, options):
             outputs = translator.translate(
@@ -109,7 +103,14 @@ def main(argv=None):
                 lines,
                 options,
                 lambda texts, options, prefixes, constraints: translator.translate_hypotheses(
-                    texts, options, prefixes, args.batch_size, progress, warn, constraints
+                    texts,
+                    options,
+                    prefixes,
+                    args.batch_size,
+                    progress,
+                    warn,
+                    constraints,
+                    parallel_batches=args.parallel_batches,
                 ),
                 lambda texts, targets: translator.score(
                     texts, targets, args.batch_size, progress, warn

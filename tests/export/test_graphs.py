@@ -15,8 +15,8 @@ pytestmark = pytest.mark.skipif(
     keras.backend.backend() != "tensorflow", reason="ONNX export converts TensorFlow graphs"
 )
 
-from keras_transformer_runtime import spec  # noqa: E402
-from keras_transformer_runtime.runtime import OnnxTranslator  # noqa: E402
+from keras_transformer_runtime import OnnxTranslator, spec  # noqa: E402
+from keras_transformer_runtime.onnx_decoder import OnnxDecoder  # noqa: E402
 from keras_transformer_runtime.specials import BOS_ID, PAD_ID  # noqa: E402
 
 from keras_transformer.decoding import beam_search, greedy_search  # noqa: E402
@@ -31,18 +31,19 @@ from tests.onnx_helpers import (  # noqa: E402
 
 
 def _graph_calls(translator, method, monkeypatch):
-    """Records the search graph each call of `translator.method` (`_greedy_in_graph`
-    or `_beam_in_graph`) runs."""
+    """Records the search graph each call of the decoder's `method` (`run_greedy_graph`
+    or `run_beam_graph`) runs."""
     calls = []
-    original = getattr(OnnxTranslator, method).__get__(translator)
-    default = {"_greedy_in_graph": "greedy_search", "_beam_in_graph": "beam_search"}[method]
-    position = {"_greedy_in_graph": 3, "_beam_in_graph": 5}[method]
+    decoder = translator.decoder
+    original = getattr(OnnxDecoder, method).__get__(decoder)
+    default = {"run_greedy_graph": "greedy_search", "run_beam_graph": "beam_search"}[method]
+    position = {"run_greedy_graph": 2, "run_beam_graph": 4}[method]
 
     def record(*args):
         calls.append(args[position] if len(args) > position else default)
         return original(*args)
 
-    monkeypatch.setattr(translator, method, record)
+    monkeypatch.setattr(decoder, method, record)
     return calls
 
 
@@ -53,19 +54,18 @@ def test_the_greedy_graphs_follow_the_search_specification(precision, exported, 
     tokens and scores as each other; in float32, the search specification's
     over the export's whole model and Keras' tokens. `greedy_search` runs the
     first up to `GRAPH_LOOP_MAX_SENTENCES` sentences, the batch graph above."""
-    from keras_transformer_runtime.runtime import GRAPH_LOOP_MAX_SENTENCES
+    from keras_transformer_runtime.onnx_decoder import GRAPH_LOOP_MAX_SENTENCES
 
     model, tokenizer, reference, out = exported("float32")
     # Whole batches: the test follows which graph searches (no split, `split_parts`).
     translator = OnnxTranslator(out, precision=precision, split_batches=False)
     sources = source_ids(tokenizer, held_out_lines(40, seed=71))
     keras_tokens, _ = greedy_search(model, sources)
-    calls = _graph_calls(translator, "_greedy_in_graph", monkeypatch)
+    calls = _graph_calls(translator, "run_greedy_graph", monkeypatch)
 
     def in_graph(batch, graph, max_length=None):
         source, limits = translator._prepare(batch, max_length)
-        _, mask, cross = translator.encode(source)
-        return translator._greedy_in_graph(mask, cross, limits, graph)
+        return translator.decoder.run_greedy_graph(source, limits, graph)
 
     for start, size in ((0, 1), (1, 1), (2, 2), (4, 5), (9, 31)):
         batch = sources[start : start + size]
@@ -114,7 +114,7 @@ def test_the_greedy_batch_graph_finds_the_same_at_any_steps_per_iteration(export
     sources = source_ids(tokenizer, held_out_lines(24, seed=73))
     step = onnx.load(os.path.join(out, "decoder_step.onnx"), load_external_data=False)
     shutil.copyfile(os.path.join(out, "weights.bin"), tmp_path / "weights.bin")
-    sessions = {"exported": translator.session("greedy_batch_search")}
+    sessions = {"exported": translator.decoder.session("greedy_batch_search")}
     for k in (2, 3):
         path = str(tmp_path / f"greedy_batch_k{k}.onnx")  # beside its weights
         onnx.save(build_greedy_batch_search(step, k), path)
@@ -127,8 +127,8 @@ def test_the_greedy_batch_graph_finds_the_same_at_any_steps_per_iteration(export
     ]
     for rows, max_length in batches:
         source, limits = translator._prepare(rows, max_length)
-        _, mask, cross = translator.encode(source)
-        feeds = translator._search_feeds(mask, cross)
+        _, mask, cross = translator.decoder.encode(source)
+        feeds = translator.decoder.search_feeds(mask, cross)
         feeds["limits"] = np.asarray(limits, np.int64)
         tokens, scores = sessions["exported"].run(None, feeds)
         # As many steps as the longest output, EOS included.
@@ -305,7 +305,7 @@ def test_the_beam_graphs_follow_the_search_specification(precision, exported, mo
     length limits; in float32, those of the search specification over the
     export's whole model, and of Keras. `beam_search` runs the first up to
     `BEAM_GRAPH_MAX_SENTENCES` sentences, the batch graph above."""
-    from keras_transformer_runtime.runtime import BEAM_GRAPH_MAX_SENTENCES
+    from keras_transformer_runtime.onnx_decoder import BEAM_GRAPH_MAX_SENTENCES
 
     model, tokenizer, reference, out = exported("float32")
     # Whole batches: the test follows which graph searches (no split, `split_parts`).
@@ -314,10 +314,10 @@ def test_the_beam_graphs_follow_the_search_specification(precision, exported, mo
     python = OnnxTranslator(out, precision=precision, split_batches=False)
     for graph in ("beam_search", "beam_batch_search"):
         python.manifest["graphs"][graph]["max_top_k"] = 0
-    monkeypatch.setattr(python, "_beam_in_graph", lambda *a: pytest.fail("graph used"))
+    monkeypatch.setattr(python.decoder, "run_beam_graph", lambda *a: pytest.fail("graph used"))
     sources = source_ids(tokenizer, held_out_lines(40, seed=73))
     graphs = ("beam_search", "beam_batch_search")
-    calls = _graph_calls(translator, "_beam_in_graph", monkeypatch)
+    calls = _graph_calls(translator, "run_beam_graph", monkeypatch)
     # float16 log-probabilities may round one unit apart between the graph's
     # and the step's kernels (2**-11 near 0.5-1 on an AVX2 CPU); the tokens
     # must still be the same.
@@ -325,8 +325,7 @@ def test_the_beam_graphs_follow_the_search_specification(precision, exported, mo
 
     def in_graph(batch, graph, beam_size, length_penalty=0.6, max_length=None):
         source, limits = translator._prepare(batch, max_length)
-        _, mask, cross = translator.encode(source)
-        return translator._beam_in_graph(mask, cross, limits, beam_size, length_penalty, graph)
+        return translator.decoder.run_beam_graph(source, limits, beam_size, length_penalty, graph)
 
     settings = [
         dict(beam_size=4),
@@ -379,7 +378,7 @@ def test_the_beam_graphs_follow_the_search_specification(precision, exported, mo
     for graph in graphs:
         tokens, scores = in_graph([sources[0], [], sources[1]], graph, beam_size=4)
         assert tokens == step_tokens
-        np.testing.assert_allclose(scores, step_scores, rtol=0, atol=1e-5)
+        np.testing.assert_allclose(scores, step_scores, **tolerance)
         assert tokens[1] == [] and scores[1] == 0
 
 
@@ -394,9 +393,9 @@ def test_a_beam_too_wide_for_the_blocked_graphs_searches_in_python(exported, mon
     for graph in ("beam_search", "beam_batch_search"):
         translator.manifest["graphs"][graph]["max_top_k"] = 4
     calls = []
-    in_graph = translator._beam_in_graph
+    in_graph = translator.decoder.run_beam_graph
     monkeypatch.setattr(
-        translator, "_beam_in_graph", lambda *a, **k: calls.append(a) or in_graph(*a, **k)
+        translator.decoder, "run_beam_graph", lambda *a, **k: calls.append(a) or in_graph(*a, **k)
     )
     for beam, graph_calls in ((3, 0), (2, 1)):  # 2 x 3 > 4: Python; 2 x 2 = 4: the graph
         tokens, scores = translator.beam_search(sources, beam_size=beam)

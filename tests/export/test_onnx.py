@@ -15,9 +15,7 @@ pytestmark = pytest.mark.skipif(
     keras.backend.backend() != "tensorflow", reason="ONNX export converts TensorFlow graphs"
 )
 
-from keras_transformer_runtime.runtime import (  # noqa: E402
-    OnnxTranslator,
-)
+from keras_transformer_runtime import OnnxTranslator  # noqa: E402
 from keras_transformer_runtime.specials import BOS_ID, PAD_ID  # noqa: E402
 
 from keras_transformer import cli  # noqa: E402
@@ -187,7 +185,7 @@ def test_encoder_teacher_forced_and_step_outputs_match_keras(kind, exported):
     source, target = padded(sources), padded(targets)
     assert (source == 0).any() and (target == 0).any()
 
-    encoded, mask, cross = translator.encode(source)
+    encoded, mask, cross = translator.decoder.encode(source)
     keras_encoded, keras_mask = parts.encode(source)
     np.testing.assert_allclose(encoded, keras.ops.convert_to_numpy(keras_encoded), atol=1e-4)
     np.testing.assert_array_equal(mask, keras.ops.convert_to_numpy(keras_mask))
@@ -203,17 +201,22 @@ def test_encoder_teacher_forced_and_step_outputs_match_keras(kind, exported):
         np.testing.assert_allclose(cache, keras_cache, atol=1e-4)
 
     logits = keras.ops.convert_to_numpy(model({"source_ids": source, "target_ids": target}))
-    np.testing.assert_allclose(translator.logits(source, target), logits, atol=1e-4)
+    np.testing.assert_allclose(translator.decoder.logits(source, target), logits, atol=1e-4)
 
     # The cached step, fed the targets one token at a time, gives the
     # teacher-forced log-probabilities at every real position.
     log_probs = keras.ops.convert_to_numpy(keras.ops.log_softmax(logits, axis=-1))
-    caches = translator.empty_self_caches(len(source))
+    caches = translator.decoder.empty_self_caches(len(source))
     real = target != 0
     for t in range(target.shape[1]):
-        feeds = translator._search_feeds(mask, cross)
-        selected, _ = translator._run_step(target[:, t : t + 1], feeds, caches, top_k=7)
-        step_log_probs, caches = translator.decoder_step(target[:, t : t + 1], mask, cross, caches)
+        feeds = translator.decoder.search_feeds(mask, cross)
+        feeds["token_ids"] = target[:, t : t + 1]
+        feeds.update(zip(translator.decoder.cache_names("self"), caches, strict=True))
+        feeds["top_k"] = np.array([7], np.int64)
+        selected = translator.decoder.step_session.run(["top_log_probs", "top_ids"], feeds)
+        step_log_probs, caches = translator.decoder.decoder_step(
+            target[:, t : t + 1], mask, cross, caches
+        )
         assert all(cache.shape[2] == t + 1 for cache in caches)
         np.testing.assert_allclose(step_log_probs[real[:, t]], log_probs[real[:, t], t], atol=1e-4)
         # The graph's own selection: each row's 7 best tokens but padding and BOS, best first.
@@ -250,15 +253,15 @@ def test_pre_norm_untied_model_graphs_match_keras(tmp_path):
     parts = transformer_parts(model)
     source = np.array([[5, 6, 7, 8, 2], [9, 2, 0, 0, 0], [0, 0, 0, 0, 0]], np.int32)
     target = np.array([[1, 5, 9], [1, 7, 0], [1, 4, 4]], np.int32)
-    encoded, mask, cross = translator.encode(source)
+    encoded, mask, cross = translator.decoder.encode(source)
     keras_encoded, keras_mask = parts.encode(source)
     np.testing.assert_allclose(encoded, keras.ops.convert_to_numpy(keras_encoded), atol=1e-5)
     np.testing.assert_array_equal(mask, keras.ops.convert_to_numpy(keras_mask))
     logits = keras.ops.convert_to_numpy(model({"source_ids": source, "target_ids": target}))
     log_probs = keras.ops.convert_to_numpy(keras.ops.log_softmax(logits, axis=-1))
-    caches = translator.empty_self_caches(len(source))
+    caches = translator.decoder.empty_self_caches(len(source))
     for t in range(target.shape[1]):
-        step, caches = translator.decoder_step(target[:, t : t + 1], mask, cross, caches)
+        step, caches = translator.decoder.decoder_step(target[:, t : t + 1], mask, cross, caches)
         # Real target tokens of rows with a source only: the searches never
         # decode a sentence without one (its output is empty), so the step
         # spends no node on that case.
@@ -272,19 +275,19 @@ def test_step_rows_of_a_sentence_share_its_cross_caches(exported):
     that is not a multiple of the sentences is refused with its reason."""
     _, _, translator, _ = exported("float32")
     source = np.array([[5, 6, 7, 2], [8, 9, 2, 0]], np.int32)
-    _, mask, cross = translator.encode(source)
+    _, mask, cross = translator.decoder.encode(source)
     tokens = np.array([[1, 5, 6], [1, 8, 4]], np.int32)  # three rows per sentence
     rows = len(source) * tokens.shape[1]
-    caches = translator.empty_self_caches(rows)
+    caches = translator.decoder.empty_self_caches(rows)
     for t in range(2):  # two steps, so that the self caches are not empty
         fed = tokens.reshape(-1, 1) if t else np.full((rows, 1), 1, np.int32)
-        grouped, caches = translator.decoder_step(fed, mask, cross, caches)
+        grouped, caches = translator.decoder.decoder_step(fed, mask, cross, caches)
     for row in range(rows):
         sentence = row // tokens.shape[1]
-        alone = translator.empty_self_caches(1)
+        alone = translator.decoder.empty_self_caches(1)
         for t in range(2):
             fed = np.array([[tokens.reshape(-1)[row] if t else 1]], np.int32)
-            single, alone = translator.decoder_step(
+            single, alone = translator.decoder.decoder_step(
                 fed,
                 mask[sentence : sentence + 1],
                 [c[sentence : sentence + 1] for c in cross],
@@ -293,8 +296,8 @@ def test_step_rows_of_a_sentence_share_its_cross_caches(exported):
         np.testing.assert_allclose(grouped[row], single[0], atol=1e-5)
         np.testing.assert_allclose(caches[0][row], alone[0][0], atol=1e-5)
     with pytest.raises(ValueError, match="not a multiple of the 2 sentences"):
-        translator.decoder_step(
-            np.ones((5, 1), np.int32), mask, cross, translator.empty_self_caches(5)
+        translator.decoder.decoder_step(
+            np.ones((5, 1), np.int32), mask, cross, translator.decoder.empty_self_caches(5)
         )
 
 
@@ -364,9 +367,9 @@ def test_int8_graphs_are_smaller_and_translate_no_worse_than_float32(toy_run, tm
     # A step's activations share one int8 scale per batch: whole batches
     # unless told, so that the translations do not depend on the threads.
     cpu = ["CPUExecutionProvider"]
-    assert OnnxTranslator(out, cpu, num_threads=2, precision="int8").split_parts(64, 4) == 1
+    assert OnnxTranslator(out, cpu, num_threads=2, precision="int8").decoder.split_parts(64, 4) == 1
     told = OnnxTranslator(out, cpu, num_threads=2, precision="int8", split_batches=True)
-    assert told.split_parts(64, 4) == 2
-    assert OnnxTranslator(out, cpu, num_threads=2).split_parts(64, 4) == 2
+    assert told.decoder.split_parts(64, 4) == 2
+    assert OnnxTranslator(out, cpu, num_threads=2).decoder.split_parts(64, 4) == 2
     with pytest.raises(ValueError, match="no 'float16' graphs"):
         OnnxTranslator(out, precision="float16")

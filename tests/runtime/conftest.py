@@ -12,7 +12,7 @@ def tiny_export(tmp_path_factory):
     every engine of the same export must give the same nonsense.
     """
     import keras
-    from keras_transformer_runtime.runtime import OnnxTranslator
+    from keras_transformer_runtime import OnnxTranslator
 
     from keras_transformer.config import TransformerConfig
     from keras_transformer.data.toy import WordVocabulary, generate_toy_corpus

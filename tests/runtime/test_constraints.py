@@ -1,5 +1,5 @@
 """Terminology constraints (`keras_transformer_runtime.constraints`) on the toy decoder
-of the search tests: the rules, the batched search (`search.options_loop`) against
+of the search tests: the rules, the batched search (`search.search_loop`) against
 the one-sentence one, other options beside constraints, and the constraints file."""
 
 import json
@@ -14,7 +14,7 @@ from keras_transformer_runtime.constraints import (
     encode_constraints,
     read_constraints_file,
 )
-from keras_transformer_runtime.search import options_loop
+from keras_transformer_runtime.search import search_loop
 from keras_transformer_runtime.spec import SearchOptions, SentenceSearch
 from keras_transformer_runtime.specials import BOS_ID, EOS_ID, UNK_ID
 
@@ -27,9 +27,9 @@ def _contains(tokens, phrase):
 
 
 def _loop(limits, beam_size, constraints, alpha=0.6, **options):
-    """`options_loop` over the toy decoder: `((best tokens, best scores), step batch sizes)`."""
+    """`search_loop` over the toy decoder: `((best tokens, best scores), step batch sizes)`."""
     decoder = ToyDecoder(len(limits), beam_size)
-    found = options_loop(
+    found = search_loop(
         decoder.step,
         decoder.reorder,
         limits,
@@ -181,7 +181,7 @@ def test_constraints_with_a_prefix_n_best_and_suppressed_tokens():
     phrases = [[[7, 8]], [[4], [9, 10]], [[11]]]
     decoder = ToyDecoder(len(limits), 4)
     options = SearchOptions(beam_size=4, n_best=3, suppress_sequences=[[6]], token_scores=True)
-    found = options_loop(
+    found = search_loop(
         decoder.step,
         decoder.reorder,
         limits,

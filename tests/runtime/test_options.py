@@ -4,7 +4,7 @@ each option against the plain search on a toy model, and the errors of bad optio
 import numpy as np
 import pytest
 from keras_transformer_runtime import spec
-from keras_transformer_runtime.search import options_loop
+from keras_transformer_runtime.search import search_loop
 from keras_transformer_runtime.spec import SearchOptions, SentenceSearch
 from keras_transformer_runtime.specials import EOS_ID, UNK_ID
 
@@ -181,7 +181,7 @@ def test_the_batched_loop_gives_each_sentence_its_own_search(options, drop_finis
     prefixes = [[], [], [4], [], [], [8, 8], [], []]
     indices = [10 + i for i in range(len(limits))]  # the seeds follow these, not the batch
     decoder = ToyDecoder(len(limits), options.beam_size)
-    found = options_loop(
+    found = search_loop(
         decoder.step, decoder.reorder, limits, options, prefixes, indices, drop_finished
     )
     for s, (limit, prefix, index) in enumerate(zip(limits, prefixes, indices, strict=True)):

@@ -14,7 +14,7 @@ import threading
 import time
 
 import pytest
-from keras_transformer_runtime.runtime import OnnxTranslator
+from keras_transformer_runtime import OnnxTranslator
 from keras_transformer_runtime.spec import SearchOptions
 
 pytestmark = pytest.mark.integration

@@ -36,23 +36,3 @@ def test_the_load_benchmark_measures_every_system_and_the_soak(tiny_export, tmp_
     assert soak["requests"] > 0 and set(soak["statuses"]) == {"200"}
     assert soak["sigterm"]["exit_status"] == 0
     assert soak["sigterm"]["unanswered_after_sigterm"] == 0
-
-
-def test_the_split_benchmark_compares_the_cuts_on_identical_translations(tiny_export, tmp_path):
-    from benchmarks.split_runs import main as split_main
-
-    export, _ = tiny_export
-    source = tmp_path / "source.txt"
-    source.write_text("".join(f"ka ko li {'ka ' * (i % 7)}{i}\n" for i in range(40)))
-    out = tmp_path / "split_runs.json"
-    report = split_main(
-        ["--onnx", export, "--source", str(source), "--limit", "40", "--step-rows", "0,8"]
-        + ["--rounds", "1", "--out", str(out)]
-    )
-    assert json.loads(out.read_text()) == json.loads(json.dumps(report))
-    cells = [row["cell"] for row in report["rows"]]
-    assert len(cells) == 3 * 2 * 2  # dealt and two step_rows, 2 beams, 2 batch orders
-    assert all(row["median"] > 0 for row in report["rows"])
-    import keras_transformer_runtime.runtime as runtime
-
-    assert runtime.length_runs.__name__ == "length_runs"  # restored after the benchmark

@@ -1,4 +1,4 @@
-"""The ONNX Runtime translator (`keras_transformer_runtime.runtime.OnnxTranslator`)
+"""The ONNX Runtime translator (`keras_transformer_runtime.OnnxTranslator`)
 and its command: the same translations as Keras, its sessions and threads, its
 inputs and errors, and the distribution installed alone, without TensorFlow."""
 
@@ -16,13 +16,11 @@ pytestmark = pytest.mark.skipif(
     keras.backend.backend() != "tensorflow", reason="ONNX export converts TensorFlow graphs"
 )
 
-from keras_transformer_runtime.runtime import (  # noqa: E402
-    FORMAT_VERSION,
-    ExportFileError,
-    OnnxTranslator,
-    length_runs,
-)
-from keras_transformer_runtime.search import source_array  # noqa: E402
+from keras_transformer_runtime import ExportFileError, OnnxTranslator  # noqa: E402
+from keras_transformer_runtime.export_format import FORMAT_VERSION  # noqa: E402
+from keras_transformer_runtime.onnx_decoder import length_runs  # noqa: E402
+from keras_transformer_runtime.sources import source_array  # noqa: E402
+from keras_transformer_runtime.spec import SearchOptions  # noqa: E402
 
 from keras_transformer.decoding import beam_search, greedy_search  # noqa: E402
 from keras_transformer.translation import translate_lines  # noqa: E402
@@ -134,7 +132,7 @@ def test_search_graphs_spin_and_the_encoder_sleeps(exported):
     """The sessions of the graphs that run decoder steps let their idle worker
     threads spin and the encoder's sleep, and in float32 the greedy batch
     graph's sleep too; the float16 greedy batch graph's spin."""
-    from keras_transformer_runtime.runtime import SLEEPING_FLOAT32_GRAPHS, SPINNING_GRAPHS
+    from keras_transformer_runtime.onnx_sessions import SLEEPING_FLOAT32_GRAPHS, SPINNING_GRAPHS
 
     _, _, _, out = exported("float32")
     graphs = ("encoder", "decoder_step", "greedy_search", "greedy_batch_search", "beam_search")
@@ -143,14 +141,14 @@ def test_search_graphs_spin_and_the_encoder_sleeps(exported):
     assert set(SLEEPING_FLOAT32_GRAPHS) == {"greedy_batch_search"}
     translator = OnnxTranslator(out, providers=["CPUExecutionProvider"], num_threads=2)
     found = {
-        name: translator.session(name)
+        name: translator.decoder.session(name)
         .get_session_options()
         .get_session_config_entry("session.intra_op.allow_spinning")
         for name in graphs
     }
     assert found == {**dict.fromkeys(graphs, "1"), "encoder": "0", "greedy_batch_search": "0"}
     half = OnnxTranslator(out, providers=["CPUExecutionProvider"], precision="float16")
-    options = half.session("greedy_batch_search").get_session_options()
+    options = half.decoder.session("greedy_batch_search").get_session_options()
     assert options.get_session_config_entry("session.intra_op.allow_spinning") == "1"
     with pytest.raises(TypeError, match="spinning"):
         OnnxTranslator(out, spinning=False)
@@ -190,23 +188,30 @@ def test_a_batch_searches_as_one_part_per_thread(exported, monkeypatch, capsys):
     `test_int8_graphs_are_smaller_and_translate_no_worse_than_float32`)."""
     import threading
 
-    from keras_transformer_runtime.runtime import SPLIT_MIN_ROWS
+    from keras_transformer_runtime.onnx_decoder import SPLIT_MIN_ROWS
 
     _, tokenizer, _, out = exported("float32")
     assert SPLIT_MIN_ROWS == 8
     cpu = ["CPUExecutionProvider"]
     two = OnnxTranslator(out, providers=cpu, num_threads=2)
     four = OnnxTranslator(out, providers=cpu, num_threads=4)
-    assert [two.split_parts(n) for n in (1, 8, 15, 16, 40)] == [1, 1, 1, 2, 2]
-    assert [two.split_parts(n, beam_size=4) for n in (1, 2, 3, 4)] == [1, 1, 1, 2]
-    assert [four.split_parts(n) for n in (16, 31, 32, 64)] == [1, 1, 4, 4]  # all threads or none
+    assert [two.decoder.split_parts(n) for n in (1, 8, 15, 16, 40)] == [1, 1, 1, 2, 2]
+    assert [two.decoder.split_parts(n, beam_size=4) for n in (1, 2, 3, 4)] == [1, 1, 1, 2]
+    assert [four.decoder.split_parts(n) for n in (16, 31, 32, 64)] == [
+        1,
+        1,
+        4,
+        4,
+    ]  # all threads or none
     forced = OnnxTranslator(out, providers=cpu, num_threads=2, split_batches=True)
-    assert [forced.split_parts(n) for n in (1, 2, 3)] == [1, 2, 2]
+    assert [forced.decoder.split_parts(n) for n in (1, 2, 3)] == [1, 2, 2]
     forced_four = OnnxTranslator(out, providers=cpu, num_threads=4, split_batches=True)
-    assert [forced_four.split_parts(n) for n in (3, 4)] == [1, 4]
+    assert [forced_four.decoder.split_parts(n) for n in (3, 4)] == [1, 4]
     whole = OnnxTranslator(out, providers=cpu, num_threads=2, split_batches=False)
-    assert whole.split_parts(64, beam_size=4) == 1
-    assert OnnxTranslator(out, providers=cpu, num_threads=1).split_parts(64, beam_size=4) == 1
+    assert whole.decoder.split_parts(64, beam_size=4) == 1
+    assert (
+        OnnxTranslator(out, providers=cpu, num_threads=1).decoder.split_parts(64, beam_size=4) == 1
+    )
 
     lines = held_out_lines(19, seed=61)
     lines[4] = ""  # an empty source in one part
@@ -218,21 +223,22 @@ def test_a_batch_searches_as_one_part_per_thread(exported, monkeypatch, capsys):
         expected_tokens, expected_scores = getattr(whole, search)(sources, **kwargs)
         for translator in (two, forced):
             tokens, scores = getattr(translator, search)(sources, **kwargs)
-            assert tokens == expected_tokens, (search, translator._split)
+            assert tokens == expected_tokens, (search, translator.decoder._split)
             np.testing.assert_allclose(scores, expected_scores, rtol=0, atol=1e-5)
-        workers = two._split_workers
+        workers = two.decoder._split_workers
         assert len(workers) == 2  # made once, kept
         assert all(w.threads() == 1 and w.split_parts(64, 4) == 1 for w in workers)
+        method_name = "greedy" if beam == 1 else "beam"
         for worker in workers:
             options = worker.session("encoder").get_session_options()
             assert options.intra_op_num_threads == 1
-            method = getattr(worker, search)
+            method = getattr(worker, method_name)
 
             def record(rows, *args, _method=method, _search=search, **kw):
                 calls.append((_search, len(rows), threading.current_thread()))
                 return _method(rows, *args, **kw)
 
-            setattr(worker, search, record)
+            setattr(worker, method_name, record)
         assert getattr(two, search)(sources, **kwargs)[0] == expected_tokens
     # Each search: two parts, runs of the sentences in order of length, one on another thread.
     _, lengths = source_array(sources, whole.max_length, multiple=1)  # as the search sees them
@@ -274,12 +280,22 @@ def test_parallel_batches_translate_as_one_batch_at_a_time(exported):
         assert (
             one_thread.translate(lines, beam_size=beam, batch_size=8, parallel_batches=3) == alone
         )
-    copies = one_thread._parallel_translators(3, beam_size=3)
-    assert copies[0] is one_thread and len(copies) == 3 and one_thread._copies == copies[1:]
-    encoders = {id(t.session("encoder")) for t in copies}
+    decoder = one_thread.decoder
+    copies = decoder.parallel(3, beam_size=3)
+    assert copies[0] is decoder and len(copies) == 3 and decoder._copies == copies[1:]
+    encoders = {id(d.session("encoder")) for d in copies}
     assert len(encoders) == 3  # no session shared between two beam searches
-    assert one_thread._parallel_translators(3, beam_size=2) == copies  # kept, not made again
-    assert one_thread._parallel_translators(3, beam_size=1) == [one_thread] * 3
+    assert decoder.parallel(3, beam_size=2) == copies  # kept, not made again
+    assert decoder.parallel(3, beam_size=1) == [decoder] * 3
+    # With any option set, batches still run at once, each on its own decoder.
+    options = SearchOptions(beam_size=3, n_best=2, token_scores=True)
+    used = []
+    for copy in copies:
+        start = copy.start
+        copy.start = lambda *a, _start=start, _copy=copy: used.append(_copy) or _start(*a)
+    found = one_thread.translate_hypotheses(lines, options, batch_size=8, parallel_batches=3)
+    assert found == translator.translate_hypotheses(lines, options, batch_size=8)
+    assert len({id(d) for d in used}) >= 2
     with pytest.raises(ValueError, match="parallel_batches must be a positive integer"):
         translator.translate(lines, parallel_batches=0)
 
@@ -329,26 +345,26 @@ def test_bad_runtime_inputs_raise_clear_errors(exported):
     _, _, translator, _ = exported("float32")
     source = np.array([[5, 6, 2]], np.int32)
     with pytest.raises(ValueError, match="integer token ids"):
-        translator.encode(source.astype(np.float32))
+        translator.decoder.encode(source.astype(np.float32))
     with pytest.raises(ValueError, match="rank 2"):
-        translator.encode(source[0])
-    _, mask, cross = translator.encode(source)
-    caches = translator.empty_self_caches(1)
+        translator.decoder.encode(source[0])
+    _, mask, cross = translator.decoder.encode(source)
+    caches = translator.decoder.empty_self_caches(1)
     with pytest.raises(ValueError, match=r"token_ids must have shape \(batch, 1\)"):
-        translator.decoder_step(np.array([[1, 1]]), mask, cross, caches)
+        translator.decoder.decoder_step(np.array([[1, 1]]), mask, cross, caches)
     with pytest.raises(ValueError, match="source_mask must be a bool"):
-        translator.decoder_step(np.array([[1]]), mask.astype(np.int32), cross, caches)
+        translator.decoder.decoder_step(np.array([[1]]), mask.astype(np.int32), cross, caches)
     with pytest.raises(ValueError, match="self_key_0 must be float32"):
-        translator.decoder_step(
+        translator.decoder.decoder_step(
             np.array([[1]]), mask, cross, [c.astype(np.float64) for c in caches]
         )
     with pytest.raises(ValueError, match="cross_value_0 must have shape"):
-        translator.decoder_step(
+        translator.decoder.decoder_step(
             np.array([[1]]), mask, [cross[0], cross[1][..., :2], *cross[2:]], caches
         )
     with pytest.raises(ValueError, match="Expected 4 self-attention arrays"):
-        translator.decoder_step(np.array([[1]]), mask, cross, caches[:1])
-    log_probs, grown = translator.decoder_step(np.array([[1]]), mask, cross, caches)
+        translator.decoder.decoder_step(np.array([[1]]), mask, cross, caches[:1])
+    log_probs, grown = translator.decoder.decoder_step(np.array([[1]]), mask, cross, caches)
     assert log_probs.shape == (1, translator.vocabulary_size) and grown[0].shape[2] == 1
     with pytest.raises(ValueError, match="beam_size must be a positive integer"):
         translator.translate(["ka"], beam_size=0)

@@ -10,9 +10,9 @@ pytestmark = pytest.mark.skipif(
     keras.backend.backend() != "tensorflow", reason="ONNX export converts TensorFlow graphs"
 )
 
-from keras_transformer_runtime import runtime as runtime_module  # noqa: E402
-from keras_transformer_runtime.runtime import OnnxTranslator  # noqa: E402
-from keras_transformer_runtime.search import output_limits, prefixed_limits  # noqa: E402
+from keras_transformer_runtime import OnnxTranslator  # noqa: E402
+from keras_transformer_runtime import translator as translator_module  # noqa: E402
+from keras_transformer_runtime.sources import output_limits, prefixed_limits  # noqa: E402
 from keras_transformer_runtime.spec import SearchOptions, SentenceSearch  # noqa: E402
 
 from keras_transformer import decoding  # noqa: E402
@@ -104,7 +104,7 @@ def test_plain_options_take_the_search_graphs(toy, monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("plain options must not run the step-by-step loop")
 
-    monkeypatch.setattr(runtime_module, "options_loop", refuse)
+    monkeypatch.setattr(translator_module, "search_loop", refuse)
     for options, tokens in zip(
         (SearchOptions(beam_size=3), SearchOptions(beam_size=1)), expected, strict=True
     ):

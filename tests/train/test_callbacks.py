@@ -6,7 +6,7 @@ import numpy as np
 
 from keras_transformer.config import TransformerConfig
 from keras_transformer.model import build_transformer
-from keras_transformer.train.callbacks import _RunRecorder, fit_verbosity
+from keras_transformer.train.callbacks import RunRecorder, fit_verbosity
 
 
 def test_recorder_keeps_last_and_best_checkpoints_and_stops_on_patience(tmp_path):
@@ -14,7 +14,7 @@ def test_recorder_keeps_last_and_best_checkpoints_and_stops_on_patience(tmp_path
     model = build_transformer(TransformerConfig.from_preset("tiny", vocabulary_size=40))
     model.compile(optimizer="sgd", loss="mse")
     history = []
-    recorder = _RunRecorder(str(tmp_path), history, keep=2, select_by="loss", patience=3)
+    recorder = RunRecorder(str(tmp_path), history, keep=2, select_by="loss", patience=3)
     recorder.set_model(model)
     losses = [5.0, 2.0, 1.5, 3.0, 2.5, 1.6]
     stopped = []

@@ -8,7 +8,7 @@ import pytest
 from keras_transformer.train.run_dir import (
     RunDirectoryError,
     _check_run_directory,
-    _open_run,
+    open_run,
     stream_seed,
 )
 from keras_transformer.train.settings import RESUMABLE_FIELDS, TrainSettings
@@ -29,7 +29,7 @@ def test_a_new_directory_is_opened_and_the_same_settings_resume_it(settings, tmp
     assert _check_run_directory(str(out), settings) is False  # missing: new
     out.mkdir()
     assert _check_run_directory(str(out), settings) is False  # empty: new
-    run = _open_run(settings, str(out), verbose=0, strategy=None)
+    run = open_run(settings, str(out), verbose=0, strategy=None)
     assert (run.resume, run.chief, run.replicas) == (False, True, 1)
     written = json.loads((out / "train_config.json").read_text())
     assert set(written) == {f for f in vars(settings)}  # identity and resumable fields
@@ -42,7 +42,7 @@ def test_a_new_directory_is_opened_and_the_same_settings_resume_it(settings, tmp
 
 def test_another_runs_or_a_foreign_directory_is_refused(settings, tmp_path):
     out = tmp_path / "run"
-    _open_run(settings, str(out), verbose=0, strategy=None)
+    open_run(settings, str(out), verbose=0, strategy=None)
     settings.label_smoothing = 0.2
     with pytest.raises(RunDirectoryError, match="label_smoothing: 0.1 there, 0.2 now"):
         _check_run_directory(str(out), settings)
@@ -57,7 +57,7 @@ def test_another_runs_or_a_foreign_directory_is_refused(settings, tmp_path):
 
 def test_a_setting_added_since_a_run_was_written_counts_as_its_default(settings, tmp_path):
     out = tmp_path / "run"
-    _open_run(settings, str(out), verbose=0, strategy=None)
+    open_run(settings, str(out), verbose=0, strategy=None)
     written = json.loads((out / "train_config.json").read_text())
     del written["rdrop_alpha"]
     written["a_setting_since_removed"] = 3

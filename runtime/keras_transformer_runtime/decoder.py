@@ -1,0 +1,82 @@
+"""The decoder interface: what a model must offer for `translator.Translator` to search it.
+
+Two implementations: `onnx_decoder.OnnxDecoder` (ONNX Runtime, this
+package) and `keras_transformer.keras_decoder.KerasDecoder` (the Keras
+layers). Everything above it, search, n-best lists, prefixes,
+constraints, forced scoring, alignment and text batching, is written once,
+in `translator.Translator`, for both.
+
+Conventions: token ids of `specials` (padding 0, BOS 1, EOS 2); `source` is
+an int32 `(sentences, source_len)` array padded with 0 (`sources.source_array`
+with `source_multiple`); `limits` are per-sentence maximum output lengths
+(EOS included; 0 for an empty source); `target_inputs` are BOS + target rows
+padded with 0 (`sources.teacher_inputs`).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+
+
+class DecoderState(Protocol):
+    """The running state of one batch search: `rows` hypotheses per sentence.
+
+    Row `p * rows + j` is hypothesis j of sentence p.
+
+    Attributes:
+        drops_finished: whether `reorder` takes fewer rows than the state
+            holds (the rows of sentences still searched), so that the step
+            shrinks as sentences finish (`search.search_loop`).
+    """
+
+    drops_finished: bool
+
+    def step(self, last: np.ndarray, t: int) -> np.ndarray:
+        """Runs the decoder on `last`, the int32 newest token of every row (BOS at `t`
+        0), and returns the next-token log-probabilities, `(rows, vocabulary)`."""
+
+    def reorder(self, rows: np.ndarray) -> None:
+        """Row i of the state becomes row `rows[i]` of the previous state (its cache)."""
+
+
+class Decoder(Protocol):
+    """A model seen as an encoder, a cached decoder step and a teacher-forced pass.
+
+    Attributes:
+        max_length: the positions the model trained on (longer sources are
+            taken whole; the searches' default output limits derive from it).
+        vocabulary_size: the target vocabulary's size.
+        source_multiple: the source width is padded to a multiple of this
+            (8 for a compiled decoder, so that few shapes are compiled; 1
+            where any shape costs nothing).
+    """
+
+    max_length: int
+    vocabulary_size: int
+    source_multiple: int
+
+    def start(self, source: np.ndarray, rows: int, steps: int) -> DecoderState:
+        """Encodes `source` and returns a state of `rows` hypotheses per sentence, for
+        a search of at most `steps` steps."""
+
+    def greedy(self, source: np.ndarray, limits: np.ndarray, banned: list) -> tuple | None:
+        """Plain greedy search on a graph-resident fast path: `(tokens, scores)` as
+        `spec.greedy` gives them, `banned` ids never generated; or None where the
+        decoder has no such path (the translator then runs `search.search_loop`)."""
+
+    def beam(
+        self, source: np.ndarray, limits: np.ndarray, beam_size: int, length_penalty: float
+    ) -> tuple | None:
+        """Plain beam search on a fast path: `(tokens, scores)` as `spec.beam`; or None."""
+
+    def forced_log_probs(self, source: np.ndarray, target_inputs: np.ndarray) -> np.ndarray:
+        """Teacher-forced next-token log-probabilities, float64 `(batch, width, vocabulary)`."""
+
+    def alignment_weights(self, source: np.ndarray, target_inputs: np.ndarray) -> np.ndarray:
+        """The cross-attention of `spec.alignment_layer`, averaged over heads,
+        teacher-forced: `(batch, width, source_len)`; row i predicts token i."""
+
+    def parallel(self, count: int, beam_size: int) -> list:
+        """`count` decoders for as many searches at once (this one may repeat)."""

@@ -1,0 +1,477 @@
+"""The ONNX Runtime decoder: an export's graphs behind the `decoder.Decoder` interface.
+
+`OnnxDecoder` runs `encoder.onnx` and the cached `decoder_step.onnx` for
+`search.search_loop`, the exported search graphs (`greedy_search`,
+`greedy_batch_search`, `beam_search`, `beam_batch_search`) as its fast
+paths for plain options, and `model.onnx` for forced scores and alignments.
+On a CPU with several threads it searches a large batch as one part per
+thread, the parts at once (`split_batches`).
+
+Importing this module imports neither TensorFlow nor Keras.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from keras_transformer_runtime.export_format import (
+    MANIFEST,
+    ExportFileError,
+    check_weights,
+    read_manifest,
+)
+from keras_transformer_runtime.onnx_sessions import (
+    CPU,
+    available_cores,
+    default_providers,
+    load_tokenizer,
+    make_session,
+    spins,
+)
+from keras_transformer_runtime.spec import banned_ids
+from keras_transformer_runtime.specials import EOS_ID, PAD_ID
+
+# Greedy batches of at most this many sentences run as one call of the
+# greedy_search graph (which computes a finished sentence's row to the end);
+# larger ones as one call of greedy_batch_search, whose loop drops each
+# sentence when it ends (docs/performance.md, "Runtime choices").
+GRAPH_LOOP_MAX_SENTENCES = 4
+# The same for beam search: beam_search up to this many sentences, beam_batch_search above.
+BEAM_GRAPH_MAX_SENTENCES = 4
+# A search on N > 1 CPU threads runs as N searches of part of the batch at
+# once, one thread each, when every part holds at least this many decoder
+# rows (sentences x beam): a step's operators are too small to share
+# threads well (docs/performance.md, "Runtime choices").
+SPLIT_MIN_ROWS = 8
+# A part's time is estimated as (rows + this) x its longest source: the
+# rows' work plus the fixed cost of every step's operators, in rows.
+SPLIT_STEP_ROWS = 8
+
+
+def length_runs(lengths, parts, step_rows=SPLIT_STEP_ROWS):
+    """Indices of `lengths` cut into `parts` runs in order of length (shortest first), each
+    non-empty, that make the longest estimated part time, `(rows + step_rows) x longest
+    length`, as short as it can be.
+
+    Against dealing the sentences out in turn (every part then runs as long as
+    the longest sentence of the whole batch), a part of short sentences takes
+    more of them and ends with the part of long ones: the padding of a batch
+    of mixed lengths is not computed.
+    """
+    lengths = np.asarray(lengths)
+    order = np.argsort(lengths, kind="stable")
+    ordered = np.maximum(lengths[order], 1).astype(np.float64)
+    count = len(order)
+    parts = max(1, min(parts, count))
+
+    def cuts_within(limit):
+        """Ends of the runs, made greedily from the shortest, none over `limit`; or None."""
+        ends, start = [], 0
+        while start < count:
+            end = start + 1
+            if (1 + step_rows) * ordered[start] > limit:
+                return None
+            while end < count and (end + 1 - start + step_rows) * ordered[end] <= limit:
+                end += 1
+            ends.append(end)
+            start = end
+        return ends if len(ends) <= parts else None
+
+    low, high = 0.0, (count + step_rows) * ordered[-1]
+    for _ in range(50):  # bisection on the longest part time
+        middle = (low + high) / 2
+        if cuts_within(middle) is None:
+            low = middle
+        else:
+            high = middle
+    ends = cuts_within(high)
+    # Fewer runs than parts: split the largest runs so that every part has work.
+    runs = [order[a:b] for a, b in zip([0, *ends[:-1]], ends, strict=True)]
+    while len(runs) < parts:
+        largest = max(range(len(runs)), key=lambda i: len(runs[i]))
+        run = runs.pop(largest)
+        runs[largest:largest] = [run[: len(run) // 2], run[len(run) // 2 :]]
+    return runs
+
+
+def check_ids(name, array, rank=2):
+    """`array` as int32, refused with a message naming `name` unless integer of `rank`."""
+    array = np.asarray(array)
+    if array.ndim != rank:
+        raise ValueError(f"{name} must have rank {rank}. Received shape {array.shape}")
+    if not np.issubdtype(array.dtype, np.integer):
+        raise ValueError(f"{name} must hold integer token ids. Received dtype {array.dtype}")
+    return array.astype(np.int32, copy=False)
+
+
+class OnnxDecoder:
+    """An ONNX export folder's graphs as a `decoder.Decoder`.
+
+    Args:
+        onnx_dir: the export folder (`manifest.json`, the `.onnx` graphs and
+            `spm.model` or `vocab.txt`).
+        providers: ONNX Runtime execution providers; default CUDA when usable,
+            otherwise CPU. `self.provider` says which one runs.
+        num_threads: intra-op threads (default: ONNX Runtime's choice).
+        precision: "float32", or "float16" / "int8" for graphs exported with it.
+        split_batches: on the CPU with more than one thread (`num_threads`,
+            or every core the process may use), search a batch as one part
+            per thread, the parts at once, each on one thread of sessions of
+            its own (those hold the weights once per thread). None (the
+            default): float32 and float16 graphs, where each part has at
+            least `SPLIT_MIN_ROWS` rows (int8 graphs quantize a step's
+            activations with one scale per batch, so a part's translations
+            could differ from the whole batch's); True: any batch of at
+            least one sentence per thread; False: never.
+
+    The export must be of `export_format.FORMAT_VERSION`; any other raises
+    `ExportFileError`, which says to re-export.
+    """
+
+    source_multiple = 1  # ONNX Runtime takes any source length at no cost
+
+    def __init__(
+        self, onnx_dir, providers=None, num_threads=None, precision="float32", split_batches=None
+    ):
+        self.onnx_dir = os.fspath(onnx_dir)
+        self.manifest = read_manifest(self.onnx_dir)
+        config, precisions = self.manifest["config"], self.manifest["precisions"]
+        if precision not in precisions:
+            raise ValueError(
+                f"This export has no {precision!r} graphs (it has {', '.join(precisions)})."
+            )
+        self.precision = precision
+        check_weights(self.manifest, self.onnx_dir, precision)
+        try:
+            self.num_layers = int(config["num_layers"])
+            self.num_heads = int(config["num_heads"])
+            self.head_dim = int(config["hidden_dim"]) // self.num_heads
+            self.max_length = int(config["max_length"])
+            self.vocabulary_size = int(config["vocabulary_size"])
+            self._graph_files = {
+                name: entry[precision] for name, entry in self.manifest["graphs"].items()
+            }
+        except (KeyError, TypeError, ValueError, AttributeError) as error:
+            raise ExportFileError(
+                f"{os.path.join(self.onnx_dir, MANIFEST)} is not a valid export manifest: "
+                f"{error!r} is missing or malformed."
+            ) from error
+        tokenizer = self.manifest.get("tokenizer")
+        self.tokenizer = (
+            load_tokenizer(os.path.join(self.onnx_dir, tokenizer)) if tokenizer else None
+        )
+        self._providers = list(providers) if providers is not None else default_providers()
+        self._num_threads = num_threads
+        self._sessions = {}
+        self._copies = []  # the decoders of parallel beam searches (`parallel`)
+        self._split = None if split_batches is None else bool(split_batches)
+        self._split_workers = []  # one one-thread decoder per part of a split search
+        self._split_pool = None  # runs the parts after the first
+        self._split_lock = threading.Lock()
+        self._self_names = self.cache_names("self")
+        self._new_self_names = ["new_" + name for name in self._self_names]
+        self.encoder_session = self.session("encoder")
+        self.step_session = self.session("decoder_step")
+        self.provider = self.step_session.get_providers()[0]
+
+    def session(self, name):
+        """The ONNX Runtime session of graph `name` ("encoder", "decoder_step", "model", ...)."""
+        if name not in self._sessions:
+            if name not in self._graph_files:
+                raise ExportFileError(f"{MANIFEST} in {self.onnx_dir} lists no {name!r} graph.")
+            path = os.path.join(self.onnx_dir, self._graph_files[name])
+            spinning = spins(name, self.precision)
+            self._sessions[name] = make_session(path, self._providers, self._num_threads, spinning)
+        return self._sessions[name]
+
+    def _copy(self, **changes):
+        """A decoder of the same export and settings (but `changes`), with sessions of its own."""
+        settings = {
+            "providers": self._providers,
+            "num_threads": self._num_threads,
+            "precision": self.precision,
+            "split_batches": self._split,
+        }
+        return OnnxDecoder(self.onnx_dir, **{**settings, **changes})
+
+    def parallel(self, count, beam_size):
+        """The decoders of `count` searches run at once.
+
+        Beam searches get one each: this one and `count - 1` copies (made
+        once, then kept), each with sessions of its own, on which parallel
+        beam searches of one sentence ran faster than on shared ones
+        (docs/performance.md, "Runtime choices"). Greedy searches share this
+        one's sessions: no gain showed for them, and each copy holds the
+        weights again.
+        """
+        if beam_size == 1:
+            return [self] * count
+        while len(self._copies) < count - 1:
+            self._copies.append(self._copy())
+        return [self, *self._copies[: count - 1]]
+
+    def threads(self):
+        """The intra-op threads of a search: `num_threads`, or the cores this process may use."""
+        return int(self._num_threads) if self._num_threads is not None else available_cores()
+
+    def split_parts(self, sentences, beam_size=1):
+        """Into how many parts a search of `sentences` runs (1: whole; see `split_batches`)."""
+        parts = self.threads()
+        if self._split is False or self.provider != CPU or parts < 2 or sentences < parts:
+            return 1
+        if self._split is None and (
+            self.precision == "int8" or sentences * beam_size < parts * SPLIT_MIN_ROWS
+        ):
+            return 1
+        return parts
+
+    def _split_search(self, source, limits, parts, search):
+        """`search(decoder, source, limits)` on `parts` parts of the batch at once, in order.
+
+        The parts are runs of the sentences in order of length, sized so that
+        they end together (`length_runs`), each on a one-thread decoder.
+        """
+        with self._split_lock:
+            while len(self._split_workers) < parts:
+                self._split_workers.append(self._copy(num_threads=1, split_batches=False))
+            if self._split_pool is None:
+                self._split_pool = ThreadPoolExecutor(parts - 1, "split-search")
+            workers, pool = self._split_workers[:parts], self._split_pool
+        groups = length_runs((source != PAD_ID).sum(1), parts)
+        # The first part runs on this thread; the pool's threads only search.
+        futures = [
+            pool.submit(search, worker, source[group], limits[group])
+            for worker, group in zip(workers[1:], groups[1:], strict=True)
+        ]
+        results = [search(workers[0], source[groups[0]], limits[groups[0]])]
+        results += [future.result() for future in futures]
+        tokens = [None] * len(source)
+        scores = np.zeros(len(source), np.float64)
+        for group, (part_tokens, part_scores) in zip(groups, results, strict=True):
+            for row, output, score in zip(group, part_tokens, part_scores, strict=True):
+                tokens[row], scores[row] = output, score
+        return tokens, scores
+
+    # ----------------------------------------------------------------------- graphs
+
+    def encode(self, source_ids):
+        """Runs `encoder.onnx`: returns `(encoder_output, source_mask, cross_caches)`.
+
+        `cross_caches` is `[cross_key_0, cross_value_0, cross_key_1, ...]`,
+        each `(batch, heads, source_len, head_dim)`.
+        """
+        source_ids = check_ids("source_ids", source_ids)
+        encoded, mask, *cross = self.encoder_session.run(None, {"source_ids": source_ids})
+        return encoded, mask, cross
+
+    def cache_names(self, kind):
+        """`[kind_key_0, kind_value_0, kind_key_1, ...]` for kind "cross" or "self"."""
+        return [f"{kind}_{part}_{i}" for i in range(self.num_layers) for part in ("key", "value")]
+
+    def empty_self_caches(self, batch_size):
+        """The self-attention keys and values before the first step (length 0)."""
+        shape = (batch_size, self.num_heads, 0, self.head_dim)
+        return [np.zeros(shape, np.float32) for _ in range(2 * self.num_layers)]
+
+    def decoder_step(self, token_ids, source_mask, cross_caches, self_caches):
+        """Runs `decoder_step.onnx` for one new token per sequence.
+
+        Args:
+            token_ids: int `(batch, 1)`, the newest token of each sequence.
+            source_mask: bool `(sentences, source_len)` from `encode`.
+            cross_caches: the cross keys and values from `encode`.
+                `batch` may be a multiple of `sentences`: rows `s * G` to
+                `s * G + G - 1` (G = batch / sentences, e.g. the beams of
+                sentence s) all read sentence s.
+            self_caches: `[self_key_0, self_value_0, ...]`, float32 `(batch,
+                heads, t, head_dim)`; `empty_self_caches(batch)` at the first step.
+
+        Returns:
+            `(log_probs (batch, vocabulary), new_self_caches)` with caches one longer.
+        """
+        token_ids = check_ids("token_ids", token_ids)
+        if token_ids.shape[1] != 1:
+            raise ValueError(f"token_ids must have shape (batch, 1). Received {token_ids.shape}")
+        source_mask = np.asarray(source_mask)
+        if source_mask.ndim != 2 or source_mask.dtype != np.bool_:
+            raise ValueError(
+                "source_mask must be a bool (batch, source_len) array. Received "
+                f"{source_mask.dtype} {source_mask.shape}"
+            )
+        rows, sentences = len(token_ids), len(source_mask)
+        if sentences == 0 or rows % sentences:
+            raise ValueError(
+                f"token_ids has {rows} rows, not a multiple of the {sentences} sentences "
+                "of source_mask (the rows of a sentence, e.g. its beams, are consecutive)."
+            )
+        feeds = {"token_ids": token_ids, "source_mask": source_mask}
+        for kind, caches in (("cross", cross_caches), ("self", self_caches)):
+            names = self.cache_names(kind)
+            if len(caches) != len(names):
+                raise ValueError(
+                    f"Expected {len(names)} {kind}-attention arrays ({', '.join(names[:2])}, "
+                    f"... one key and one value per layer). Received {len(caches)}"
+                )
+            for name, cache in zip(names, caches, strict=True):
+                cache = np.asarray(cache)
+                batch, length = (
+                    (sentences, source_mask.shape[1]) if kind == "cross" else (rows, None)
+                )
+                expected = (batch, self.num_heads, length, self.head_dim)
+                if cache.ndim != 4 or any(
+                    e is not None and e != got for e, got in zip(expected, cache.shape, strict=True)
+                ):
+                    raise ValueError(
+                        f"{name} must have shape ({'sentences' if kind == 'cross' else 'batch'}"
+                        f"={batch}, heads={self.num_heads}, "
+                        f"length, head_dim={self.head_dim}). Received {cache.shape}"
+                    )
+                if cache.dtype != np.float32:
+                    raise ValueError(f"{name} must be float32. Received dtype {cache.dtype}")
+                feeds[name] = cache
+        return self.run_log_probs(feeds)
+
+    def run_log_probs(self, feeds):
+        """The step's whole `log_probs` and new self caches, for complete `feeds`."""
+        feeds["top_k"] = np.array([1], np.int64)  # the selection is not read
+        log_probs, *new_caches = self.step_session.run(["log_probs", *self._new_self_names], feeds)
+        return log_probs, new_caches
+
+    def search_feeds(self, mask, cross_caches):
+        """The per-sentence feeds of the step and search graphs: the mask, the cross caches."""
+        feeds = {"source_mask": mask}
+        feeds.update(zip(self.cache_names("cross"), cross_caches, strict=True))
+        return feeds
+
+    def logits(self, source_ids, target_ids):
+        """Teacher-forced logits from `model.onnx` (for parity checks)."""
+        feeds = {
+            "source_ids": check_ids("source_ids", source_ids),
+            "target_ids": check_ids("target_ids", target_ids),
+        }
+        return self.session("model").run(None, feeds)[0]
+
+    # ----------------------------------------------------------------------- the interface
+
+    def start(self, source, rows, steps):
+        """Encodes `source` once per sentence; a state of `rows` hypotheses per sentence
+        (its caches grow step by step: `steps` is not needed)."""
+        return _OnnxState(self, source, rows)
+
+    def greedy(self, source, limits, banned):
+        """Greedy search as one call of a search graph (`greedy_search` for up to
+        `GRAPH_LOOP_MAX_SENTENCES` sentences, `greedy_batch_search` above); None for
+        other `banned` ids than the plain search's (the graphs ban those)."""
+        if list(banned) != banned_ids():
+            return None
+        parts = self.split_parts(len(source))
+        if parts > 1:
+            return self._split_search(
+                source, limits, parts, lambda worker, part, lims: worker.greedy(part, lims, banned)
+            )
+        graph = (
+            "greedy_search" if len(source) <= GRAPH_LOOP_MAX_SENTENCES else "greedy_batch_search"
+        )
+        return self.run_greedy_graph(source, limits, graph)
+
+    def run_greedy_graph(self, source, limits, graph="greedy_search"):
+        """Greedy search as one call of the search graph `graph`: `(tokens, scores)`."""
+        _, mask, cross = self.encode(source)
+        feeds = self.search_feeds(mask, cross)
+        feeds["limits"] = np.asarray(limits, np.int64)
+        tokens, step_scores = self.session(graph).run(None, feeds)
+        # A sentence's output stops at its first EOS (ended) or -1 (done before).
+        stops = (tokens == EOS_ID) | (tokens < 0)
+        lengths = np.where(stops.any(0), stops.argmax(0), len(tokens))
+        scores = np.zeros(len(limits), np.float64)
+        for row in step_scores:  # summed step by step in float64, as the specification does
+            scores += row.astype(np.float64)
+        return [tokens[: lengths[i], i].tolist() for i in range(len(limits))], scores
+
+    def _beam_graph(self, sentences, beam_size):
+        """The beam graph that searches `sentences` at `beam_size`, or None.
+
+        A graph selects block by block, so it takes `2 * beam_size` up to its
+        number of blocks (the manifest's `max_top_k`); wider beams run the loop.
+        """
+        if 2 * beam_size > self.vocabulary_size:
+            return None
+        names = ["beam_batch_search"]
+        if sentences <= BEAM_GRAPH_MAX_SENTENCES:
+            names.insert(0, "beam_search")
+        for name in names:
+            entry = self.manifest["graphs"].get(name, {})
+            if name in self._graph_files and 2 * beam_size <= entry.get(
+                "max_top_k", self.vocabulary_size
+            ):
+                return name
+        return None
+
+    def beam(self, source, limits, beam_size, length_penalty):
+        """Beam search as one call of a search graph; None where no graph takes the beam."""
+        if self._beam_graph(len(source), beam_size) is None:
+            return None
+        parts = self.split_parts(len(source), beam_size)
+        if parts > 1:
+            return self._split_search(
+                source,
+                limits,
+                parts,
+                lambda worker, part, lims: worker.beam(part, lims, beam_size, length_penalty),
+            )
+        graph = self._beam_graph(len(source), beam_size)
+        return self.run_beam_graph(source, limits, beam_size, length_penalty, graph)
+
+    def run_beam_graph(self, source, limits, beam_size, length_penalty, graph="beam_search"):
+        """Beam search as one call of the search graph `graph`: `(tokens, scores)`.
+
+        Each sentence is encoded once; the graph gives its beams its row.
+        """
+        _, mask, cross = self.encode(source)
+        feeds = self.search_feeds(mask, cross)
+        feeds["limits"] = np.asarray(limits, np.int64)
+        feeds["beam_size"] = np.array(beam_size, np.int64)
+        feeds["length_penalty"] = np.array(length_penalty, np.float64)
+        tokens, lengths, scores = self.session(graph).run(None, feeds)
+        return [tokens[i, : lengths[i]].tolist() for i in range(len(limits))], scores
+
+    def forced_log_probs(self, source, target_inputs):
+        """`model.onnx`'s logits as float64 log-probabilities."""
+        logits = self.logits(source, target_inputs).astype(np.float64)
+        top = logits.max(-1, keepdims=True)
+        return logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
+
+    def alignment_weights(self, source, target_inputs):
+        """`model.onnx`'s `alignment_weights` (the export averages the heads)."""
+        feeds = {"source_ids": source, "target_ids": target_inputs}
+        (weights,) = self.session("model").run(["alignment_weights"], feeds)
+        return weights
+
+
+class _OnnxState:
+    """`search.search_loop`'s state on `decoder_step.onnx`: the cross caches once per
+    sentence, the self caches per row; finished sentences leave (`drops_finished`)."""
+
+    drops_finished = True
+
+    def __init__(self, decoder, source, rows):
+        _, mask, cross = decoder.encode(source)
+        self.decoder, self.rows = decoder, rows
+        self.feeds = decoder.search_feeds(mask, cross)
+        self.caches = decoder.empty_self_caches(len(mask) * rows)
+
+    def step(self, last, t):
+        feeds = dict(self.feeds, token_ids=last[:, None].copy())
+        feeds.update(zip(self.decoder.cache_names("self"), self.caches, strict=True))
+        log_probs, self.caches = self.decoder.run_log_probs(feeds)
+        return log_probs
+
+    def reorder(self, rows):
+        self.caches = [cache[rows] for cache in self.caches]
+        kept = rows[:: self.rows] // self.rows  # each sentence's first row names it
+        if len(kept) != len(self.feeds["source_mask"]):
+            self.feeds = {name: value[kept] for name, value in self.feeds.items()}

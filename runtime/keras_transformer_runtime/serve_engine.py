@@ -1,0 +1,76 @@
+"""The server's model: one translator per worker, the tokenizer, and the search of a batch."""
+
+from __future__ import annotations
+
+from keras_transformer_runtime.constraints import word_continuations
+from keras_transformer_runtime.export_format import ExportFileError
+from keras_transformer_runtime.onnx_translator import OnnxTranslator
+from keras_transformer_runtime.search import hypothesis_records
+from keras_transformer_runtime.spec import SearchOptions
+from keras_transformer_runtime.specials import EOS_ID
+from keras_transformer_runtime.text_batches import text_source
+
+
+class Engine:
+    """The translators of the workers, and the tokenizer; `run_batch` searches one batch.
+
+    Args:
+        onnx_dir, precision, providers: as for `OnnxTranslator`.
+        workers: translators (each with its own sessions), one per worker.
+        threads: intra-op threads of each.
+    """
+
+    def __init__(self, onnx_dir, workers, threads, precision="float32", providers=None):
+        self.translators = [
+            OnnxTranslator(onnx_dir, providers=providers, num_threads=threads, precision=precision)
+            for _ in range(workers)
+        ]
+        first = self.translators[0]
+        if first.tokenizer is None:
+            raise ExportFileError(f"The export in {onnx_dir} has no tokenizer file.")
+        self.tokenizer = first.tokenizer
+        self.max_length = first.max_length
+        self.continuations = word_continuations(self.tokenizer)  # for constraints
+        self.vocabulary_size = first.vocabulary_size
+        self.provider = first.provider
+
+    def encode(self, text, max_input_length=None):
+        """Token ids of `text` with EOS (none for an empty or whitespace-only text), and
+        whether they were cut to `max_input_length`."""
+        ids, length = text_source(text, self.tokenizer.encode, max_input_length)
+        return ids, length > len(ids)
+
+    def run_batch(self, worker, options, sentences):
+        """Searches `sentences` (`(source ids, prefix ids, index in its request,
+        constraints)` each) under
+        `options` on worker `worker`'s translator: per sentence its hypothesis records
+        (`search.hypothesis_records`), best first."""
+        translator = self.translators[worker]
+        sources, prefixes, indices, constraints = (
+            list(column) for column in zip(*sentences, strict=True)
+        )
+        found = translator.search(
+            sources,
+            options,
+            prefixes if any(prefixes) else None,
+            indices,
+            constraints if any(map(len, constraints)) else None,
+        )
+        decode = translator.tokenizer.decode
+        return [hypothesis_records(hypotheses, decode) for hypotheses in found]
+
+    def empty_result(self, options):
+        """What a search of an empty source gives (no model call)."""
+        return hypothesis_records(
+            self.translators[0].search([[]], options)[0], self.tokenizer.decode
+        )
+
+    def warm_up(self, batch_sentences):
+        """Loads every search graph's session and the split search's copies before serving."""
+        source = self.encode("a a a")[0] or [EOS_ID]
+        sentences = [(source, [], i, []) for i in range(max(batch_sentences, 1))]
+        for worker in range(len(self.translators)):
+            for beam_size in (1, SearchOptions().beam_size):
+                options = SearchOptions(beam_size=beam_size, max_length=2)
+                self.run_batch(worker, options, sentences)
+                self.run_batch(worker, options, sentences[:1])
