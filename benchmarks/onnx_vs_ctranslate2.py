@@ -212,7 +212,7 @@ def run(args):
                 scores = score_translations(outputs[name], references)
                 entry.update({k: scores[k] for k in ("bleu", "bleu_lowercase", "chrf")})
             if name.startswith("ort"):  # the searches a full batch runs as
-                entry["split_parts"] = systems[name].split_parts(batch, beam)
+                entry["split_parts"] = systems[name].decoder.split_parts(batch, beam)
             cell["systems"][name] = entry
         for name, peer in PEER.items():
             ours, theirs = cell["systems"][name], cell["systems"][peer]
@@ -238,7 +238,7 @@ def run(args):
 
 def run_options(args):
     """The cost of each of `args.options` beside the plain search, for every system."""
-    from keras_transformer_runtime.spec import SearchOptions
+    from keras_transformer_runtime.options import SearchOptions
 
     from benchmarks.machine import write_report
 

@@ -10,11 +10,10 @@ import sys
 
 from keras_transformer_runtime.search_flags import (
     add_search_flags,
-    is_plain_run,
+    command_output,
     options_from_args,
     read_constraints,
     read_lines_file,
-    run_and_write,
 )
 from keras_transformer_runtime.text import read_input_lines, warn
 
@@ -116,49 +115,18 @@ def _load(run_dir):
 
 
 def _translate(args):
-    from keras_transformer.translation import score_lines, translate_hypotheses, translate_lines
+    from keras_transformer.decoding import translator
 
     beam = _beam_size(args)
-    length_penalty = _length_penalty(args)
+    _length_penalty(args)  # refused before the model loads
     model, tokenizer = _load(args.run_dir)
     lines = read_input_lines(sys.stdin, warn)
     options = options_from_args(args, tokenizer, beam_size=beam)
     progress = not sys.stdin.isatty() and len(lines) > args.batch_size
     try:
-        if is_plain_run(args, options):
-            outputs = translate_lines(
-                model,
-                tokenizer,
-                lines,
-                beam_size=beam,
-                length_penalty=length_penalty,
-                max_length=args.max_length,
-                batch_size=args.batch_size,
-                progress=progress,
-                warn=warn,
-            )
-            sys.stdout.write("".join(line + "\n" for line in outputs))
-        else:
-            run_and_write(
-                args,
-                lines,
-                options,
-                lambda texts, options, prefixes, constraints: translate_hypotheses(
-                    model,
-                    tokenizer,
-                    texts,
-                    options,
-                    prefixes,
-                    args.batch_size,
-                    progress,
-                    warn,
-                    constraints,
-                ),
-                lambda texts, targets: score_lines(
-                    model, tokenizer, texts, targets, args.batch_size, progress, warn
-                ),
-                sys.stdout.write,
-            )
+        sys.stdout.write(
+            command_output(args, lines, options, translator(model, tokenizer), progress, warn)
+        )
     except ValueError as error:
         raise SystemExit(f"error: {error}") from None
     sys.stdout.flush()
@@ -188,13 +156,13 @@ def _plot(args, model, tokenizer, lines, beam):
 
 
 def _evaluate(args):
+    from keras_transformer.data.pipeline import DataError, read_parallel
+    from keras_transformer.decoding import translator
     from keras_transformer.evaluation import score_translations
     from keras_transformer.io_utils import atomic_write_json, atomic_write_text
-    from keras_transformer.translation import translate_hypotheses, translate_lines
 
     beam = _beam_size(args)
     length_penalty = _length_penalty(args)
-    from keras_transformer.data.pipeline import DataError, read_parallel
 
     try:
         sources, references = read_parallel(args.src, args.ref)
@@ -202,36 +170,15 @@ def _evaluate(args):
         raise SystemExit(f"error: {error}") from None
     model, tokenizer = _load(args.run_dir)
     options = options_from_args(args, tokenizer, beam_size=beam)
-    if is_plain_run(args, options):
-        hypotheses = translate_lines(
-            model,
-            tokenizer,
-            sources,
-            beam_size=beam,
-            length_penalty=length_penalty,
-            max_length=args.max_length,
-            batch_size=args.batch_size,
-            progress=True,
-            warn=warn,
+    prefixes = read_lines_file(args.prefix, len(sources), "--prefix") if args.prefix else None
+    constraints = read_constraints(args.constraints, len(sources)) if args.constraints else None
+    try:
+        found = translator(model, tokenizer).translate_hypotheses(
+            sources, options, prefixes, args.batch_size, True, warn, constraints
         )
-    else:
-        prefixes = read_lines_file(args.prefix, len(sources), "--prefix") if args.prefix else None
-        constraints = read_constraints(args.constraints, len(sources)) if args.constraints else None
-        try:
-            found = translate_hypotheses(
-                model,
-                tokenizer,
-                sources,
-                options,
-                prefixes,
-                args.batch_size,
-                True,
-                warn,
-                constraints,
-            )
-        except ValueError as error:
-            raise SystemExit(f"error: {error}") from None
-        hypotheses = [h[0]["text"] for h in found]
+    except ValueError as error:
+        raise SystemExit(f"error: {error}") from None
+    hypotheses = [h[0]["text"] for h in found]
     name = os.path.basename(args.src).removesuffix(".gz")
     output = args.output or os.path.join(args.run_dir, f"{name}.hyp")
     atomic_write_text(output, "".join(h + "\n" for h in hypotheses))

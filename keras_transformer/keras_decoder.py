@@ -88,7 +88,7 @@ class CompiledSteps:
         `spec.greedy` (the graph-resident fast path; the tests check it against them).
 
         Returns the generated ids `(batch, steps)` (EOS included, zeros after
-        it) and the summed log-probabilities `(batch,)`.
+        it) and their log-probabilities `(batch, steps)` (zeros after EOS).
         """
         batch = ops.shape(source_mask)[0]
         steps = self_caches[0].shape[2]
@@ -101,7 +101,7 @@ class CompiledSteps:
             next_ids = ops.cast(ops.argmax(log_probs + banned, axis=-1), "int32")  # (B,)
             picked = ops.take_along_axis(log_probs, next_ids[:, None], axis=-1)[:, 0]
             live = ops.logical_not(done)
-            scores = scores + ops.where(live, picked, 0.0)
+            scores = ops.slice_update(scores, (0, t), ops.where(live, picked, 0.0)[:, None])
             written = ops.where(live, next_ids, 0)[:, None]
             tokens = ops.slice_update(tokens, (0, t), written)
             ended = ops.logical_or(ops.equal(next_ids, EOS_ID), ops.greater_equal(t + 1, limits))
@@ -112,7 +112,7 @@ class CompiledSteps:
         state = (
             ops.convert_to_tensor(0, "int32"),
             ops.zeros((batch, steps), "int32"),
-            ops.zeros((batch,), "float32"),
+            ops.zeros((batch, steps), "float32"),
             ops.less_equal(limits, 0),
             ops.full((batch, 1), BOS_ID, "int32"),
             list(self_caches),
@@ -198,26 +198,29 @@ class KerasDecoder:
         return _FullState(self.steps, tiled)
 
     def greedy(self, source, limits, banned):
-        """The compiled greedy loop (None with `use_cache=False`: the reference runs the loop)."""
+        """The compiled greedy loop: `(tokens, token_scores)` (None with `use_cache=False`:
+        the reference runs the search loop)."""
         if not self.use_cache:
             return None
         steps = self.steps
         _, source_mask, cross_caches = steps.encode(ops.convert_to_tensor(source))
         mask = np.zeros(self.vocabulary_size, np.float32)
         mask[list(banned)] = -np.inf
-        ids, sums = steps.greedy(
+        ids, step_scores = steps.greedy(
             source_mask,
             cross_caches,
             steps.empty_self_caches(len(source), _cache_length(limits.max())),
             ops.convert_to_tensor(limits.astype(np.int32)),
             ops.convert_to_tensor(mask),
         )
-        ids = to_numpy(ids)
-        outputs = []
+        ids, step_scores = to_numpy(ids), to_numpy(step_scores).astype(np.float64)
+        outputs, token_scores = [], []
         for i in range(len(source)):
             row = [int(x) for x in ids[i, : limits[i]]]
-            outputs.append(row[: row.index(EOS_ID)] if EOS_ID in row else row)
-        return outputs, to_numpy(sums).astype(np.float64)
+            taken = row.index(EOS_ID) + 1 if EOS_ID in row else len(row)  # EOS included
+            outputs.append(row[: taken - 1] if EOS_ID in row else row)
+            token_scores.append(step_scores[i, :taken].tolist())
+        return outputs, token_scores
 
     def beam(self, source, limits, beam_size, length_penalty):
         """None: beam search runs the one loop over the compiled step."""

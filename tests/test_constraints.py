@@ -7,8 +7,8 @@ import io
 import numpy as np
 import pytest
 from keras_transformer_runtime.constraints import Constraints, constrained_beam
+from keras_transformer_runtime.options import SearchOptions
 from keras_transformer_runtime.sources import output_limits
-from keras_transformer_runtime.spec import SearchOptions
 
 from keras_transformer import cli, decoding
 from keras_transformer.decoding import beam_search

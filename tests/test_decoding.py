@@ -297,7 +297,8 @@ def test_one_compiled_search_per_shape_does_not_warn_of_retracing(random_model, 
     ],
 )
 def test_keras_search_with_options_follows_the_search_specification(random_model, options):
-    from keras_transformer_runtime.spec import SearchOptions, SentenceSearch, sentence_rng
+    from keras_transformer_runtime.options import SearchOptions
+    from keras_transformer_runtime.spec import SentenceSearch, sentence_rng
 
     from keras_transformer.decoding import score, search
 

@@ -63,7 +63,9 @@ from keras_transformer_runtime.spec import alignment_layer
 from keras_transformer.export.beam_graph import build_beam_batch_search, build_beam_search
 from keras_transformer.export.encoder_graph import build_encoder
 from keras_transformer.export.greedy_graph import build_greedy_batch_search, build_greedy_search
+from keras_transformer.export.quantize import float16_graph, int8_graph
 from keras_transformer.export.step_graph import build_decoder_step, selection_top_k_limit
+from keras_transformer.export.weights import ExportError, drop_unused_initializers, share_weights
 
 GRAPHS = ("encoder", "decoder_step", "model")
 # `format_version` in the manifest is the one the runtime reads: one number,
@@ -80,18 +82,10 @@ SHARED_WEIGHT_GRAPHS = (
     "beam_search",
     "beam_batch_search",
 )
-# Weights of at least this many bytes go to the shared file, each at an
-# offset aligned for memory mapping.
-SHARED_MIN_BYTES = 1024
-SHARED_ALIGNMENT = 4096
 TOKENIZER_FILES = ("spm.model", "vocab.txt")
 PRECISIONS = ("float32", "float16", "int8")
 # The file suffix of each extra precision's graphs.
 SUFFIXES = {"float16": "_fp16", "int8": "_int8"}
-
-
-class ExportError(RuntimeError):
-    """The model or the output folder cannot be exported to."""
 
 
 def export_onnx(
@@ -288,11 +282,11 @@ def _write_graphs(model, folder, opset, precision):
         if precision != "float32":
             extra = f"{name}{SUFFIXES[precision]}.onnx"
             if precision == "float16":
-                half = _float16(proto)
+                half = float16_graph(proto)
                 onnx.checker.check_model(half, full_check=True)
                 onnx.save(half, os.path.join(folder, extra))
             else:
-                _int8(path, os.path.join(folder, extra), config.vocabulary_size)
+                int8_graph(path, os.path.join(folder, extra), config.vocabulary_size)
             graphs[name][precision] = extra
         graphs[name]["inputs"] = _describe(proto.graph.input)
         graphs[name]["outputs"] = _describe(proto.graph.output)
@@ -380,7 +374,7 @@ def _write_search(folder, step_files, name):
             search = build(step, BATCH_STEPS_PER_ITERATION.get(precision, 1))
         else:
             search = build(step)
-        _drop_unused_initializers(search.graph)
+        drop_unused_initializers(search.graph)
         onnx.checker.check_model(search, full_check=True)
         entry[precision] = f"{name}{SUFFIXES.get(precision, '')}.onnx"
         onnx.save(search, os.path.join(folder, entry[precision]))
@@ -392,82 +386,6 @@ def _write_search(folder, step_files, name):
         if limit is not None:  # 2 * beam_size at most this (`blocked_selection`)
             entry["max_top_k"] = limit
     return entry
-
-
-def _drop_unused_initializers(graph):
-    """Removes the constants that no node of `graph` (or of a graph inside it) reads:
-    the step's own selection constants, which a search graph replaces, would
-    otherwise stay in its file and make ONNX Runtime warn on every load."""
-    read = {name for g in _subgraphs(graph) for node in g.node for name in node.input}
-    read |= {output.name for g in _subgraphs(graph) for output in g.output}
-    for g in _subgraphs(graph):
-        kept = [tensor for tensor in g.initializer if tensor.name in read]
-        if len(kept) < len(g.initializer):
-            del g.initializer[:]
-            g.initializer.extend(kept)
-
-
-def _subgraphs(graph):
-    """`graph` and every graph inside it (a Loop's body), depth first."""
-    yield graph
-    for node in graph.node:
-        for attribute in node.attribute:
-            if attribute.HasField("g"):
-                yield from _subgraphs(attribute.g)
-            for inner in attribute.graphs:
-                yield from _subgraphs(inner)
-
-
-def share_weights(folder, files, weights_file):
-    """Rewrites the graphs `files` (in `folder`) with their weights in `weights_file`,
-    each distinct weight tensor once, and checks them.
-
-    The decoder's weights sit in decoder_step.onnx and again in the loop body
-    of each search graph, and the tied embedding table in the encoder too:
-    stored inside each graph they took 2.6 times the disk with two search
-    graphs (float32 Multi30k `small` export: 102.3 MB against 38.8 MB). ONNX external
-    data lets every graph point at the same bytes. A tensor is shared when its
-    type, shape and bytes are equal (names differ between the graphs); tensors
-    under `SHARED_MIN_BYTES` stay inside their graph.
-    """
-    import hashlib
-
-    import numpy as np
-    import onnx
-    from onnx import TensorProto, numpy_helper
-
-    models = {name: onnx.load(os.path.join(folder, name)) for name in files}
-    placed = {}
-    with open(os.path.join(folder, weights_file), "wb") as out:
-        for model in models.values():
-            for graph in _subgraphs(model.graph):
-                for tensor in graph.initializer:
-                    data = np.ascontiguousarray(numpy_helper.to_array(tensor)).tobytes()
-                    if len(data) < SHARED_MIN_BYTES:
-                        continue
-                    key = (tensor.data_type, tuple(tensor.dims), hashlib.sha256(data).digest())
-                    if key not in placed:
-                        padding = -out.tell() % SHARED_ALIGNMENT
-                        out.write(b"\0" * padding)
-                        placed[key] = out.tell()
-                        out.write(data)
-                    name, dims, data_type = tensor.name, list(tensor.dims), tensor.data_type
-                    tensor.Clear()
-                    tensor.name, tensor.data_type = name, data_type
-                    tensor.dims.extend(dims)
-                    tensor.data_location = TensorProto.EXTERNAL
-                    for key_name, value in (
-                        ("location", weights_file),
-                        ("offset", placed[key]),
-                        ("length", len(data)),
-                    ):
-                        entry = tensor.external_data.add()
-                        entry.key, entry.value = key_name, str(value)
-    for name, model in models.items():
-        path = os.path.join(folder, name)
-        with open(path, "wb") as f:
-            f.write(model.SerializeToString())
-        onnx.checker.check_model(path, full_check=True)
 
 
 def _convert(tf2onnx, function, signature, opset):
@@ -541,125 +459,6 @@ def _describe(values):
             "shape": shape,
         }
     return described
-
-
-def _float16(proto):
-    from onnxruntime.transformers.float16 import convert_float_to_float16
-
-    half = convert_float_to_float16(proto, keep_io_types=True, disable_shape_infer=False)
-    _sort_topologically(half.graph)  # the converter appends its input casts at the end
-    return half
-
-
-def _int8(path, out_path, vocabulary_size):
-    """Dynamic int8 quantization of the constant-weight MatMul and Gemm of a float32 graph,
-    and int8 embedding tables (`_int8_embeddings`).
-
-    One scale per weight matrix: on the Multi30k `small` model one scale per
-    output column gave the same test BLEU (greedy and beam 5 within 0.12) but
-    made a batch-1 decoder step about an eighth slower
-    (benchmarks/README.md, the int8 paragraph).
-    """
-    import logging
-
-    from onnxruntime.quantization import QuantType, quantize_dynamic
-
-    from keras_transformer.startup import DropMessages
-
-    # The quantizer advises, on the root logger and once per graph, an optional
-    # pre-processing pass; the int8 graphs are judged by their translations
-    # instead (tests/export/test_onnx.py, benchmarks.onnx_vs_ctranslate2).
-    hush = DropMessages("pre-processing before quantization")
-    logging.getLogger().addFilter(hush)
-    try:
-        quantize_dynamic(
-            path,
-            out_path,
-            op_types_to_quantize=["MatMul", "Gemm"],
-            per_channel=False,
-            weight_type=QuantType.QInt8,
-            extra_options={"MatMulConstBOnly": True},
-        )
-    finally:
-        logging.getLogger().removeFilter(hush)
-    import onnx
-
-    model = onnx.load(out_path)
-    if _int8_embeddings(model.graph, vocabulary_size):
-        onnx.save(model, out_path)
-
-
-def _int8_embeddings(graph, vocabulary_size):
-    """Stores the float32 `(vocabulary, width)` tables that `Gather` reads as int8
-    with one scale per row (symmetric, the row's largest magnitude at 127): the
-    gathered rows are dequantized, `Cast(int8 rows) * row scales`. The
-    quantizer leaves `Gather` tables in float32, and the embedding table was
-    then half of an int8 export. Returns whether any table was replaced.
-    """
-    import numpy as np
-    from onnx import TensorProto, helper, numpy_helper
-
-    tables = {
-        t.name: t
-        for t in graph.initializer
-        if t.data_type == TensorProto.FLOAT and len(t.dims) == 2 and t.dims[0] == vocabulary_size
-    }
-    nodes, replaced = [], set()
-    for node in graph.node:
-        axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
-        if node.op_type != "Gather" or node.input[0] not in tables or axis != 0:
-            nodes.append(node)
-            continue
-        name, ids, out = node.input[0], node.input[1], node.output[0]
-        if name not in replaced:
-            table = numpy_helper.to_array(tables[name]).astype(np.float32)
-            scale = np.abs(table).max(axis=1, keepdims=True) / 127.0
-            scale[scale == 0] = 1.0
-            quantized = np.clip(np.round(table / scale), -127, 127).astype(np.int8)
-            graph.initializer.append(numpy_helper.from_array(quantized, f"{name}_int8"))
-            graph.initializer.append(
-                numpy_helper.from_array(scale.astype(np.float32), f"{name}_scale")
-            )
-            replaced.add(name)
-        nodes += [
-            helper.make_node("Gather", [f"{name}_int8", ids], [f"{out}_int8"]),
-            helper.make_node("Cast", [f"{out}_int8"], [f"{out}_dequantized"], to=TensorProto.FLOAT),
-            helper.make_node("Gather", [f"{name}_scale", ids], [f"{out}_scale"]),
-            helper.make_node("Mul", [f"{out}_dequantized", f"{out}_scale"], [out]),
-        ]
-    if not replaced:
-        return False
-    still_read = {name for node in nodes for name in node.input}
-    kept = [t for t in graph.initializer if t.name not in replaced or t.name in still_read]
-    del graph.initializer[:]
-    graph.initializer.extend(kept)
-    del graph.node[:]
-    graph.node.extend(nodes)
-    return True
-
-
-def _sort_topologically(graph):
-    """Reorders `graph.node` so that every node comes after the producers of its inputs."""
-    available = {""} | {v.name for v in graph.input} | {t.name for t in graph.initializer}
-    pending = list(graph.node)
-    ordered = []
-    while pending:
-        remaining = []
-        for node in pending:
-            if all(name in available for name in node.input):
-                ordered.append(node)
-                available.update(node.output)
-            else:
-                remaining.append(node)
-        if len(remaining) == len(pending):
-            missing = sorted({n for node in remaining for n in node.input} - available)
-            raise ExportError(f"The float16 graph has inputs nothing produces: {missing[:5]}")
-        pending = remaining
-    copies = [type(node)() for node in ordered]
-    for copy, node in zip(copies, ordered, strict=True):
-        copy.CopyFrom(node)
-    del graph.node[:]
-    graph.node.extend(copies)
 
 
 def _versions():

@@ -62,7 +62,8 @@ import os
 
 import numpy as np
 
-from keras_transformer_runtime.spec import SearchOptions, SentenceSearch, step_scores
+from keras_transformer_runtime.options import SearchOptions
+from keras_transformer_runtime.spec import SentenceSearch, step_scores
 from keras_transformer_runtime.specials import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 from keras_transformer_runtime.tokenizers import SentencePieceModel
 
@@ -344,7 +345,7 @@ class ConstrainedSearch(SentenceSearch):
 
     Args:
         limit: the most tokens generated, EOS included; 0 for an empty source.
-        options: a `spec.SearchOptions`.
+        options: a `options.SearchOptions`.
         constraints: a `Constraints` (or a list of token-id phrases).
         prefix: target prefix ids, forced first.
     """

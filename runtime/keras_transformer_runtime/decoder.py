@@ -62,14 +62,17 @@ class Decoder(Protocol):
         a search of at most `steps` steps."""
 
     def greedy(self, source: np.ndarray, limits: np.ndarray, banned: list) -> tuple | None:
-        """Plain greedy search on a graph-resident fast path: `(tokens, scores)` as
-        `spec.greedy` gives them, `banned` ids never generated; or None where the
-        decoder has no such path (the translator then runs `search.search_loop`)."""
+        """Plain greedy search on a graph-resident fast path, `banned` ids never
+        generated: `(tokens, token_scores)`, per sentence its tokens as `spec.greedy`
+        gives them and its step log-probabilities (EOS included when produced); or
+        None where the decoder has no such path (the translator then runs
+        `search.search_loop`)."""
 
     def beam(
         self, source: np.ndarray, limits: np.ndarray, beam_size: int, length_penalty: float
     ) -> tuple | None:
-        """Plain beam search on a fast path: `(tokens, scores)` as `spec.beam`; or None."""
+        """Plain beam search on a fast path: `(tokens, scores)` as `spec.beam` (scores
+        a sequence of floats); or None."""
 
     def forced_log_probs(self, source: np.ndarray, target_inputs: np.ndarray) -> np.ndarray:
         """Teacher-forced next-token log-probabilities, float64 `(batch, width, vocabulary)`."""

@@ -230,7 +230,8 @@ class OnnxDecoder:
         return parts
 
     def _split_search(self, source, limits, parts, search):
-        """`search(decoder, source, limits)` on `parts` parts of the batch at once, in order.
+        """`search(decoder, source, limits)` on `parts` parts of the batch at once: its
+        `(tokens, scores)` of every sentence, in order (each a list).
 
         The parts are runs of the sentences in order of length, sized so that
         they end together (`length_runs`), each on a one-thread decoder.
@@ -249,8 +250,7 @@ class OnnxDecoder:
         ]
         results = [search(workers[0], source[groups[0]], limits[groups[0]])]
         results += [future.result() for future in futures]
-        tokens = [None] * len(source)
-        scores = np.zeros(len(source), np.float64)
+        tokens, scores = [None] * len(source), [None] * len(source)
         for group, (part_tokens, part_scores) in zip(groups, results, strict=True):
             for row, output, score in zip(group, part_tokens, part_scores, strict=True):
                 tokens[row], scores[row] = output, score
@@ -379,7 +379,8 @@ class OnnxDecoder:
         return self.run_greedy_graph(source, limits, graph)
 
     def run_greedy_graph(self, source, limits, graph="greedy_search"):
-        """Greedy search as one call of the search graph `graph`: `(tokens, scores)`."""
+        """Greedy search as one call of the search graph `graph`: `(tokens, token_scores)`,
+        each sentence's step scores (EOS included when produced)."""
         _, mask, cross = self.encode(source)
         feeds = self.search_feeds(mask, cross)
         feeds["limits"] = np.asarray(limits, np.int64)
@@ -387,10 +388,15 @@ class OnnxDecoder:
         # A sentence's output stops at its first EOS (ended) or -1 (done before).
         stops = (tokens == EOS_ID) | (tokens < 0)
         lengths = np.where(stops.any(0), stops.argmax(0), len(tokens))
-        scores = np.zeros(len(limits), np.float64)
-        for row in step_scores:  # summed step by step in float64, as the specification does
-            scores += row.astype(np.float64)
-        return [tokens[: lengths[i], i].tolist() for i in range(len(limits))], scores
+        # Its steps: its tokens, and EOS where it ended with one.
+        ended = np.array(
+            [n < len(tokens) and tokens[n, i] == EOS_ID for i, n in enumerate(lengths)]
+        )
+        steps = lengths + ended
+        found = [tokens[: lengths[i], i].tolist() for i in range(len(limits))]
+        return found, [
+            step_scores[: steps[i], i].astype(np.float64).tolist() for i in range(len(limits))
+        ]
 
     def _beam_graph(self, sentences, beam_size):
         """The beam graph that searches `sentences` at `beam_size`, or None.

@@ -118,20 +118,22 @@ def search_loop(
     return [search.results() for search in searches]
 
 
-def plain_hypotheses(tokens, scores, limits, options):
-    """The fast searches' `(tokens, scores)` as `spec.Hypothesis` lists (one each).
+def plain_hypotheses(tokens, scores, limits, options, token_scores=None):
+    """The fast searches' `(tokens, scores)` as `spec.Hypothesis` lists (one each),
+    with their `token_scores` where `options.token_scores` asks for them.
 
     A beam search's summed log-probability is its score times the length
     penalty of its length: EOS included when the output is shorter than its
     limit (an output that reached it ended without EOS).
     """
     found = []
-    for row, score, limit in zip(tokens, scores, limits, strict=True):
+    for i, (row, score, limit) in enumerate(zip(tokens, scores, limits, strict=True)):
         log_prob = float(score)
         if options.beam_size > 1 and limit:
             length = len(row) + (len(row) < limit)
             log_prob = float(score * length_penalty_factor(length, options.length_penalty))
-        found.append([Hypothesis(list(row), float(score), log_prob)])
+        steps = list(token_scores[i]) if options.token_scores else None
+        found.append([Hypothesis(list(row), float(score), log_prob, steps)])
     return found
 
 

@@ -2,9 +2,9 @@
 
 `keras-transformer-translate` (ONNX Runtime) and `keras-transformer
 translate` / `evaluate` (Keras) both call `add_search_flags(parser)`, whose
-flags are made from the fields of `spec.SearchOptions` (their names, types,
+flags are made from the fields of `options.SearchOptions` (their names, types,
 defaults and help), turn the parsed flags into a `SearchOptions` with
-`options_from_args`, and write what they found with `run_and_write`; so a
+`options_from_args`, and write what they found with `command_output`; so a
 flag means the same in both, and in the server's requests. The meaning of each option: docs/decoding.md.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 
-from keras_transformer_runtime.spec import SearchOptions, option_fields
+from keras_transformer_runtime.options import SearchOptions, option_fields
 
 FORMATS = ("text", "tsv", "jsonl")
 
@@ -22,7 +22,7 @@ def _dest(field):
 
 
 def add_search_flags(parser, outputs=True):
-    """Adds every decoding option of `spec.SearchOptions` as a flag (`spec.option_fields`:
+    """Adds every decoding option of `options.SearchOptions` as a flag (`options.option_fields`:
     its name, type, default and help are the option's own), `--suppress`,
     `--prefix` and `--constraints`, and with `outputs` the options that shape
     the output (--n-best, --token-scores, --alignment) and the output flags
@@ -149,6 +149,33 @@ def run_and_write(args, lines, options, translate, score, write):
     constraints = read_constraints(args.constraints, len(lines)) if args.constraints else None
     found = translate(lines, options, prefixes, constraints)
     write("".join(format_hypotheses(i, hs, args) for i, hs in enumerate(found)))
+
+
+def command_output(args, lines, options, translator, progress, warn, parallel_batches=1):
+    """What both translate commands write for `lines`: the translations (or, with
+    --score, the scores) in --format, from `translator` (a `translator.Translator`,
+    over ONNX Runtime or Keras) under `options`, reading --prefix and
+    --constraints."""
+    if is_plain_run(args, options):
+        outputs = translator.translate(
+            lines,
+            options=options,
+            batch_size=args.batch_size,
+            progress=progress,
+            warn=warn,
+            parallel_batches=parallel_batches,
+        )
+        return "".join(line + "\n" for line in outputs)
+    if args.score:
+        targets = read_lines_file(args.score, len(lines), "--score")
+        scored = translator.score(lines, targets, args.batch_size, progress, warn)
+        return "".join(format_score(i, s, args) for i, s in enumerate(scored))
+    prefixes = read_lines_file(args.prefix, len(lines), "--prefix") if args.prefix else None
+    constraints = read_constraints(args.constraints, len(lines)) if args.constraints else None
+    found = translator.translate_hypotheses(
+        lines, options, prefixes, args.batch_size, progress, warn, constraints, parallel_batches
+    )
+    return "".join(format_hypotheses(i, hs, args) for i, hs in enumerate(found))
 
 
 def read_constraints(path, count):

@@ -5,8 +5,8 @@ from __future__ import annotations
 from keras_transformer_runtime.constraints import word_continuations
 from keras_transformer_runtime.export_format import ExportFileError
 from keras_transformer_runtime.onnx_translator import OnnxTranslator
+from keras_transformer_runtime.options import SearchOptions
 from keras_transformer_runtime.search import hypothesis_records
-from keras_transformer_runtime.spec import SearchOptions
 from keras_transformer_runtime.specials import EOS_ID
 from keras_transformer_runtime.text_batches import text_source
 

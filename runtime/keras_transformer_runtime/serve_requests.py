@@ -1,6 +1,6 @@
 """The requests of `keras-transformer-serve`: their fields, checks and schema.
 
-The search options a request may set are `spec.SearchOptions`'s own (`spec.option_fields`):
+The search options a request may set are `options.SearchOptions`'s own (`options.option_fields`):
 the JSON fields, their checks and the OpenAPI schema are made from them, as
 the translate commands' flags are. Every refusal names the field.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import math
 
-from keras_transformer_runtime.spec import SearchOptions, option_fields
+from keras_transformer_runtime.options import SearchOptions, option_fields
 
 
 class Refusal(Exception):
@@ -31,7 +31,7 @@ def _is_number(value):
 
 
 # The search options a request may set, each a JSON field of the option's
-# name, type, default and help (`spec.option_fields`): the translate
+# name, type, default and help (`options.option_fields`): the translate
 # commands' flags come from the same definitions (docs/decoding.md).
 _CHECKS = {
     int: (_is_int, "an integer"),
@@ -69,7 +69,7 @@ def parse_request(data, settings, tokenizer):
     """The checked fields of a decoded JSON body:
     `(texts, prefixes, constraints, options, return_scores)`.
 
-    `options` is a `spec.SearchOptions`; `prefixes` is None or one text per
+    `options` is a `options.SearchOptions`; `prefixes` is None or one text per
     text; `constraints` None or per text a list of phrases (or None). Raises `Refusal` 400 for a wrong shape, type or value, 413 for too
     many texts or characters.
     """

@@ -33,6 +33,29 @@ def check_beam_arguments(beam_size, length_penalty):
         )
 
 
+def source_rows(source_ids):
+    """The sources as int arrays without padding, from a padded 2-D int array or a
+    list of token-id lists; anything else is refused by name."""
+    if isinstance(source_ids, np.ndarray):
+        if source_ids.ndim != 2:
+            raise ValueError(
+                "source_ids must have shape (batch_size, source_len). "
+                f"Received shape {source_ids.shape}"
+            )
+        if not np.issubdtype(source_ids.dtype, np.integer):
+            raise ValueError(
+                f"source_ids must hold integer token ids. Received dtype {source_ids.dtype}"
+            )
+        return [row[row != PAD_ID] for row in source_ids]
+    if not isinstance(source_ids, Sequence) or isinstance(source_ids, (str, bytes)):
+        raise ValueError("source_ids must be a 2-D int array or a list of lists of token ids.")
+    rows = [np.asarray(list(row), np.int64) for row in source_ids]
+    for row in rows:
+        if row.size and not np.issubdtype(row.dtype, np.integer):
+            raise ValueError("source_ids must hold integer token ids.")
+    return rows
+
+
 def source_array(source_ids, model_max_length, multiple=8):
     """Pads token-id lists (or checks an array) into an int32 `(batch, width)` array.
 
@@ -44,24 +67,7 @@ def source_array(source_ids, model_max_length, multiple=8):
     on) is taken whole, its later positions computed rather than read from
     the table.
     """
-    if isinstance(source_ids, np.ndarray):
-        if source_ids.ndim != 2:
-            raise ValueError(
-                "source_ids must have shape (batch_size, source_len). "
-                f"Received shape {source_ids.shape}"
-            )
-        if not np.issubdtype(source_ids.dtype, np.integer):
-            raise ValueError(
-                f"source_ids must hold integer token ids. Received dtype {source_ids.dtype}"
-            )
-        rows = [row[row != PAD_ID] for row in source_ids]
-    else:
-        if not isinstance(source_ids, Sequence) or isinstance(source_ids, (str, bytes)):
-            raise ValueError("source_ids must be a 2-D int array or a list of lists of token ids.")
-        rows = [np.asarray(list(row), np.int64) for row in source_ids]
-        for row in rows:
-            if row.size and not np.issubdtype(row.dtype, np.integer):
-                raise ValueError("source_ids must hold integer token ids.")
+    rows = source_rows(source_ids)
     lengths = np.array([len(row) for row in rows], np.int64)
     longest = int(lengths.max(initial=0))
     width = max(multiple, -(-longest // multiple) * multiple)

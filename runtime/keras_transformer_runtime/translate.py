@@ -16,9 +16,8 @@ from keras_transformer_runtime.onnx_sessions import available_cores
 from keras_transformer_runtime.onnx_translator import OnnxTranslator
 from keras_transformer_runtime.search_flags import (
     add_search_flags,
-    is_plain_run,
+    command_output,
     options_from_args,
-    run_and_write,
 )
 from keras_transformer_runtime.text import read_input_lines, warn
 
@@ -84,40 +83,9 @@ def main(argv=None):
         lines = read_input_lines(sys.stdin, warn)
         options = options_from_args(args, translator.tokenizer)
         progress = not sys.stdin.isatty() and len(lines) > args.batch_size
-        if is_plain_run(args, options):
-            outputs = translator.translate(
-                lines,
-                beam_size=args.beam,
-                length_penalty=args.length_penalty,
-                max_length=args.max_length,
-                batch_size=args.batch_size,
-                progress=progress,
-                warn=warn,
-                parallel_batches=args.parallel_batches,
-            )
-            text = "".join(line + "\n" for line in outputs)
-        else:
-            written = []
-            run_and_write(
-                args,
-                lines,
-                options,
-                lambda texts, options, prefixes, constraints: translator.translate_hypotheses(
-                    texts,
-                    options,
-                    prefixes,
-                    args.batch_size,
-                    progress,
-                    warn,
-                    constraints,
-                    parallel_batches=args.parallel_batches,
-                ),
-                lambda texts, targets: translator.score(
-                    texts, targets, args.batch_size, progress, warn
-                ),
-                written.append,
-            )
-            text = "".join(written)
+        text = command_output(
+            args, lines, options, translator, progress, warn, args.parallel_batches
+        )
     except (ExportFileError, ValueError) as error:
         raise SystemExit(f"error: {error}") from None
     print(f"provider: {translator.provider}", file=sys.stderr)

@@ -17,12 +17,14 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 
 import numpy as np
 
 from keras_transformer_runtime.constraints import sentence_constraints, word_continuations
 from keras_transformer_runtime.export_format import ExportFileError
+from keras_transformer_runtime.options import SearchOptions
 from keras_transformer_runtime.search import (
     add_alignments,
     hypothesis_records,
@@ -36,32 +38,21 @@ from keras_transformer_runtime.sources import (
     output_limits,
     prefixed_limits,
     source_array,
+    source_rows,
     teacher_inputs,
 )
 from keras_transformer_runtime.spec import (
-    SearchOptions,
     alignments,
     banned_ids,
     truncate_source,
 )
-from keras_transformer_runtime.specials import EOS_ID, PAD_ID
+from keras_transformer_runtime.specials import EOS_ID
 from keras_transformer_runtime.text_batches import encode_prefixes, search_texts
 
 
 def _id_lists(source_ids):
     """Sources as lists of ids without padding (from an int array or lists)."""
-    if isinstance(source_ids, np.ndarray):
-        if source_ids.ndim != 2:
-            raise ValueError(
-                "source_ids must have shape (batch_size, source_len). "
-                f"Received shape {source_ids.shape}"
-            )
-        if not np.issubdtype(source_ids.dtype, np.integer):
-            raise ValueError(
-                f"source_ids must hold integer token ids. Received dtype {source_ids.dtype}"
-            )
-        return [row[row != PAD_ID].tolist() for row in source_ids]
-    return [list(row) for row in source_ids]
+    return [row.tolist() for row in source_rows(source_ids)]
 
 
 def _check_pairs(what, given, sources):
@@ -115,13 +106,22 @@ class Translator:
             a list of int lists (no BOS, cut before EOS) and a float64 array of
             the summed log-probabilities, EOS included when produced.
         """
+        tokens, token_scores = self._greedy_steps(source_ids, max_length, ignore_eos)
+        return tokens, np.array([sum(steps) for steps in token_scores], np.float64)
+
+    def _greedy_steps(self, source_ids, max_length=None, ignore_eos=False):
+        """`greedy_search`'s tokens and each sentence's step scores (EOS included)."""
         source, limits = self._prepare(source_ids, max_length)
         if not limits.any():
-            return [[] for _ in limits], np.zeros(len(limits), np.float64)
+            return [[] for _ in limits], [[] for _ in limits]
         found = self.decoder.greedy(source, limits, banned_ids(ignore_eos))
         if found is not None:
             return found
-        return self._loop_best(source, limits, SearchOptions(1), ignore_eos)
+        options = SearchOptions(1, token_scores=True)
+        if ignore_eos:  # EOS suppressed: every output runs to its limit
+            options = dataclasses.replace(options, suppress_sequences=((EOS_ID,),))
+        found = self._loop(source, limits, options)
+        return [h[0].tokens for h in found], [h[0].token_scores for h in found]
 
     def beam_search(
         self, source_ids, beam_size=4, length_penalty=0.6, max_length=None, ignore_eos=False
@@ -148,24 +148,33 @@ class Translator:
         if not ignore_eos:
             found = self.decoder.beam(source, limits, beam_size, length_penalty)
             if found is not None:
-                return found
+                return found[0], np.asarray(found[1], np.float64)
         options = SearchOptions(beam_size, length_penalty)
-        return self._loop_best(source, limits, options, ignore_eos)
-
-    def _loop_best(self, source, limits, options, ignore_eos):
-        """The best `(tokens, scores)` of `search.search_loop` under plain `options`."""
         if ignore_eos:  # EOS suppressed: every output runs to its limit
-            options = SearchOptions(
-                options.beam_size, options.length_penalty, suppress_sequences=((EOS_ID,),)
-            )
-        state = self.decoder.start(source, options.beam_size, int(limits.max()))
-        found = search_loop(
-            state.step, state.reorder, limits, options, drop_finished=state.drops_finished
-        )
+            options = dataclasses.replace(options, suppress_sequences=((EOS_ID,),))
+        found = self._loop(source, limits, options)
         return [h[0].tokens for h in found], np.array([h[0].score for h in found], np.float64)
 
+    def _loop(self, source, limits, options, prefixes=None, indices=None, constraints=None):
+        """`search.search_loop` over the decoder's cached step: the hypotheses of each source."""
+        if not limits.any():
+            return search_loop(
+                None, None, limits, options, prefixes, indices, constraints=constraints
+            )
+        state = self.decoder.start(source, options.beam_size, int(limits.max()))
+        return search_loop(
+            state.step,
+            state.reorder,
+            limits,
+            options,
+            prefixes,
+            indices,
+            drop_finished=state.drops_finished,
+            constraints=constraints,
+        )
+
     def search(self, source_ids, options=None, prefixes=None, indices=None, constraints=None):
-        """The best hypotheses of each source under `options` (a `spec.SearchOptions`).
+        """The best hypotheses of each source under `options` (a `options.SearchOptions`).
 
         Args:
             source_ids: as for `greedy_search`.
@@ -201,33 +210,21 @@ class Translator:
     def _search(self, sources, options, prefixes, indices, constraints):
         """`search` once its arguments are checked (no alignments)."""
         source, limits = self._prepare(sources, options.max_length)
-        if options.is_plain() and not any(prefixes or ()) and not any(map(len, constraints or ())):
-            if options.beam_size == 1:
-                found = self.greedy_search(source, max_length=options.max_length)
-            else:
-                found = self.beam_search(
-                    source,
-                    beam_size=options.beam_size,
-                    length_penalty=options.length_penalty,
-                    max_length=options.max_length,
-                )
-            return plain_hypotheses(*found, limits, options)
-        limits = prefixed_limits(limits, prefixes, options.max_length)
-        if not limits.any():
-            return search_loop(
-                None, None, limits, options, prefixes, indices, constraints=constraints
+        plain = not any(prefixes or ()) and not any(map(len, constraints or ()))
+        if plain and options.is_plain() and options.beam_size > 1:
+            found = self.beam_search(
+                source,
+                beam_size=options.beam_size,
+                length_penalty=options.length_penalty,
+                max_length=options.max_length,
             )
-        state = self.decoder.start(source, options.beam_size, int(limits.max()))
-        return search_loop(
-            state.step,
-            state.reorder,
-            limits,
-            options,
-            prefixes,
-            indices,
-            drop_finished=state.drops_finished,
-            constraints=constraints,
-        )
+            return plain_hypotheses(*found, limits, options)
+        # Greedy's step scores come with its fast path: token scores cost nothing.
+        if plain and dataclasses.replace(options, token_scores=False).is_plain():
+            tokens, steps = self._greedy_steps(source, options.max_length)
+            return plain_hypotheses(tokens, [sum(s) for s in steps], limits, options, steps)
+        limits = prefixed_limits(limits, prefixes, options.max_length)
+        return self._loop(source, limits, options, prefixes, indices, constraints)
 
     def score_ids(self, source_ids, target_ids):
         """Forced decoding: per sentence `(log_prob, token_scores)` of `target_ids[i]`
@@ -372,7 +369,7 @@ class Translator:
     ):
         """Translates a list of strings; `beam_size=1` is greedy search.
 
-        `options` (a `spec.SearchOptions`), when given, replaces `beam_size`,
+        `options` (a `options.SearchOptions`), when given, replaces `beam_size`,
         `length_penalty` and `max_length`. `prefixes` (target texts) and
         `constraints` (per sentence, target phrases every translation must
         hold; docs/constraints.md) are `translate_hypotheses`'s; the best

@@ -14,8 +14,9 @@ from keras_transformer_runtime.constraints import (
     encode_constraints,
     read_constraints_file,
 )
+from keras_transformer_runtime.options import SearchOptions
 from keras_transformer_runtime.search import search_loop
-from keras_transformer_runtime.spec import SearchOptions, SentenceSearch
+from keras_transformer_runtime.spec import SentenceSearch
 from keras_transformer_runtime.specials import BOS_ID, EOS_ID, UNK_ID
 
 from tests.runtime.test_search import VOCAB, ToyDecoder, _log_probs

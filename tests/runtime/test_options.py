@@ -4,8 +4,9 @@ each option against the plain search on a toy model, and the errors of bad optio
 import numpy as np
 import pytest
 from keras_transformer_runtime import spec
+from keras_transformer_runtime.options import SearchOptions
 from keras_transformer_runtime.search import search_loop
-from keras_transformer_runtime.spec import SearchOptions, SentenceSearch
+from keras_transformer_runtime.spec import SentenceSearch
 from keras_transformer_runtime.specials import EOS_ID, UNK_ID
 
 from tests.runtime.test_search import VOCAB, ToyDecoder, _log_probs

@@ -6,9 +6,10 @@ import zlib
 import numpy as np
 import pytest
 from keras_transformer_runtime import spec
+from keras_transformer_runtime.options import SearchOptions
 from keras_transformer_runtime.search import search_loop
 from keras_transformer_runtime.sources import source_array
-from keras_transformer_runtime.spec import SearchOptions, banned_ids
+from keras_transformer_runtime.spec import banned_ids
 from keras_transformer_runtime.specials import BOS_ID, EOS_ID
 
 VOCAB = 12

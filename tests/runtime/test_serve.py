@@ -15,7 +15,7 @@ import time
 
 import pytest
 from keras_transformer_runtime import OnnxTranslator
-from keras_transformer_runtime.spec import SearchOptions
+from keras_transformer_runtime.options import SearchOptions
 
 pytestmark = pytest.mark.integration
 

@@ -19,8 +19,8 @@ pytestmark = pytest.mark.skipif(
 from keras_transformer_runtime import ExportFileError, OnnxTranslator  # noqa: E402
 from keras_transformer_runtime.export_format import FORMAT_VERSION  # noqa: E402
 from keras_transformer_runtime.onnx_decoder import length_runs  # noqa: E402
+from keras_transformer_runtime.options import SearchOptions  # noqa: E402
 from keras_transformer_runtime.sources import source_array  # noqa: E402
-from keras_transformer_runtime.spec import SearchOptions  # noqa: E402
 
 from keras_transformer.decoding import beam_search, greedy_search  # noqa: E402
 from keras_transformer.translation import translate_lines  # noqa: E402
@@ -260,6 +260,7 @@ def test_a_batch_searches_as_one_part_per_thread(exported, monkeypatch, capsys):
 
     monkeypatch.setattr(runtime_command, "OnnxTranslator", Recording)
     expected = two.translate(lines, beam_size=3)
+    capsys.readouterr()  # what the fixtures printed
     for flags, split in (([], None), (["--whole-batches"], False)):
         monkeypatch.setattr(sys, "stdin", io.StringIO("".join(line + "\n" for line in lines)))
         assert runtime_command.main([out, "--cpu", "--threads", "2", "--beam", "3", *flags]) == 0

@@ -12,8 +12,9 @@ pytestmark = pytest.mark.skipif(
 
 from keras_transformer_runtime import OnnxTranslator  # noqa: E402
 from keras_transformer_runtime import translator as translator_module  # noqa: E402
+from keras_transformer_runtime.options import SearchOptions  # noqa: E402
 from keras_transformer_runtime.sources import output_limits, prefixed_limits  # noqa: E402
-from keras_transformer_runtime.spec import SearchOptions, SentenceSearch  # noqa: E402
+from keras_transformer_runtime.spec import SentenceSearch  # noqa: E402
 
 from keras_transformer import decoding  # noqa: E402
 from tests.onnx_helpers import (  # noqa: E402
@@ -68,6 +69,29 @@ def test_onnx_and_keras_follow_the_specification_with_options(options, toy):
         _assert_same(a, expected)
         _assert_same(b, expected)
         assert a[0].tokens[: len(prefix)] == prefix
+
+
+@pytest.mark.parametrize("max_length", [None, 4])
+def test_greedy_token_scores_come_from_the_fast_searches(toy, monkeypatch, max_length):
+    """Greedy token scores are the step scores the greedy search graph and the Keras
+    compiled loop already return: no step-by-step loop runs, and they are the
+    specification's (EOS included when produced; none at the limit)."""
+    model, tokenizer, translator = toy
+    options = SearchOptions(beam_size=1, token_scores=True, max_length=max_length)
+    sources = source_ids(tokenizer, held_out_lines(7, seed=67)) + [[]]
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("greedy token scores must not run the step-by-step loop")
+
+    monkeypatch.setattr(translator_module, "search_loop", refuse)
+    onnx = translator.search(sources, options)
+    from_keras = decoding.search(model, sources, options)
+    for source, a, b in zip(sources, onnx, from_keras, strict=True):
+        limit = output_limits([len(source)], max_length, translator.max_length)[0]
+        expected = SentenceSearch(limit, options).run(spec_view(translator, source))
+        _assert_same(a, expected)
+        _assert_same(b, expected)
+        assert a[0].log_prob == pytest.approx(sum(a[0].token_scores))
 
 
 def test_n_best_starts_with_the_plain_beam_and_scores_are_forced_decoding(toy):
