@@ -226,12 +226,13 @@ class KerasDecoder:
         """None: beam search runs the one loop over the compiled step."""
         return None
 
-    def forced_log_probs(self, source, target_inputs):
+    def label_log_probs(self, source, target_inputs, labels):
         logits = self.steps.model(
             {"source_ids": source, "target_ids": target_inputs}, training=False
         )
         log_probs = ops.log_softmax(ops.cast(logits, "float32"), axis=-1)
-        return to_numpy(log_probs).astype(np.float64)
+        picked = ops.take_along_axis(log_probs, ops.convert_to_tensor(labels)[..., None], -1)
+        return to_numpy(picked[..., 0]).astype(np.float64)
 
     def alignment_weights(self, source, target_inputs):
         parts = self.steps.parts

@@ -10,7 +10,8 @@ Conventions: token ids of `specials` (padding 0, BOS 1, EOS 2); `source` is
 an int32 `(sentences, source_len)` array padded with 0 (`sources.source_array`
 with `source_multiple`); `limits` are per-sentence maximum output lengths
 (EOS included; 0 for an empty source); `target_inputs` are BOS + target rows
-padded with 0 (`sources.teacher_inputs`).
+padded with 0 (`sources.teacher_inputs`), and the `labels` they predict
+(`sources.teacher_labels`).
 """
 
 from __future__ import annotations
@@ -74,8 +75,11 @@ class Decoder(Protocol):
         """Plain beam search on a fast path: `(tokens, scores)` as `spec.beam` (scores
         a sequence of floats); or None."""
 
-    def forced_log_probs(self, source: np.ndarray, target_inputs: np.ndarray) -> np.ndarray:
-        """Teacher-forced next-token log-probabilities, float64 `(batch, width, vocabulary)`."""
+    def label_log_probs(
+        self, source: np.ndarray, target_inputs: np.ndarray, labels: np.ndarray
+    ) -> np.ndarray:
+        """Teacher-forced log-probabilities of `labels` (`sources.teacher_labels`) at
+        each position of `target_inputs`: float64 `(batch, width)`."""
 
     def alignment_weights(self, source: np.ndarray, target_inputs: np.ndarray) -> np.ndarray:
         """The cross-attention of `spec.alignment_layer`, averaged over heads,

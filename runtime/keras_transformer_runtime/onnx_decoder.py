@@ -445,11 +445,17 @@ class OnnxDecoder:
         tokens, lengths, scores = self.session(graph).run(None, feeds)
         return [tokens[i, : lengths[i]].tolist() for i in range(len(limits))], scores
 
-    def forced_log_probs(self, source, target_inputs):
-        """`model.onnx`'s logits as float64 log-probabilities."""
-        logits = self.logits(source, target_inputs).astype(np.float64)
+    def label_log_probs(self, source, target_inputs, labels):
+        """`model.onnx`'s logits as the log-probabilities of `labels`: the log-sum-exp
+        of each position in float32 (the logits' own precision), only the picked
+        entries in float64; no float64 copy of the whole `(batch, width, vocabulary)`."""
+        logits = self.logits(source, target_inputs)
         top = logits.max(-1, keepdims=True)
-        return logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
+        picked = np.take_along_axis(logits, labels[..., None].astype(np.int64), -1)[..., 0]
+        np.subtract(logits, top, out=logits)
+        np.exp(logits, out=logits)
+        log_total = top[..., 0].astype(np.float64) + np.log(logits.sum(-1, dtype=np.float64))
+        return picked.astype(np.float64) - log_total
 
     def alignment_weights(self, source, target_inputs):
         """`model.onnx`'s `alignment_weights` (the export averages the heads)."""

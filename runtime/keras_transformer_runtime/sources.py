@@ -110,7 +110,7 @@ def prefixed_limits(limits, prefixes, max_length):
 
 
 def teacher_inputs(targets):
-    """`(BOS + target)` rows padded into an int32 array, for `forced_scores`."""
+    """`(BOS + target)` rows padded into an int32 array: the teacher-forced decoder input."""
     width = max(len(t) for t in targets) + 1
     array = np.zeros((len(targets), width), np.int32)
     for i, target in enumerate(targets):
@@ -118,12 +118,11 @@ def teacher_inputs(targets):
     return array
 
 
-def forced_scores(log_probs, targets):
-    """Per sentence `(log_prob, token_scores)`: the scores of `targets` (+ EOS) in
-    teacher-forced `log_probs (batch, width, vocab)`, read in float64."""
-    found = []
-    for row, target in zip(log_probs, targets, strict=True):
-        labels = [*target, EOS_ID]
-        steps = [float(row[i, token]) for i, token in enumerate(labels)]
-        found.append((float(np.sum(steps)), steps))
-    return found
+def teacher_labels(targets):
+    """`(target + EOS)` rows padded into an int32 array: what each position of
+    `teacher_inputs(targets)` predicts."""
+    width = max(len(t) for t in targets) + 1
+    array = np.zeros((len(targets), width), np.int32)
+    for i, target in enumerate(targets):
+        array[i, : len(target) + 1] = [*target, EOS_ID]
+    return array

@@ -34,12 +34,12 @@ from keras_transformer_runtime.search import (
 from keras_transformer_runtime.sources import (
     check_beam_arguments,
     check_positive_int,
-    forced_scores,
     output_limits,
     prefixed_limits,
     source_array,
     source_rows,
     teacher_inputs,
+    teacher_labels,
 )
 from keras_transformer_runtime.spec import (
     alignments,
@@ -246,9 +246,12 @@ class Translator:
             [sources[i] for i in rows], self.max_length, self.decoder.source_multiple
         )
         targets = [[int(t) for t in target_ids[i]] for i in rows]
-        log_probs = self.decoder.forced_log_probs(source, teacher_inputs(targets))
-        for i, result in zip(rows, forced_scores(log_probs, targets), strict=True):
-            found[i] = result
+        log_probs = self.decoder.label_log_probs(
+            source, teacher_inputs(targets), teacher_labels(targets)
+        )
+        for i, row, target in zip(rows, log_probs, targets, strict=True):
+            steps = row[: len(target) + 1].tolist()  # EOS scored last
+            found[i] = (sum(steps), steps)
         return found
 
     def align_ids(self, source_ids, target_ids):
