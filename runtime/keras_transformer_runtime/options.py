@@ -10,6 +10,7 @@ made from these fields. What each option does to a search is
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 
@@ -200,8 +201,9 @@ class OptionField:
     optional: bool  # None is a value (the default)
 
 
+@functools.cache
 def option_fields():
-    """The options the front ends offer as they are, in `SearchOptions` order."""
+    """The options the front ends offer as they are, in `SearchOptions` order (a tuple)."""
     found = []
     for field in dataclasses.fields(SearchOptions):
         meta = field.metadata
@@ -215,4 +217,4 @@ def option_fields():
                 field.name, kind, default, meta["help"], flag, meta["output"], default is None
             )
         )
-    return found
+    return tuple(found)

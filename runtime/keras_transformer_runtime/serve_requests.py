@@ -7,8 +7,10 @@ the translate commands' flags are. Every refusal names the field.
 
 from __future__ import annotations
 
-import json
 import math
+from typing import Annotated
+
+import msgspec
 
 from keras_transformer_runtime.options import SearchOptions, option_fields
 
@@ -22,92 +24,132 @@ class Refusal(Exception):
         self.headers = headers or {}
 
 
-def _is_int(value):
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value):
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-# The search options a request may set, each a JSON field of the option's
-# name, type, default and help (`options.option_fields`): the translate
-# commands' flags come from the same definitions (docs/decoding.md).
-_CHECKS = {
-    int: (_is_int, "an integer"),
-    float: (_is_number, "a number"),
-    bool: (lambda v: isinstance(v, bool), "true or false"),
-}
-OPTION_FIELDS = {field.name: field for field in option_fields()}
-OPTION_TYPES = {name: _CHECKS[field.kind] for name, field in OPTION_FIELDS.items()}
-REQUEST_FIELDS = (
-    "texts",
-    "prefixes",
-    "constraints",
-    *OPTION_TYPES,
-    "max_decoding_length",
-    "suppress",
-    "return_scores",
+# The fields of a request besides the search options, with their help.
+_TEXT_FIELDS = (
+    (
+        "texts",
+        list[str],
+        "sentences to translate, one translation each, in order; an empty string "
+        "translates to an empty string",
+    ),
+    (
+        "prefixes",
+        list[str] | None,
+        'target prefixes, one per text ("" for none): each translation starts with its prefix',
+    ),
+    (
+        "constraints",
+        list[list[str] | None] | None,
+        "one entry per text: target phrases its translation must hold "
+        "(docs/constraints.md), or null or [] for none",
+    ),
+    ("suppress", list[str] | None, "words or phrases never generated (their tokens in a row)"),
+    (
+        "return_scores",
+        bool,
+        "also answer each translation's score (greedy: summed log-probability; beam: "
+        "length-penalized)",
+    ),
+    ("max_decoding_length", int | None, "another name of max_length"),
 )
+OPTION_FIELDS = {field.name: field for field in option_fields()}
 
 
-def _strings(data, name, required=False):
-    value = data.get(name)
-    if value is None:
-        if required:
-            raise Refusal(400, f'the field "{name}" (a list of strings) is missing or null')
-        return None
-    if not isinstance(value, list):
-        raise Refusal(400, f'"{name}" must be a list of strings, not {_json_type(value)}')
-    for i, item in enumerate(value):
-        if not isinstance(item, str):
-            raise Refusal(400, f'"{name}"[{i}] must be a string, not {_json_type(item)}')
-    return value
+def _request_model():
+    """The request as a msgspec struct: the text fields, then every search option
+    of `options.option_fields` (its type, or null for its default), with its help."""
+    fields = []
+    for name, kind, help in _TEXT_FIELDS:
+        annotated = Annotated[kind, msgspec.Meta(description=help)]
+        if name == "texts":
+            fields.append((name, annotated))
+        else:
+            fields.append((name, annotated, False if kind is bool else None))
+    for name, field in OPTION_FIELDS.items():
+        description = field.help + ("" if field.optional else f" (default {field.default})")
+        fields.append(
+            (name, Annotated[field.kind | None, msgspec.Meta(description=description)], None)
+        )
+    return msgspec.defstruct("TranslateRequest", fields, forbid_unknown_fields=True)
+
+
+TranslateRequest = _request_model()
+REQUEST_FIELDS = TranslateRequest.__struct_fields__
+_KINDS = {
+    "str": "a string",
+    "int": "an integer",
+    "float": "a number",
+    "bool": "true or false",
+    "array": "a list",
+    "object": "an object",
+    "null": "null",
+}
+
+
+def _kind(names):
+    """msgspec's type names ("int | null") as the message says them ("an integer")."""
+    kinds = [_KINDS.get(name.strip(" `"), name.strip(" `")) for name in names.split("|")]
+    return " or ".join(kind for kind in kinds if kind != "null") or "null"
+
+
+def _refusal(error):
+    """msgspec's `ValidationError` as a 400 that names the field as a client sent it."""
+    message = str(error)
+    if message.startswith("Object contains unknown field"):
+        unknown = message.split("`")[1]
+        return Refusal(
+            400, f"unknown field(s) {unknown!r}; the fields are {', '.join(REQUEST_FIELDS)}"
+        )
+    if message.startswith("Object missing required field") or message.endswith(
+        "got `null` - at `$.texts`"
+    ):
+        return Refusal(400, 'the field "texts" (a list of strings) is missing or null')
+    expected, got, where = message.partition(" - at `$")[0], message, ""
+    if " - at `$" in message:
+        where = message.split(" - at `$", 1)[1].rstrip("`").lstrip(".")
+    if expected.startswith("Expected `") and ", got `" in expected:
+        want, have = expected[len("Expected `") :].split("`, got `")
+        got = f"{_kind(want)}, not {_kind(have.rstrip('`'))}"
+        if not where:
+            return Refusal(400, f"the body must be a JSON object, not {_kind(have.rstrip('`'))}")
+        name, _, index = where.partition("[")
+        field = f'"{name}"' + (f"[{index}" if index else "")
+        return Refusal(400, f"{field} must be {got}")
+    return Refusal(400, f"{message} (at {where or 'the body'})")
 
 
 def parse_request(data, settings, tokenizer):
     """The checked fields of a decoded JSON body:
     `(texts, prefixes, constraints, options, return_scores)`.
 
-    `options` is a `options.SearchOptions`; `prefixes` is None or one text per
-    text; `constraints` None or per text a list of phrases (or None). Raises `Refusal` 400 for a wrong shape, type or value, 413 for too
-    many texts or characters.
+    The types are `TranslateRequest`'s (msgspec); then the counts, sizes and
+    values. `options` is a `options.SearchOptions`; `prefixes` is None or one
+    text per text; `constraints` None or per text a list of phrases (or None).
+    Raises `Refusal` 400 for a wrong shape, type or value, 413 for too many
+    texts or characters; each message names the field.
     """
-    if not isinstance(data, dict):
-        raise Refusal(400, f"the body must be a JSON object, not {_json_type(data)}")
-    unknown = sorted(set(data) - set(REQUEST_FIELDS))
-    if unknown:
-        raise Refusal(
-            400,
-            f"unknown field(s) {', '.join(map(repr, unknown))}; the fields are "
-            f"{', '.join(REQUEST_FIELDS)}",
-        )
-    texts = _strings(data, "texts", required=True)
+    try:
+        request = msgspec.convert(data, TranslateRequest)
+    except msgspec.ValidationError as error:
+        raise _refusal(error) from None
+    texts, prefixes, constraints = request.texts, request.prefixes, request.constraints
     if len(texts) > settings.max_texts:
         raise Refusal(
             413,
             f"{len(texts)} texts in one request; this server takes at most "
             f"{settings.max_texts} (--max-texts): split the request",
         )
-    prefixes = _strings(data, "prefixes")
     if prefixes is not None and len(prefixes) != len(texts):
         raise Refusal(
             400, f'{len(prefixes)} "prefixes" for {len(texts)} texts: give one each ("" for none)'
         )
-    suppress = _strings(data, "suppress") or []
-    constraints = data.get("constraints")
-    if constraints is not None:
-        if not isinstance(constraints, list) or len(constraints) != len(texts):
-            raise Refusal(
-                400,
-                '"constraints" must be a list with one entry per text: a list of target '
-                "phrases, or null or [] for none",
-            )
-        for i, entry in enumerate(constraints):
-            if entry is not None and (
-                not isinstance(entry, list) or not all(isinstance(p, str) for p in entry)
-            ):
-                raise Refusal(400, f'"constraints"[{i}] must be a list of strings or null')
+    if constraints is not None and len(constraints) != len(texts):
+        raise Refusal(
+            400,
+            '"constraints" must be a list with one entry per text: a list of target '
+            "phrases, or null or [] for none",
+        )
+    suppress = request.suppress or []
     phrases = [p for entry in constraints or () for p in entry or ()]
     chars = sum(map(len, texts)) + sum(map(len, prefixes or ())) + sum(map(len, suppress))
     chars += sum(map(len, phrases))
@@ -117,20 +159,17 @@ def parse_request(data, settings, tokenizer):
             f"{chars} characters in one request; this server takes at most "
             f"{settings.max_chars} (--max-chars): split the request",
         )
-    if "max_decoding_length" in data:
-        if "max_length" in data:
+    values = {name: getattr(request, name) for name in OPTION_FIELDS}
+    values = {name: value for name, value in values.items() if value is not None}
+    if request.max_decoding_length is not None:
+        if "max_length" in values:
             raise Refusal(
                 400, 'give "max_length" or its other name "max_decoding_length", not both'
             )
-        data = dict(data, max_length=data["max_decoding_length"])
-    values = {}
-    for name, (check, kind) in OPTION_TYPES.items():
-        value = data.get(name)
-        if value is None:
-            continue
-        if not check(value) or (_is_number(value) and not math.isfinite(value)):
-            raise Refusal(400, f'"{name}" must be {kind}. Received: {json.dumps(value)}')
-        values[name] = value
+        values["max_length"] = request.max_decoding_length
+    for name, value in values.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise Refusal(400, f'"{name}" must be a finite number. Received: {value}')
     beam_size = values.get("beam_size", OPTION_FIELDS["beam_size"].default)
     if not 1 <= beam_size <= settings.max_beam_size:
         raise Refusal(
@@ -145,11 +184,6 @@ def parse_request(data, settings, tokenizer):
             f'"max_length" must be an integer from 1 to {settings.max_decoding_length} '
             f"(or null: the source length + 50). Received: {max_length}",
         )
-    return_scores = data.get("return_scores", False)
-    if not isinstance(return_scores, bool):
-        raise Refusal(
-            400, f'"return_scores" must be true or false. Received: {json.dumps(return_scores)}'
-        )
     sequences = []
     for text in suppress:
         ids = tokenizer.encode(text)
@@ -163,16 +197,7 @@ def parse_request(data, settings, tokenizer):
         options = SearchOptions(suppress_sequences=sequences, **values)
     except ValueError as error:
         raise Refusal(400, str(error)) from None
-    return texts, prefixes, constraints, options, return_scores
-
-
-def _json_type(value):
-    names = {dict: "an object", list: "a list", str: "a string", bool: "a boolean"}
-    if value is None:
-        return "null"
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return "a number"
-    return names.get(type(value), type(value).__name__)
+    return texts, prefixes, constraints, options, request.return_scores
 
 
 def decode_body(body):
@@ -215,57 +240,14 @@ def openapi_schema(settings):
             "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}},
         }
 
-    request = {
-        "type": "object",
-        "required": ["texts"],
-        "additionalProperties": False,
-        "properties": {
-            "texts": {
-                "type": "array",
-                "items": {"type": "string"},
-                "maxItems": settings.max_texts,
-                "description": "sentences to translate, one translation each, in order; an "
-                f"empty string translates to an empty string; at most {settings.max_chars} "
-                "characters in all",
-            },
-            "prefixes": {
-                "type": "array",
-                "items": {"type": "string"},
-                "description": 'target prefixes, one per text ("" for none): each '
-                "translation starts with its prefix",
-            },
-            "constraints": {
-                "type": "array",
-                "items": {"type": ["array", "null"], "items": {"type": "string"}},
-                "description": "one entry per text: target phrases its translation must hold "
-                "(docs/constraints.md), or null or [] for none",
-            },
-            "suppress": {
-                "type": "array",
-                "items": {"type": "string"},
-                "description": "words or phrases never generated (their tokens in a row)",
-            },
-            "return_scores": {
-                "type": "boolean",
-                "default": False,
-                "description": "also answer each translation's score (greedy: summed "
-                "log-probability; beam: length-penalized)",
-            },
-            "max_decoding_length": {
-                "type": ["integer", "null"],
-                "description": "another name of max_length",
-            },
-        },
-    }
+    (request,), components = msgspec.json.schema_components([TranslateRequest])
+    request = components["TranslateRequest"]
     described = request["properties"]
-    kinds = {int: "integer", float: "number", bool: "boolean"}
+    described["texts"]["maxItems"] = settings.max_texts
+    described["texts"]["description"] += f"; at most {settings.max_chars} characters in all"
     for name, field in OPTION_FIELDS.items():
-        entry = {"type": kinds[field.kind], "description": field.help}
-        if field.optional:
-            entry["type"] = [entry["type"], "null"]
-        else:
-            entry["default"] = field.default
-        described.setdefault(name, entry)
+        if not field.optional:
+            described[name]["default"] = field.default
     described["beam_size"]["maximum"] = settings.max_beam_size
     described["max_length"]["maximum"] = settings.max_decoding_length
     response = {

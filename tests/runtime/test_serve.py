@@ -15,7 +15,7 @@ import time
 
 import pytest
 from keras_transformer_runtime import OnnxTranslator
-from keras_transformer_runtime.options import SearchOptions
+from keras_transformer_runtime.options import SearchOptions, option_fields
 
 pytestmark = pytest.mark.integration
 
@@ -225,10 +225,10 @@ REFUSALS = [
     (b'["a"]', 400, "the body must be a JSON object, not a list"),
     ({"text": ["a"]}, 400, "unknown field(s) 'text'"),
     ({"beam_size": 2}, 400, 'the field "texts" (a list of strings) is missing'),
-    ({"texts": "a b"}, 400, '"texts" must be a list of strings, not a string'),
-    ({"texts": ["a", 3]}, 400, '"texts"[1] must be a string, not a number'),
+    ({"texts": "a b"}, 400, '"texts" must be a list, not a string'),
+    ({"texts": ["a", 3]}, 400, '"texts"[1] must be a string, not an integer'),
     ({"texts": ["a"], "beam_size": 0}, 400, '"beam_size" must be an integer from 1'),
-    ({"texts": ["a"], "beam_size": True}, 400, '"beam_size" must be an integer'),
+    ({"texts": ["a"], "beam_size": True}, 400, '"beam_size" must be an integer, not true'),
     ({"texts": ["a"], "beam_size": 9}, 400, "from 1 (greedy) to 8. Received: 9"),
     ({"texts": ["a"], "length_penalty": -1}, 400, "length_penalty must be a non-negative"),
     ({"texts": ["a"], "length_penalty": "0.6"}, 400, '"length_penalty" must be'),
@@ -237,9 +237,9 @@ REFUSALS = [
     ({"texts": ["a"], "sampling_topk": 5}, 400, "it needs beam_size=1"),
     ({"texts": ["a", "b"], "prefixes": ["a"]}, 400, '1 "prefixes" for 2 texts'),
     ({"texts": ["a"], "suppress": [" "]}, 400, "which has no tokens"),
-    ({"texts": ["a"], "seed": 1.5}, 400, '"seed" must be an integer. Received: 1.5'),
+    ({"texts": ["a"], "seed": 1.5}, 400, '"seed" must be an integer, not a number'),
     ({"texts": ["a"], "constraints": [["ko"], []]}, 400, '"constraints" must be a list with one'),
-    ({"texts": ["a"], "constraints": [[3]]}, 400, '"constraints"[0] must be a list of strings'),
+    ({"texts": ["a"], "constraints": [[3]]}, 400, '"constraints"[0][0] must be a string'),
     ({"texts": ["", "ka"], "constraints": [None, ["qqq"]]}, 400, "texts[1]"),
     (
         {"texts": ["ka", "ko"], "prefixes": ["", "ko ka ko ka"], "max_decoding_length": 3},
@@ -301,6 +301,11 @@ def test_health_ready_schema_and_metrics(server):
     assert status == 200 and schema["openapi"].startswith("3.")
     fields = schema["components"]["schemas"]["TranslateRequest"]["properties"]
     assert {"texts", "prefixes", "beam_size", "n_best", "sampling_topk", "seed"} <= set(fields)
+    # Every search option is a field, described by its own help, with its default.
+    for option in option_fields():
+        assert fields[option.name]["description"].startswith(option.help)
+        assert fields[option.name].get("default") == option.default
+    assert fields["beam_size"]["maximum"] == 8 and "maxItems" in fields["texts"]
     metrics = server.metrics()  # parses as Prometheus text
     for name in (
         "kt_serve_sentences_total{}",
