@@ -42,7 +42,10 @@ empty source), `beam_size ()` int64 (2 * beam_size at most the vocabulary
 less padding and BOS) and `length_penalty ()` double (alpha; 0 turns it
 off). Outputs: `tokens (sentences, steps) int64` and `lengths (sentences,)
 int64` (a sentence's output is its first `lengths` tokens, EOS excluded),
-and `scores (sentences,) double`, the length-penalized score.
+`scores (sentences,) double`, the length-penalized score, and
+`token_scores (sentences, steps) double`, the best hypothesis's step
+log-probabilities (its first `lengths` tokens and, where it ended with EOS,
+EOS's; format version 7).
 """
 
 from __future__ import annotations
@@ -115,10 +118,12 @@ def _first_state(o, heads, head_dim, cache_type):
     o.node("Expand", [first_beam_scores, beam_shape], "first_alive_scores")  # (S, k)
     empty_shape = o.node("Concat", [sentences_1d, o.int64s([0])], "empty_shape", axis=0)
     o.filled(empty_shape, 0, np.int64, "no_tokens")  # (S, 0)
+    o.filled(empty_shape, 0.0, np.float64, "no_steps")  # (S, 0)
     first_done = o.node("Equal", ["limits", zero], "first_done")  # an empty source
     o.node("Where", [first_done, zero_d, neg_inf], "first_best_scores")
     o.filled(sentences_1d, 0, np.int64, "zeros")  # (S,)
     o.filled(o.name("token_shape"), -1, np.int64, "pad_column")  # (S, 1)
+    o.filled(o.name("token_shape"), 0.0, np.float64, "pad_step_column")  # (S, 1)
     empty_cache(o, sentences_1d, heads, head_dim, cache_type)  # (S, N, 0, H)
     o.node("ReduceMax", ["limits"], "max_steps", keepdims=0)
 
@@ -151,6 +156,10 @@ def _beam_step_rules(b, self_names):
     candidates = b.reshape(candidates, s_nw, "candidates")  # (S, n * 2k)
     candidate_ids = b.reshape("top_ids", s_nw, "candidate_ids")
     ranked, ranked_at = b.node("TopK", [candidates, "top_k"], ["ranked", "ranked_at"], axis=1)
+    # Each ranked candidate's own step score (its token's log-probability).
+    ranked_step = b.node(
+        "GatherElements", [b.reshape(step_scores, s_nw), ranked_at], "ranked_step", axis=1
+    )
     ranked_beam = b.node("Div", [ranked_at, w], "ranked_beam")  # (S, 2k)
     ranked_token = b.node("GatherElements", [candidate_ids, ranked_at], "ranked_token", axis=1)
     finite = b.node("Greater", [ranked, neg_inf], "finite")
@@ -168,6 +177,7 @@ def _beam_step_rules(b, self_names):
     slot_beam = b.node("GatherElements", [ranked_beam, slot_at], "slot_raw_beam", axis=1)
     slot_beam = b.node("Where", [slot_ok, slot_beam, zero], "slot_beam")
     slot_token = b.node("GatherElements", [ranked_token, slot_at], "slot_token", axis=1)
+    slot_step = b.node("GatherElements", [ranked_step, slot_at], "slot_step", axis=1)
     # Length penalties of this step and whether each sentence is out of room.
     made = b.node("Add", [v("iteration"), one], "made")
     at_limit = b.node("GreaterOrEqual", [made, "limits"], "at_limit")  # (S,)
@@ -208,6 +218,15 @@ def _beam_step_rules(b, self_names):
     finished_tokens = b.node("Concat", [best_prefix, best_last], "finished_tokens", axis=1)
     grown = b.node("Concat", [v("best_tokens"), v("pad_column")], "best_tokens_grown", axis=1)
     b.node("Where", [b.unsqueeze(update, [1]), finished_tokens, grown], "best_tokens_next")
+    # Its step scores: its beam's, plus the last step's (EOS's, or the new token's).
+    finish_steps = b.node("Concat", [ranked_step, slot_step], "finish_steps", axis=1)
+    best_last_step = b.node(
+        "GatherElements", [finish_steps, step_best_at], "best_last_step", axis=1
+    )
+    best_prefix_steps = b.node("Gather", [v("alive_steps"), best_row], "best_prefix_steps", axis=0)
+    finished_steps = b.node("Concat", [best_prefix_steps, best_last_step], axis=1)
+    grown_steps = b.node("Concat", [v("best_steps"), v("pad_step_column")], axis=1)
+    b.node("Where", [b.unsqueeze(update, [1]), finished_steps, grown_steps], "best_steps_next")
     appended = b.node("GreaterOrEqual", [b.squeeze(best_last, [1]), zero], "appended")
     finished_length = b.node("Add", [v("iteration"), b.cast(appended, INT64)], "finished_length")
     b.node("Where", [update, finished_length, v("best_length")], "best_length_next")
@@ -230,6 +249,9 @@ def _beam_step_rules(b, self_names):
     alive_prefix = b.node("Gather", [v("alive_tokens"), origin], "alive_prefix", axis=0)
     slot_column = b.reshape(slot_token, [-1, 1], "slot_token_column")
     b.node("Concat", [alive_prefix, slot_column], "alive_tokens_next", axis=1)
+    alive_steps = b.node("Gather", [v("alive_steps"), origin], "alive_prefix_steps", axis=0)
+    slot_step_column = b.reshape(slot_step, [-1, 1], "slot_step_column")
+    b.node("Concat", [alive_steps, slot_step_column], "alive_steps_next", axis=1)
     fed = b.node("Where", [slot_ok, slot_token, eos], "fed")
     b.reshape(b.cast(fed, TensorProto.INT32), [-1, 1], "token_ids_next")  # (S * k, 1)
     for name in self_names:
@@ -250,6 +272,8 @@ def _carried_state(self_names, cache_type):
         ("best_tokens", "best_tokens_next", INT64, "no_tokens"),
         ("best_length", "best_length_next", INT64, "zeros"),
         ("count", "count_next", INT64, "zeros"),
+        ("alive_steps", "alive_steps_next", DOUBLE, "no_steps"),
+        ("best_steps", "best_steps_next", DOUBLE, "no_steps"),
     ]
     return carried + [(name, f"next_{name}", cache_type, "empty_cache") for name in self_names]
 
@@ -274,6 +298,7 @@ def _compacted(o, b, step_nodes, carried, sentence_inputs, input_types):
             v("sentence_index"): v("live_index"),
             v("limit_penalty"): v("live_limit_penalty"),
             v("pad_column"): v("live_pad_column"),
+            v("pad_step_column"): v("live_pad_step_column"),
         }
     )
     step_nodes = copied_nodes(step_nodes, names=live_name)
@@ -286,6 +311,7 @@ def _compacted(o, b, step_nodes, carried, sentence_inputs, input_types):
     b.node("Range", [b.int64s(0), live_count, b.int64s(1)], "live_index")
     column_shape = b.node("Concat", [live_count_1d, b.int64s([1])], "live_column_shape", axis=0)
     b.filled(column_shape, -1, np.int64, "live_pad_column")  # (S', 1)
+    b.filled(column_shape, 0.0, np.float64, "live_pad_step_column")  # (S', 1)
     b.extend(rules)
     # Each step writes its sentences' best hypotheses into the outputs.
     for kind in ("score", "length"):
@@ -295,18 +321,20 @@ def _compacted(o, b, step_nodes, carried, sentence_inputs, input_types):
             f"result_{kind}_next",
             axis=0,
         )
-    grown = b.node("Concat", [v("result_tokens"), v("pad_column")], axis=1)
-    b.node(
-        "ScatterND",
-        [grown, b.unsqueeze(sentence_ids, [1]), v("best_tokens_next")],
-        "result_tokens_next",
-    )
+    for kind, pad in (("tokens", "pad_column"), ("steps", "pad_step_column")):
+        grown = b.node("Concat", [v(f"result_{kind}"), v(pad)], axis=1)
+        b.node(
+            "ScatterND",
+            [grown, b.unsqueeze(sentence_ids, [1]), v(f"best_{kind}_next")],
+            f"result_{kind}_next",
+        )
     # Then the sentences done at this step leave the state, with their beams.
     keep = b.node("Not", [v("done_next")], "keep")  # (S',)
     beams_shape = b.node("Concat", [live_count_1d, v("k_1d")], "live_beams_shape", axis=0)
     keep_beams = b.node("Expand", [b.unsqueeze(keep, [1]), beams_shape], "keep_beams")
     keep_rows = b.reshape(keep_beams, [-1], "keep_rows")  # (S' * k,)
-    per_row = {"token_ids_next", "alive_tokens_next"} | {n for _, n, *_ in carried[8:]}
+    per_row = {"token_ids_next", "alive_tokens_next", "alive_steps_next"}
+    per_row |= {n for _, n, *_ in carried if n.startswith("next_")}  # the caches
     for _, next_name, *_ in carried:
         b.keep_rows(
             keep_rows if next_name in per_row else keep, [v(next_name)], ["kept_" + next_name]
@@ -335,8 +363,10 @@ def _compacted(o, b, step_nodes, carried, sentence_inputs, input_types):
         ("result_score", "result_score_next", DOUBLE, "first_best_scores"),
         ("result_tokens", "result_tokens_next", INT64, "no_tokens"),
         ("result_length", "result_length_next", INT64, "zeros"),
+        ("result_steps", "result_steps_next", DOUBLE, "no_steps"),
     ]
     outputs = {"tokens": "result_tokens", "lengths": "result_length", "scores": "result_score"}
+    outputs["token_scores"] = "result_steps"
     return step_nodes, carried, outputs
 
 
@@ -355,6 +385,7 @@ def _build(step, compact, blocked):
     step_nodes = list(graph.node)
     carried = _carried_state(self_names, cache_type)
     outputs = {"tokens": "best_tokens", "lengths": "best_length", "scores": "best_score"}
+    outputs["token_scores"] = "best_steps"
     if compact:
         sentence_inputs = ["source_mask", *cross_names]
         types = {name: inputs[name].type.tensor_type.elem_type for name in sentence_inputs}
@@ -391,5 +422,6 @@ def _build(step, compact, blocked):
         value("tokens", INT64, ["sentences", "steps"]),
         value("lengths", INT64, ["sentences"]),
         value("scores", DOUBLE, ["sentences"]),
+        value("token_scores", DOUBLE, ["sentences", "steps"]),
     ]
     return o.model("beam_search", outer_inputs, outer_outputs, like=step)

@@ -72,8 +72,9 @@ class Decoder(Protocol):
     def beam(
         self, source: np.ndarray, limits: np.ndarray, beam_size: int, length_penalty: float
     ) -> tuple | None:
-        """Plain beam search on a fast path: `(tokens, scores)` as `spec.beam` (scores
-        a sequence of floats); or None."""
+        """Plain beam search on a fast path: `(tokens, scores, token_scores)`, per
+        sentence its tokens and score as `spec.beam` gives them and its step
+        log-probabilities (EOS included when it ended with one); or None."""
 
     def label_log_probs(
         self, source: np.ndarray, target_inputs: np.ndarray, labels: np.ndarray

@@ -16,8 +16,9 @@ MANIFEST = "manifest.json"
 # refused. 5: the encoder, the decoder step with its `top_k` selection and
 # cross keys and values once per sentence, the four search graphs, and one
 # weights file per precision; 6: `model.onnx` also returns the alignment
-# layer's cross-attention.
-FORMAT_VERSION = 6
+# layer's cross-attention; 7: the beam search graphs also return the best
+# hypothesis's token scores.
+FORMAT_VERSION = 7
 
 
 class ExportFileError(RuntimeError):

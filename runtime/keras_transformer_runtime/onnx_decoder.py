@@ -230,8 +230,8 @@ class OnnxDecoder:
         return parts
 
     def _split_search(self, source, limits, parts, search):
-        """`search(decoder, source, limits)` on `parts` parts of the batch at once: its
-        `(tokens, scores)` of every sentence, in order (each a list).
+        """`search(decoder, source, limits)` on `parts` parts of the batch at once: what
+        it returns per sentence (`(tokens, scores, ...)`, lists), for every sentence in order.
 
         The parts are runs of the sentences in order of length, sized so that
         they end together (`length_runs`), each on a one-thread decoder.
@@ -250,11 +250,12 @@ class OnnxDecoder:
         ]
         results = [search(workers[0], source[groups[0]], limits[groups[0]])]
         results += [future.result() for future in futures]
-        tokens, scores = [None] * len(source), [None] * len(source)
-        for group, (part_tokens, part_scores) in zip(groups, results, strict=True):
-            for row, output, score in zip(group, part_tokens, part_scores, strict=True):
-                tokens[row], scores[row] = output, score
-        return tokens, scores
+        merged = [[None] * len(source) for _ in results[0]]
+        for group, result in zip(groups, results, strict=True):
+            for column, values in zip(merged, result, strict=True):
+                for row, value in zip(group, values, strict=True):
+                    column[row] = value
+        return tuple(merged)
 
     # ----------------------------------------------------------------------- graphs
 
@@ -418,7 +419,8 @@ class OnnxDecoder:
         return None
 
     def beam(self, source, limits, beam_size, length_penalty):
-        """Beam search as one call of a search graph; None where no graph takes the beam."""
+        """Beam search as one call of a search graph: `(tokens, scores, token_scores)`;
+        None where no graph takes the beam."""
         if self._beam_graph(len(source), beam_size) is None:
             return None
         parts = self.split_parts(len(source), beam_size)
@@ -433,7 +435,8 @@ class OnnxDecoder:
         return self.run_beam_graph(source, limits, beam_size, length_penalty, graph)
 
     def run_beam_graph(self, source, limits, beam_size, length_penalty, graph="beam_search"):
-        """Beam search as one call of the search graph `graph`: `(tokens, scores)`.
+        """Beam search as one call of the search graph `graph`: `(tokens, scores,
+        token_scores)`.
 
         Each sentence is encoded once; the graph gives its beams its row.
         """
@@ -442,8 +445,14 @@ class OnnxDecoder:
         feeds["limits"] = np.asarray(limits, np.int64)
         feeds["beam_size"] = np.array(beam_size, np.int64)
         feeds["length_penalty"] = np.array(length_penalty, np.float64)
-        tokens, lengths, scores = self.session(graph).run(None, feeds)
-        return [tokens[i, : lengths[i]].tolist() for i in range(len(limits))], scores
+        tokens, lengths, scores, steps = self.session(graph).run(None, feeds)
+        # Its step scores: its tokens', and EOS's where it ended with one (under its limit).
+        taken = lengths + (lengths < np.asarray(limits))
+        return (
+            [tokens[i, : lengths[i]].tolist() for i in range(len(limits))],
+            scores.tolist(),
+            [steps[i, : taken[i]].tolist() for i in range(len(limits))],
+        )
 
     def label_log_probs(self, source, target_inputs, labels):
         """`model.onnx`'s logits as the log-probabilities of `labels`: the log-sum-exp

@@ -141,19 +141,27 @@ class Translator:
             the best hypothesis of each sentence as an int list and its
             length-penalized score (float64).
         """
+        tokens, scores, _ = self._beam_steps(
+            source_ids, beam_size, length_penalty, max_length, ignore_eos
+        )
+        return tokens, scores
+
+    def _beam_steps(self, source_ids, beam_size, length_penalty, max_length, ignore_eos=False):
+        """`beam_search`'s tokens and scores, and each best hypothesis's step scores."""
         check_beam_arguments(beam_size, length_penalty)
         source, limits = self._prepare(source_ids, max_length)
         if not limits.any():
-            return [[] for _ in limits], np.zeros(len(limits), np.float64)
+            return [[] for _ in limits], np.zeros(len(limits), np.float64), [[] for _ in limits]
         if not ignore_eos:
             found = self.decoder.beam(source, limits, beam_size, length_penalty)
             if found is not None:
-                return found[0], np.asarray(found[1], np.float64)
-        options = SearchOptions(beam_size, length_penalty)
+                return found[0], np.asarray(found[1], np.float64), found[2]
+        options = SearchOptions(beam_size, length_penalty, token_scores=True)
         if ignore_eos:  # EOS suppressed: every output runs to its limit
             options = dataclasses.replace(options, suppress_sequences=((EOS_ID,),))
         found = self._loop(source, limits, options)
-        return [h[0].tokens for h in found], np.array([h[0].score for h in found], np.float64)
+        scores = np.array([h[0].score for h in found], np.float64)
+        return [h[0].tokens for h in found], scores, [h[0].token_scores for h in found]
 
     def _loop(self, source, limits, options, prefixes=None, indices=None, constraints=None):
         """`search.search_loop` over the decoder's cached step: the hypotheses of each source."""
@@ -210,19 +218,17 @@ class Translator:
     def _search(self, sources, options, prefixes, indices, constraints):
         """`search` once its arguments are checked (no alignments)."""
         source, limits = self._prepare(sources, options.max_length)
+        # The fast searches return each step's score: token scores cost nothing.
         plain = not any(prefixes or ()) and not any(map(len, constraints or ()))
-        if plain and options.is_plain() and options.beam_size > 1:
-            found = self.beam_search(
-                source,
-                beam_size=options.beam_size,
-                length_penalty=options.length_penalty,
-                max_length=options.max_length,
-            )
-            return plain_hypotheses(*found, limits, options)
-        # Greedy's step scores come with its fast path: token scores cost nothing.
         if plain and dataclasses.replace(options, token_scores=False).is_plain():
-            tokens, steps = self._greedy_steps(source, options.max_length)
-            return plain_hypotheses(tokens, [sum(s) for s in steps], limits, options, steps)
+            if options.beam_size == 1:
+                tokens, steps = self._greedy_steps(source, options.max_length)
+                scores = [sum(s) for s in steps]
+            else:
+                tokens, scores, steps = self._beam_steps(
+                    source, options.beam_size, options.length_penalty, options.max_length
+                )
+            return plain_hypotheses(tokens, scores, limits, options, steps)
         limits = prefixed_limits(limits, prefixes, options.max_length)
         return self._loop(source, limits, options, prefixes, indices, constraints)
 

@@ -65,7 +65,8 @@ def test_the_greedy_graphs_follow_the_search_specification(precision, exported, 
 
     def in_graph(batch, graph, max_length=None):
         source, limits = translator._prepare(batch, max_length)
-        return translator.decoder.run_greedy_graph(source, limits, graph)
+        tokens, steps = translator.decoder.run_greedy_graph(source, limits, graph)
+        return tokens, [sum(s) for s in steps]
 
     for start, size in ((0, 1), (1, 1), (2, 2), (4, 5), (9, 31)):
         batch = sources[start : start + size]
@@ -325,7 +326,18 @@ def test_the_beam_graphs_follow_the_search_specification(precision, exported, mo
 
     def in_graph(batch, graph, beam_size, length_penalty=0.6, max_length=None):
         source, limits = translator._prepare(batch, max_length)
-        return translator.decoder.run_beam_graph(source, limits, beam_size, length_penalty, graph)
+        tokens, scores, steps = translator.decoder.run_beam_graph(
+            source, limits, beam_size, length_penalty, graph
+        )
+        # The step scores are the best hypothesis's: its score is their sum, penalized.
+        for row, score, step, limit in zip(tokens, scores, steps, limits, strict=True):
+            assert len(step) == (len(row) + (len(row) < limit) if limit else 0)
+            length = len(step)
+            assert (
+                sum(step) / ((5 + length) / 6) ** length_penalty == pytest.approx(score, abs=1e-6)
+                or not limit
+            )
+        return tokens, scores
 
     settings = [
         dict(beam_size=4),

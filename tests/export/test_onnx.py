@@ -84,7 +84,11 @@ def test_export_folder_is_complete_and_valid(exported):
         assert beam["inputs"]["length_penalty"] == {"dtype": "float64", "shape": []}
         assert beam["outputs"]["tokens"] == {"dtype": "int64", "shape": ["sentences", "steps"]}
         assert beam["outputs"]["scores"] == {"dtype": "float64", "shape": ["sentences"]}
-    assert manifest["format_version"] == 6
+        assert beam["outputs"]["token_scores"] == {
+            "dtype": "float64",
+            "shape": ["sentences", "steps"],
+        }
+    assert manifest["format_version"] == 7
     # The graphs that translate hold no weights of their own: one file per
     # precision holds them, each tensor once (the decoder's are in three graphs).
     assert manifest["weights"] == {"float32": "weights.bin", "float16": "weights_fp16.bin"}

@@ -71,21 +71,24 @@ def test_onnx_and_keras_follow_the_specification_with_options(options, toy):
         assert a[0].tokens[: len(prefix)] == prefix
 
 
+@pytest.mark.parametrize("beam_size", [1, 3])
 @pytest.mark.parametrize("max_length", [None, 4])
-def test_greedy_token_scores_come_from_the_fast_searches(toy, monkeypatch, max_length):
-    """Greedy token scores are the step scores the greedy search graph and the Keras
-    compiled loop already return: no step-by-step loop runs, and they are the
+def test_token_scores_come_from_the_fast_searches(toy, monkeypatch, beam_size, max_length):
+    """Token scores are the step scores the search graphs (and, greedy, the Keras
+    compiled loop) already return: no step-by-step loop runs, and they are the
     specification's (EOS included when produced; none at the limit)."""
     model, tokenizer, translator = toy
-    options = SearchOptions(beam_size=1, token_scores=True, max_length=max_length)
+    options = SearchOptions(beam_size=beam_size, token_scores=True, max_length=max_length)
     sources = source_ids(tokenizer, held_out_lines(7, seed=67)) + [[]]
+    from_keras = decoding.search(model, sources, options)  # beam: Keras runs the loop
 
     def refuse(*args, **kwargs):
-        raise AssertionError("greedy token scores must not run the step-by-step loop")
+        raise AssertionError("token scores must not run the step-by-step loop")
 
     monkeypatch.setattr(translator_module, "search_loop", refuse)
     onnx = translator.search(sources, options)
-    from_keras = decoding.search(model, sources, options)
+    if beam_size == 1:
+        from_keras = decoding.search(model, sources, options)
     for source, a, b in zip(sources, onnx, from_keras, strict=True):
         limit = output_limits([len(source)], max_length, translator.max_length)[0]
         expected = SentenceSearch(limit, options).run(spec_view(translator, source))
