@@ -242,13 +242,20 @@ class OnnxDecoder:
             if self._split_pool is None:
                 self._split_pool = ThreadPoolExecutor(parts - 1, "split-search")
             workers, pool = self._split_workers[:parts], self._split_pool
-        groups = length_runs((source != PAD_ID).sum(1), parts)
+        lengths = (source != PAD_ID).sum(1)
+        groups = length_runs(lengths, parts)
+
+        def rows(group):
+            # A part is as wide as its own longest source: the short part of a
+            # batch of mixed lengths computes no padding of the long one.
+            return source[group, : max(1, int(lengths[group].max()))]
+
         # The first part runs on this thread; the pool's threads only search.
         futures = [
-            pool.submit(search, worker, source[group], limits[group])
+            pool.submit(search, worker, rows(group), limits[group])
             for worker, group in zip(workers[1:], groups[1:], strict=True)
         ]
-        results = [search(workers[0], source[groups[0]], limits[groups[0]])]
+        results = [search(workers[0], rows(groups[0]), limits[groups[0]])]
         results += [future.result() for future in futures]
         merged = [[None] * len(source) for _ in results[0]]
         for group, result in zip(groups, results, strict=True):

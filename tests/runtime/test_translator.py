@@ -21,6 +21,7 @@ from keras_transformer_runtime.export_format import FORMAT_VERSION  # noqa: E402
 from keras_transformer_runtime.onnx_decoder import length_runs  # noqa: E402
 from keras_transformer_runtime.options import SearchOptions  # noqa: E402
 from keras_transformer_runtime.sources import source_array  # noqa: E402
+from keras_transformer_runtime.specials import PAD_ID  # noqa: E402
 
 from keras_transformer.decoding import beam_search, greedy_search  # noqa: E402
 from keras_transformer.translation import translate_lines  # noqa: E402
@@ -236,6 +237,8 @@ def test_a_batch_searches_as_one_part_per_thread(exported, monkeypatch, capsys):
 
             def record(rows, *args, _method=method, _search=search, **kw):
                 calls.append((_search, len(rows), threading.current_thread()))
+                # Each part is as wide as its own longest source, no wider.
+                assert rows.shape[1] == max(1, (rows != PAD_ID).sum(1).max())
                 return _method(rows, *args, **kw)
 
             setattr(worker, method_name, record)
