@@ -106,22 +106,9 @@ class Translator:
             a list of int lists (no BOS, cut before EOS) and a float64 array of
             the summed log-probabilities, EOS included when produced.
         """
-        tokens, token_scores = self._greedy_steps(source_ids, max_length, ignore_eos)
-        return tokens, np.array([sum(steps) for steps in token_scores], np.float64)
-
-    def _greedy_steps(self, source_ids, max_length=None, ignore_eos=False):
-        """`greedy_search`'s tokens and each sentence's step scores (EOS included)."""
         source, limits = self._prepare(source_ids, max_length)
-        if not limits.any():
-            return [[] for _ in limits], [[] for _ in limits]
-        found = self.decoder.greedy(source, limits, banned_ids(ignore_eos))
-        if found is not None:
-            return found
-        options = SearchOptions(1, token_scores=True)
-        if ignore_eos:  # EOS suppressed: every output runs to its limit
-            options = dataclasses.replace(options, suppress_sequences=((EOS_ID,),))
-        found = self._loop(source, limits, options)
-        return [h[0].tokens for h in found], [h[0].token_scores for h in found]
+        tokens, scores, _ = self._plain(source, limits, 1, ignore_eos=ignore_eos)
+        return tokens, scores
 
     def beam_search(
         self, source_ids, beam_size=4, length_penalty=0.6, max_length=None, ignore_eos=False
@@ -141,18 +128,23 @@ class Translator:
             the best hypothesis of each sentence as an int list and its
             length-penalized score (float64).
         """
-        tokens, scores, _ = self._beam_steps(
-            source_ids, beam_size, length_penalty, max_length, ignore_eos
-        )
-        return tokens, scores
-
-    def _beam_steps(self, source_ids, beam_size, length_penalty, max_length, ignore_eos=False):
-        """`beam_search`'s tokens and scores, and each best hypothesis's step scores."""
         check_beam_arguments(beam_size, length_penalty)
         source, limits = self._prepare(source_ids, max_length)
+        tokens, scores, _ = self._plain(source, limits, beam_size, length_penalty, ignore_eos)
+        return tokens, scores
+
+    def _plain(self, source, limits, beam_size, length_penalty=0.6, ignore_eos=False):
+        """The plain search of a prepared batch: `(tokens, scores, token_scores)`, per
+        sentence (token scores: each step's, EOS included when produced). The
+        decoder's graph-resident search where it has one; else the one loop."""
         if not limits.any():
-            return [[] for _ in limits], np.zeros(len(limits), np.float64), [[] for _ in limits]
-        if not ignore_eos:
+            return [[] for _ in limits], np.zeros(len(limits)), [[] for _ in limits]
+        if beam_size == 1:
+            found = self.decoder.greedy(source, limits, banned_ids(ignore_eos))
+            if found is not None:
+                tokens, steps = found
+                return tokens, np.array([sum(row) for row in steps], np.float64), steps
+        elif not ignore_eos:
             found = self.decoder.beam(source, limits, beam_size, length_penalty)
             if found is not None:
                 return found[0], np.asarray(found[1], np.float64), found[2]
@@ -221,14 +213,8 @@ class Translator:
         # The fast searches return each step's score: token scores cost nothing.
         plain = not any(prefixes or ()) and not any(map(len, constraints or ()))
         if plain and dataclasses.replace(options, token_scores=False).is_plain():
-            if options.beam_size == 1:
-                tokens, steps = self._greedy_steps(source, options.max_length)
-                scores = [sum(s) for s in steps]
-            else:
-                tokens, scores, steps = self._beam_steps(
-                    source, options.beam_size, options.length_penalty, options.max_length
-                )
-            return plain_hypotheses(tokens, scores, limits, options, steps)
+            found = self._plain(source, limits, options.beam_size, options.length_penalty)
+            return plain_hypotheses(*found[:2], limits, options, found[2])
         limits = prefixed_limits(limits, prefixes, options.max_length)
         return self._loop(source, limits, options, prefixes, indices, constraints)
 
