@@ -41,12 +41,14 @@ test: $(STAMP)
 # The integration tier in two processes as well: the `train` command's tests
 # (each trains on the generated corpus) beside the tests on the shared
 # trained fixtures; the first's output is printed after the second's.
-# TRAIN_LANE_TOO: tests that need no fixture but the train lane's own, run in
-# the first process to even out the two processes' times (on a 2-core Zen 4:
-# 427 s against 220 s without them). One-process tests only: a test of two
-# processes slows both lanes.
+# TRAIN_LANE_TOO: tests that need no shared fixture, run in the first process
+# to even out the two processes' times (on a 2-core Zen 4: 427 s against
+# 220 s without them). One-process tests only: a test of two processes
+# slows both lanes.
 TRAIN_TESTS = tests/train/test_stages.py tests/test_demo.py
-TRAIN_LANE_TOO = tests/train/test_streamed.py tests/test_benchmarks.py
+TRAIN_LANE_TOO = tests/train/test_streamed.py \
+	tests/test_benchmarks.py::test_gradients_ablation_variants_agree_and_put_the_switch_back \
+	tests/test_benchmarks.py::test_attention_ablation_times_both_paths_and_puts_the_switch_back
 integration: $(STAMP)
 	@KERAS_BACKEND=tensorflow $(PYTEST) --basetemp=.pytest-train-tmp -m "integration and not slow" \
 		$(TRAIN_TESTS) $(TRAIN_LANE_TOO) > .train-tests.log 2>&1 & train=$$!; \
