@@ -428,7 +428,8 @@ class OnnxDecoder:
     def beam(self, source, limits, beam_size, length_penalty):
         """Beam search as one call of a search graph: `(tokens, scores, token_scores)`;
         None where no graph takes the beam."""
-        if self._beam_graph(len(source), beam_size) is None:
+        graph = self._beam_graph(len(source), beam_size)
+        if graph is None:
             return None
         parts = self.split_parts(len(source), beam_size)
         if parts > 1:
@@ -438,7 +439,6 @@ class OnnxDecoder:
                 parts,
                 lambda worker, part, lims: worker.beam(part, lims, beam_size, length_penalty),
             )
-        graph = self._beam_graph(len(source), beam_size)
         return self.run_beam_graph(source, limits, beam_size, length_penalty, graph)
 
     def run_beam_graph(self, source, limits, beam_size, length_penalty, graph="beam_search"):
