@@ -132,25 +132,6 @@ def read_lines_file(path, count, flag):
     return lines
 
 
-def run_and_write(args, lines, options, translate, score, write):
-    """Translates (or, with --score, scores) `lines` and writes them in --format.
-
-    Args:
-        translate: `translate(lines, options, prefixes, constraints) -> per line
-            a list of hypothesis dicts` (`OnnxTranslator.translate_hypotheses`).
-        score: `score(lines, targets) -> per line a dict` (`OnnxTranslator.score`).
-        write: takes the output text.
-    """
-    if args.score:
-        targets = read_lines_file(args.score, len(lines), "--score")
-        write("".join(format_score(i, s, args) for i, s in enumerate(score(lines, targets))))
-        return
-    prefixes = read_lines_file(args.prefix, len(lines), "--prefix") if args.prefix else None
-    constraints = read_constraints(args.constraints, len(lines)) if args.constraints else None
-    found = translate(lines, options, prefixes, constraints)
-    write("".join(format_hypotheses(i, hs, args) for i, hs in enumerate(found)))
-
-
 def command_output(args, lines, options, translator, progress, warn, parallel_batches=1):
     """What both translate commands write for `lines`: the translations (or, with
     --score, the scores) in --format, from `translator` (a `translator.Translator`,
