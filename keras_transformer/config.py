@@ -6,7 +6,12 @@ import dataclasses
 import json
 from typing import Any
 
-from keras_transformer.checks import check_positive_int, check_rate
+from keras_transformer.checks import (
+    check_activation,
+    check_positional_layout,
+    check_positive_int,
+    check_rate,
+)
 
 PRESETS: dict[str, dict[str, Any]] = {
     # Table 3 of the paper, "base" row.
@@ -74,8 +79,33 @@ class TransformerConfig:
     normalize_first: bool = False
     # Epsilon of every LayerNormalization.
     layer_norm_epsilon: float = 1e-6
+    # Encoder and decoder depths when they differ (a deep encoder with a
+    # shallow decoder decodes faster); None = `num_layers`.
+    num_encoder_layers: int | None = None
+    num_decoder_layers: int | None = None
+    # The feed-forward activation: "relu" (the paper), "swish" or "gelu".
+    activation: str = "relu"
+    # The sinusoid layout: "interleaved" (the paper's sin/cos pairs) or
+    # "concatenated" (all sines, then all cosines: Marian and tensor2tensor).
+    positional_layout: str = "interleaved"
+    # Factor on the token embeddings; None = sqrt(hidden_dim) (section 3.4).
+    embedding_scale: float | None = None
+    # A learned bias on the output logits (Marian's `final_logits_bias`).
+    output_bias: bool = False
+    # With tie_embeddings False: whether the decoder's embedding is still the
+    # output projection (Marian's separate vocabularies), or a Dense of its own.
+    tie_decoder_output: bool = False
+    # Source vocabulary size when the source has its own vocabulary (with
+    # tie_embeddings False); None = `vocabulary_size`.
+    source_vocabulary_size: int | None = None
 
     def __post_init__(self):
+        if self.num_encoder_layers is None:
+            self.num_encoder_layers = self.num_layers
+        if self.num_decoder_layers is None:
+            self.num_decoder_layers = self.num_layers
+        if self.source_vocabulary_size is None:
+            self.source_vocabulary_size = self.vocabulary_size
         for name in (
             "vocabulary_size",
             "num_layers",
@@ -83,8 +113,23 @@ class TransformerConfig:
             "intermediate_dim",
             "num_heads",
             "max_length",
+            "num_encoder_layers",
+            "num_decoder_layers",
+            "source_vocabulary_size",
         ):
             check_positive_int(name, getattr(self, name))
+        check_activation(self.activation)
+        check_positional_layout(self.positional_layout)
+        if self.embedding_scale is not None and not self.embedding_scale > 0:
+            raise ValueError(
+                f"embedding_scale must be positive or None. Received: {self.embedding_scale!r}"
+            )
+        if self.tie_embeddings and self.source_vocabulary_size != self.vocabulary_size:
+            raise ValueError(
+                "tie_embeddings shares one embedding between source and target, so "
+                "source_vocabulary_size must equal vocabulary_size. Received: "
+                f"{self.source_vocabulary_size} and {self.vocabulary_size}"
+            )
         if self.hidden_dim % self.num_heads:
             raise ValueError(
                 "hidden_dim must be divisible by num_heads. Received: "

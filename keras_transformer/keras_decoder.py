@@ -148,7 +148,7 @@ class CompiledSteps:
         c = self.config
         shape = (batch_size, 2, length, c.num_heads, c.hidden_dim // c.num_heads)
         dtype = self.parts.decoder_layers[0].compute_dtype
-        return [ops.zeros(shape, dtype) for _ in range(c.num_layers)]
+        return [ops.zeros(shape, dtype) for _ in range(c.num_decoder_layers)]
 
 
 def compiled_steps(model) -> CompiledSteps:
@@ -237,7 +237,7 @@ class KerasDecoder:
     def alignment_weights(self, source, target_inputs):
         parts = self.steps.parts
         _, weights = parts.logits_and_cross_attention(source, target_inputs)
-        layer = to_numpy(weights[alignment_layer(parts.config.num_layers)])  # (B, N, T, S)
+        layer = to_numpy(weights[alignment_layer(parts.config.num_decoder_layers)])  # (B, N, T, S)
         return layer.mean(1)
 
     def parallel(self, count, beam_size):

@@ -39,20 +39,29 @@ def build_transformer(config: TransformerConfig, name: str = "transformer") -> k
     source_mask = PaddingMask(name="source_padding_mask")(source_ids)
     target_mask = PaddingMask(name="target_padding_mask")(target_ids)
 
-    def embedding(layer_name):
+    tied_output = config.tie_embeddings or config.tie_decoder_output
+
+    def embedding(layer_name, vocabulary_size, output_bias=False):
         return PositionalEmbedding(
-            config.vocabulary_size,
+            vocabulary_size,
             config.hidden_dim,
             config.max_length,
             dropout=config.dropout,
+            positional_layout=config.positional_layout,
+            embedding_scale=config.embedding_scale,
+            output_bias=output_bias,
             name=layer_name,
         )
 
     if config.tie_embeddings:
-        source_embedding = target_embedding = embedding("token_embedding")
+        source_embedding = target_embedding = embedding(
+            "token_embedding", config.vocabulary_size, config.output_bias
+        )
     else:
-        source_embedding = embedding("source_embedding")
-        target_embedding = embedding("target_embedding")
+        source_embedding = embedding("source_embedding", config.source_vocabulary_size)
+        target_embedding = embedding(
+            "target_embedding", config.vocabulary_size, tied_output and config.output_bias
+        )
 
     block = dict(
         hidden_dim=config.hidden_dim,
@@ -62,25 +71,28 @@ def build_transformer(config: TransformerConfig, name: str = "transformer") -> k
         attention_dropout=config.attention_dropout,
         normalize_first=config.normalize_first,
         layer_norm_epsilon=config.layer_norm_epsilon,
+        activation=config.activation,
     )
     x = source_embedding(source_ids)
-    for i in range(config.num_layers):
+    for i in range(config.num_encoder_layers):
         x = EncoderLayer(**block, name=f"encoder_layer_{i}")(x, padding_mask=source_mask)
     if config.normalize_first:
         x = _final_norm(config, "encoder_final_norm")(x)
 
     y = target_embedding(target_ids)
-    for i in range(config.num_layers):
+    for i in range(config.num_decoder_layers):
         y = DecoderLayer(**block, name=f"decoder_layer_{i}")(
             y, x, decoder_padding_mask=target_mask, encoder_padding_mask=source_mask
         )
     if config.normalize_first:
         y = _final_norm(config, "decoder_final_norm")(y)
 
-    if config.tie_embeddings:
+    if tied_output:
         logits = target_embedding(y, reverse=True)
     else:
-        projected = keras.layers.Dense(config.vocabulary_size, name="output_projection")(y)
+        projected = keras.layers.Dense(
+            config.vocabulary_size, use_bias=True, name="output_projection"
+        )(y)
         logits = keras.layers.Activation("linear", dtype="float32", name="logits")(projected)
     return keras.Model({"source_ids": source_ids, "target_ids": target_ids}, logits, name=name)
 
@@ -202,24 +214,33 @@ def transformer_parts(model: keras.Model) -> TransformerParts:
 
     encoder_layers = stack(EncoderLayer)
     decoder_layers = stack(DecoderLayer)
-    if not encoder_layers or len(encoder_layers) != len(decoder_layers):
+    if not encoder_layers or not decoder_layers:
         raise ValueError(
             f"Model {model.name!r} has {len(encoder_layers)} encoder and "
-            f"{len(decoder_layers)} decoder layers; expected the same positive number."
+            f"{len(decoder_layers)} decoder layers; expected at least one of each."
         )
     first = encoder_layers[0]
+    tied = source_embedding is target_embedding
     config = TransformerConfig(
-        vocabulary_size=source_embedding.vocabulary_size,
+        vocabulary_size=target_embedding.vocabulary_size,
+        source_vocabulary_size=source_embedding.vocabulary_size,
         num_layers=len(encoder_layers),
+        num_encoder_layers=len(encoder_layers),
+        num_decoder_layers=len(decoder_layers),
         hidden_dim=first.hidden_dim,
         intermediate_dim=first.intermediate_dim,
         num_heads=first.num_heads,
         dropout=first.dropout,
         attention_dropout=first.attention_dropout,
         max_length=source_embedding.max_length,
-        tie_embeddings=output_projection is None,
+        tie_embeddings=tied,
+        tie_decoder_output=not tied and output_projection is None,
         normalize_first=first.normalize_first,
         layer_norm_epsilon=first.layer_norm_epsilon,
+        activation=first.activation,
+        positional_layout=source_embedding.positional_layout,
+        embedding_scale=source_embedding.embedding_scale,
+        output_bias=target_embedding.output_bias,
     )
     return TransformerParts(
         config=config,

@@ -70,7 +70,13 @@ def check_keras_archive(path: str) -> None:
 
 
 def load_tokenizer(run_dir: str):
-    """The run's tokenizer: `spm.model` (SentencePiece) or `vocab.txt` (the toy demo's words)."""
+    """The run's tokenizer: `spm.model` (SentencePiece), Marian's `vocab.json` with
+    `source.spm` and `target.spm` (an imported model), or `vocab.txt` (the toy
+    demo's words)."""
+    if os.path.isfile(os.path.join(run_dir, "vocab.json")):
+        from keras_transformer.data.marian_tokenizer import MarianTokenizer
+
+        return MarianTokenizer.load(run_dir)
     spm_path = os.path.join(run_dir, "spm.model")
     if os.path.isfile(spm_path):
         from keras_transformer.data.tokenizer import SentencePieceTokenizer
@@ -81,7 +87,9 @@ def load_tokenizer(run_dir: str):
         from keras_transformer.data.toy import WordVocabulary
 
         return WordVocabulary.load(vocab_path)
-    raise FileNotFoundError(f"No tokenizer in {run_dir}: expected spm.model or vocab.txt.")
+    raise FileNotFoundError(
+        f"No tokenizer in {run_dir}: expected spm.model, vocab.json (Marian) or vocab.txt."
+    )
 
 
 def translate_lines(

@@ -25,10 +25,11 @@ import numpy as np
 
 from keras_transformer.export.graph_builder import GraphBuilder
 from keras_transformer.export.step_graph import (
-    check_relu,
+    feed_forward_activation,
     fused_qkv_weights,
     gemm,
     layer_norm,
+    layers_activation,
     position_encoding,
     projection_weights,
     residual_block,
@@ -44,7 +45,7 @@ def build_encoder(parts, opset=17):
     if opset < 17:
         raise ValueError(f"The encoder graph needs opset >= 17 (LayerNormalization). Got {opset}")
     c = parts.config
-    check_relu(parts.encoder_layers, "encoder graph")
+    activation = layers_activation(parts.encoder_layers, "encoder graph")
     d, n = c.hidden_dim, c.num_heads
     h = d // n
     g = GraphBuilder()
@@ -92,6 +93,7 @@ def build_encoder(parts, opset=17):
         positions,
         np.asarray(embedding._table, np.float32),
         np.asarray(embedding._frequencies, np.float32),
+        embedding.positional_layout,
     )
     x = g.node("Reshape", [g.node("Add", [x, encoding]), rows])
 
@@ -118,17 +120,16 @@ def build_encoder(parts, opset=17):
         return gemm(g, g.node("Reshape", [attended, rows]), wo, bo, f"{prefix}.out")
 
     def feed_forward(y, ff, prefix):
-        inner = g.node(
-            "Relu",
-            [
-                gemm(
-                    g,
-                    y,
-                    weight_array(ff.intermediate_dense.kernel),
-                    weight_array(ff.intermediate_dense.bias),
-                    f"{prefix}.ff_in",
-                )
-            ],
+        inner = feed_forward_activation(
+            g,
+            gemm(
+                g,
+                y,
+                weight_array(ff.intermediate_dense.kernel),
+                weight_array(ff.intermediate_dense.bias),
+                f"{prefix}.ff_in",
+            ),
+            activation,
         )
         return gemm(
             g,

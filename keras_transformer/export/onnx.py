@@ -235,7 +235,7 @@ def graph_functions(model):
 
     ids_spec = tf.TensorSpec([None, None], tf.int32)
     parts = transformer_parts(model)
-    layer = alignment_layer(parts.config.num_layers)
+    layer = alignment_layer(parts.config.num_decoder_layers)
 
     def full_model(source_ids, target_ids):
         # One pass gives the logits (scoring) and the alignment layer's cross-attention.

@@ -77,19 +77,36 @@ def residual_block(g, x, sublayer, norm_layer, prefix, normalize_first):
     return layer_norm(g, g.node("Add", [x, sublayer(x)]), norm_layer, prefix)
 
 
-def check_relu(layers, graph):
-    """The graphs build the ReLU feed-forward only; anything else is refused by name."""
-    for layer in layers:
-        activation = getattr(layer.feed_forward.activation, "__name__", "")
-        if activation != "relu":
-            raise ValueError(
-                f"The {graph} supports the ReLU feed-forward only; got {activation!r}."
-            )
+def feed_forward_activation(g, x, activation):
+    """The feed-forward's inner activation as ONNX nodes: ReLU, swish (x * sigmoid(x))
+    or GELU in its exact erf form (opset 17 has no Gelu), as Keras computes them."""
+    if activation == "relu":
+        return g.node("Relu", [x])
+    if activation == "swish":
+        return g.node("Mul", [x, g.node("Sigmoid", [x])])
+    if activation == "gelu":
+        scaled = g.node("Mul", [x, g.const("gelu_inverse_sqrt2", np.float32(1 / np.sqrt(2)))])
+        erf_plus_one = g.node("Add", [g.node("Erf", [scaled]), g.const("gelu_one", np.float32(1))])
+        half = g.node("Mul", [x, g.const("gelu_half", np.float32(0.5))])
+        return g.node("Mul", [half, erf_plus_one])
+    raise ValueError(f"The export graphs build relu, swish and gelu; got {activation!r}.")
 
 
-def position_encoding(g, position, table, frequencies):
+def layers_activation(layers, graph):
+    """The one activation of `layers`' feed-forwards (relu, swish or gelu), or an error."""
+    found = {layer.activation for layer in layers}
+    if len(found) != 1 or not found <= {"relu", "swish", "gelu"}:
+        raise ValueError(
+            f"The {graph} builds one feed-forward activation of relu, swish and gelu; "
+            f"the layers have {sorted(found)}."
+        )
+    return found.pop()
+
+
+def position_encoding(g, position, table, frequencies, layout="interleaved"):
     """The sinusoids of `position` ((T,) int64) as `(T, d)`: from the table inside it,
-    computed in float32 past it, as `positional_encoding` does in Keras."""
+    computed in float32 past it, as `positional_encoding` does in Keras (`layout`:
+    the paper's interleaved sin/cos pairs, or all sines then all cosines)."""
     from onnx import TensorProto
 
     length, d = table.shape
@@ -110,18 +127,22 @@ def position_encoding(g, position, table, frequencies):
             g.const("frequencies", frequencies[None, :]),
         ],
     )  # (T, ceil(d/2))
-    axis_2 = g.const("axes_2", np.array([2], np.int64))
-    pairs = g.node(
-        "Concat",
-        [
-            g.node("Unsqueeze", [g.node("Sin", [angles]), axis_2]),
-            g.node("Unsqueeze", [g.node("Cos", [angles]), axis_2]),
-        ],
-        axis=2,
-    )  # (T, ceil(d/2), 2)
-    flat = g.node(
-        "Reshape", [pairs, g.const("shape_pairs", np.array([-1, 2 * len(frequencies)], np.int64))]
-    )
+    if layout == "concatenated":
+        flat = g.node("Concat", [g.node("Sin", [angles]), g.node("Cos", [angles])], axis=1)
+    else:
+        axis_2 = g.const("axes_2", np.array([2], np.int64))
+        pairs = g.node(
+            "Concat",
+            [
+                g.node("Unsqueeze", [g.node("Sin", [angles]), axis_2]),
+                g.node("Unsqueeze", [g.node("Cos", [angles]), axis_2]),
+            ],
+            axis=2,
+        )  # (T, ceil(d/2), 2)
+        flat = g.node(
+            "Reshape",
+            [pairs, g.const("shape_pairs", np.array([-1, 2 * len(frequencies)], np.int64))],
+        )
     computed = g.node(
         "Slice",
         [
@@ -163,7 +184,7 @@ def build_decoder_step(parts, opset=17):
     if opset < 17:
         raise ValueError(f"The decoder step needs opset >= 17 (LayerNormalization). Got {opset}")
     c = parts.config
-    check_relu(parts.decoder_layers, "decoder step")
+    activation = layers_activation(parts.decoder_layers, "decoder step")
     d, n = c.hidden_dim, c.num_heads
     h = d // n
     g = GraphBuilder()
@@ -177,7 +198,8 @@ def build_decoder_step(parts, opset=17):
     x = g.node("Gather", [g.const("embeddings", embeddings), tokens], axis=0)
     x = g.node("Mul", [x, g.const("embedding_scale", np.float32(parts.target_embedding._scale))])
     position = g.node("Shape", ["self_key_0"], start=2, end=3)  # (1,) int64
-    x = g.node("Add", [x, position_encoding(g, position, table, frequencies)])
+    layout = parts.target_embedding.positional_layout
+    x = g.node("Add", [x, position_encoding(g, position, table, frequencies, layout)])
 
     # Additive mask of the source padding, (batch, 1, source_len, 1), shared by the layers.
     mask = g.node("Unsqueeze", ["source_mask", g.const("axes_1_3", np.array([1, 3], np.int64))])
@@ -267,7 +289,7 @@ def build_decoder_step(parts, opset=17):
                 weight_array(ff.intermediate_dense.bias),
                 f"{p}.ff_in",
             )
-            inner = g.node("Relu", [inner])
+            inner = feed_forward_activation(g, inner, activation)
             return dense(
                 inner,
                 weight_array(ff.output_dense.kernel),
@@ -283,6 +305,9 @@ def build_decoder_step(parts, opset=17):
         x = norm(x, parts.decoder_final_norm, "final_norm")
     if parts.output_projection is None:
         logits = g.node("MatMul", [x, g.const("output_kernel", np.ascontiguousarray(embeddings.T))])
+        if parts.target_embedding.logits_bias is not None:
+            bias = weight_array(parts.target_embedding.logits_bias)
+            logits = g.node("Add", [logits, g.const("output_bias", bias)])
     else:
         logits = dense(
             x,
@@ -305,12 +330,12 @@ def build_decoder_step(parts, opset=17):
         g.value_info("token_ids", TensorProto.INT32, ["batch", 1]),
         g.value_info("source_mask", TensorProto.BOOL, ["sentences", "source_len"]),
     ]
-    for i in range(c.num_layers):
+    for i in range(c.num_decoder_layers):
         inputs += [
             cache(f"cross_key_{i}", "source_len", rows="sentences"),
             cache(f"cross_value_{i}", "source_len", rows="sentences"),
         ]
-    for i in range(c.num_layers):
+    for i in range(c.num_decoder_layers):
         inputs += [cache(f"self_key_{i}", "past_len"), cache(f"self_value_{i}", "past_len")]
     inputs.append(g.value_info("top_k", TensorProto.INT64, [1]))
     graph_outputs = [

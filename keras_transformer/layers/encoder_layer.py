@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import keras
 
+from keras_transformer.checks import check_activation
 from keras_transformer.layers.feed_forward import FeedForward
 from keras_transformer.layers.initializers import clone_initializer
 from keras_transformer.layers.multi_head_attention import MultiHeadAttention
@@ -52,6 +53,7 @@ class EncoderLayer(ResidualBlockMixin, keras.layers.Layer):
         normalize_first=False,
         layer_norm_epsilon=1e-6,
         kernel_initializer="glorot_uniform",
+        activation="relu",
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -64,6 +66,7 @@ class EncoderLayer(ResidualBlockMixin, keras.layers.Layer):
         self.normalize_first = bool(normalize_first)
         self.layer_norm_epsilon = float(layer_norm_epsilon)
         self.kernel_initializer = keras.initializers.get(kernel_initializer)
+        self.activation = check_activation(activation)
 
         self.self_attention = MultiHeadAttention(
             num_heads,
@@ -78,6 +81,7 @@ class EncoderLayer(ResidualBlockMixin, keras.layers.Layer):
         self.feed_forward = FeedForward(
             hidden_dim,
             intermediate_dim,
+            activation=self.activation,
             kernel_initializer=clone_initializer(self.kernel_initializer),
             dtype=self.dtype_policy,
             name="feed_forward",

@@ -90,7 +90,13 @@ class FeedForward(keras.layers.Layer):
 
     def call(self, inputs, training=None):
         rows = ops.reshape(inputs, (-1, self.hidden_dim))
-        x = self.activation(self._dense(self.intermediate_dense, rows))
+        x = self._dense(self.intermediate_dense, rows)
+        if getattr(self.activation, "__name__", "") == "gelu":
+            # The exact GELU written with erf: TensorFlow's own uses erfc,
+            # which the ONNX converter does not know.
+            x = 0.5 * x * (1.0 + ops.erf(x * ops.cast(0.7071067811865476, x.dtype)))
+        else:
+            x = self.activation(x)
         x = self.dropout_layer(x, training=training)
         y = self._dense(self.output_dense, x)
         return ops.reshape(y, ops.shape(inputs))

@@ -8,18 +8,24 @@ import keras
 import numpy as np
 from keras import ops
 
-from keras_transformer.checks import check_positive_int, check_rate
+from keras_transformer.checks import check_positional_layout, check_positive_int, check_rate
 from keras_transformer.layers.dropout import Dropout
 
 
-def sinusoid_table(max_length: int, hidden_dim: int) -> np.ndarray:
+def sinusoid_table(max_length: int, hidden_dim: int, layout: str = "interleaved") -> np.ndarray:
     """Returns the `(max_length, hidden_dim)` float32 table of section 3.5.
 
     PE[pos, 2i] = sin(pos / 10000^(2i / d)) and PE[pos, 2i + 1] = cos(pos / 10000^(2i / d)).
+    With `layout="concatenated"` the same values sit as `[sin(...) for each i,
+    cos(...) for each i]`: the first ceil(d / 2) columns are the sines.
     """
+    check_positional_layout(layout)
     positions = np.arange(max_length, dtype=np.float64)[:, None]
     even = np.arange(0, hidden_dim, 2, dtype=np.float64)
     angles = positions / np.power(10000.0, even / hidden_dim)  # (L, ceil(d / 2))
+    if layout == "concatenated":
+        table = np.concatenate([np.sin(angles), np.cos(angles[:, : hidden_dim // 2])], axis=1)
+        return table.astype(np.float32)
     table = np.zeros((max_length, hidden_dim), dtype=np.float64)
     table[:, 0::2] = np.sin(angles)
     table[:, 1::2] = np.cos(angles[:, : hidden_dim // 2])
@@ -32,7 +38,7 @@ def sinusoid_frequencies(hidden_dim: int) -> np.ndarray:
     return (1.0 / np.power(10000.0, even / hidden_dim)).astype(np.float32)
 
 
-def positional_encoding(positions, table, frequencies):
+def positional_encoding(positions, table, frequencies, layout="interleaved"):
     """Sinusoids of int `positions` `(T,)`, any of them, as float32 `(T, hidden_dim)`.
 
     Positions inside `table` are read from it (computed in float64, so exact);
@@ -44,8 +50,12 @@ def positional_encoding(positions, table, frequencies):
     positions = ops.cast(positions, "int32")
     from_table = ops.take(table, ops.minimum(positions, length - 1), axis=0)
     angles = ops.cast(positions, "float32")[:, None] * frequencies[None, :]  # (T, ceil(d/2))
-    pairs = ops.stack([ops.sin(angles), ops.cos(angles)], axis=-1)  # (T, ceil(d/2), 2)
-    computed = ops.reshape(pairs, (-1, 2 * frequencies.shape[0]))[:, :hidden_dim]
+    if layout == "concatenated":
+        both = ops.concatenate([ops.sin(angles), ops.cos(angles)], axis=-1)
+    else:
+        pairs = ops.stack([ops.sin(angles), ops.cos(angles)], axis=-1)  # (T, ceil(d/2), 2)
+        both = ops.reshape(pairs, (-1, 2 * frequencies.shape[0]))
+    computed = both[:, :hidden_dim]
     return ops.where(ops.less(positions, length)[:, None], from_table, computed)
 
 
@@ -65,6 +75,12 @@ class PositionalEmbedding(keras.layers.Layer):
             float32, so any length is accepted.
         dropout: float. Dropout rate applied to the summed embedding.
         embeddings_initializer: initializer of the embedding matrix.
+        positional_layout: `"interleaved"` (the paper's sin/cos pairs) or
+            `"concatenated"` (all sines, then all cosines: Marian's).
+        embedding_scale: float or None. Factor on the embeddings on the way
+            in; None is the paper's `sqrt(hidden_dim)`.
+        output_bias: bool. Whether the reverse (output) projection adds a
+            learned `(vocabulary_size,)` bias, as Marian's `final_logits_bias`.
 
     Call arguments:
         inputs: int tensor `(batch_size, seq_len)` of token ids, or, with
@@ -93,6 +109,9 @@ class PositionalEmbedding(keras.layers.Layer):
         max_length,
         dropout=0.0,
         embeddings_initializer="glorot_uniform",
+        positional_layout="interleaved",
+        embedding_scale=None,
+        output_bias=False,
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -105,9 +124,12 @@ class PositionalEmbedding(keras.layers.Layer):
         self.max_length = max_length
         self.dropout = float(dropout)
         self.embeddings_initializer = keras.initializers.get(embeddings_initializer)
-        self._table = sinusoid_table(max_length, hidden_dim)
+        self.positional_layout = check_positional_layout(positional_layout)
+        self.embedding_scale = None if embedding_scale is None else float(embedding_scale)
+        self.output_bias = bool(output_bias)
+        self._table = sinusoid_table(max_length, hidden_dim, positional_layout)
         self._frequencies = sinusoid_frequencies(hidden_dim)
-        self._scale = math.sqrt(hidden_dim)
+        self._scale = math.sqrt(hidden_dim) if embedding_scale is None else float(embedding_scale)
         self.dropout_layer = Dropout(self.dropout, dtype=self.dtype_policy, name="dropout_layer")
 
     def build(self, input_shape=None):
@@ -116,6 +138,11 @@ class PositionalEmbedding(keras.layers.Layer):
             initializer=self.embeddings_initializer,
             name="embeddings",
         )
+        self._output_bias = None
+        if self.output_bias:
+            self._output_bias = self.add_weight(
+                shape=(self.vocabulary_size,), initializer="zeros", name="output_bias"
+            )
         self.built = True
 
     @property
@@ -123,11 +150,18 @@ class PositionalEmbedding(keras.layers.Layer):
         """The `(vocabulary_size, hidden_dim)` embedding matrix (a variable)."""
         return self._embeddings
 
+    @property
+    def logits_bias(self):
+        """The `(vocabulary_size,)` output bias variable, or None without one."""
+        return self._output_bias
+
     def call(self, inputs, start_index=0, reverse=False, training=None):
         if reverse:
             kernel = ops.cast(ops.transpose(self._embeddings), self.compute_dtype)
-            logits = ops.matmul(ops.cast(inputs, self.compute_dtype), kernel)
-            return ops.cast(logits, "float32")
+            logits = ops.cast(ops.matmul(ops.cast(inputs, self.compute_dtype), kernel), "float32")
+            if self._output_bias is not None:
+                logits = logits + ops.cast(self._output_bias, "float32")
+            return logits
         x = ops.take(self._embeddings, ops.cast(inputs, "int32"), axis=0)  # (B, T, D)
         x = ops.cast(x, self.compute_dtype) * ops.cast(self._scale, self.compute_dtype)
         positions = ops.arange(ops.shape(inputs)[1], dtype="int32") + start_index  # (T,)
@@ -135,6 +169,7 @@ class PositionalEmbedding(keras.layers.Layer):
             positions,
             ops.convert_to_tensor(self._table),
             ops.convert_to_tensor(self._frequencies),
+            self.positional_layout,
         )
         x = x + ops.cast(encoding, self.compute_dtype)[None]
         return self.dropout_layer(x, training=training)
@@ -148,6 +183,9 @@ class PositionalEmbedding(keras.layers.Layer):
                 "max_length": self.max_length,
                 "dropout": self.dropout,
                 "embeddings_initializer": keras.initializers.serialize(self.embeddings_initializer),
+                "positional_layout": self.positional_layout,
+                "embedding_scale": self.embedding_scale,
+                "output_bias": self.output_bias,
             }
         )
         return config

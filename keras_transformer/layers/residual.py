@@ -56,4 +56,5 @@ class ResidualBlockMixin:
             "normalize_first": self.normalize_first,
             "layer_norm_epsilon": self.layer_norm_epsilon,
             "kernel_initializer": keras.initializers.serialize(self.kernel_initializer),
+            "activation": self.activation,
         }

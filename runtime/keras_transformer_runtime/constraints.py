@@ -62,6 +62,7 @@ import os
 
 import numpy as np
 
+from keras_transformer_runtime.marian_vocabulary import MarianVocabulary
 from keras_transformer_runtime.options import SearchOptions
 from keras_transformer_runtime.spec import SentenceSearch, step_scores
 from keras_transformer_runtime.specials import BOS_ID, EOS_ID, PAD_ID, UNK_ID
@@ -160,7 +161,7 @@ def word_continuations(tokenizer):
     """The ids of a SentencePiece vocabulary's pieces that continue a word: those
     that do not start one ("▁") and begin with a letter or digit. None for a
     word vocabulary, whose every token is a word."""
-    if not isinstance(tokenizer, SentencePieceModel):
+    if not isinstance(tokenizer, (SentencePieceModel, MarianVocabulary)):
         return ()
     pieces = tokenizer.pieces(range(len(tokenizer)))
     return [
@@ -235,7 +236,14 @@ def encode_constraints(phrases, encode, max_tokens=None, where="the sentence", c
 
 
 def sentence_constraints(
-    texts, phrases, encode, model_max_length, max_length=None, lengths=None, continuations=()
+    texts,
+    phrases,
+    encode,
+    model_max_length,
+    max_length=None,
+    lengths=None,
+    continuations=(),
+    encode_target=None,
 ):
     """Each text's `Constraints` from its phrases (a list of strings, or None for none).
 
@@ -245,7 +253,8 @@ def sentence_constraints(
     output, so its phrases are not searched for. `lengths` are the sources'
     token counts (EOS included) where they are known already (truncated, say).
     `continuations`: the target tokenizer's `word_continuations`, so that
-    phrases stand as whole words.
+    phrases stand as whole words. `encode` gives source ids, `encode_target`
+    the phrases' target ids (None: `encode`, one vocabulary for both).
     """
     if len(phrases) != len(texts):
         raise ValueError(
@@ -257,7 +266,7 @@ def sentence_constraints(
         lengths = [len(encode(text)) + 1 if text.strip() else 0 for text in texts]
     limits = output_limits(lengths, max_length, model_max_length)
     return [
-        encode_constraints(entry, encode, limit - 1, f"line {i}", continuations)
+        encode_constraints(entry, encode_target or encode, limit - 1, f"line {i}", continuations)
         if entry and limit
         else Constraints()
         for i, (entry, limit) in enumerate(zip(phrases, limits, strict=True), 1)

@@ -147,7 +147,9 @@ class OnnxDecoder:
         self.precision = precision
         check_weights(self.manifest, self.onnx_dir, precision)
         try:
-            self.num_layers = int(config["num_layers"])
+            # The decoder's depth: caches per layer (exports before separate
+            # depths have num_layers only).
+            self.num_layers = int(config.get("num_decoder_layers") or config["num_layers"])
             self.num_heads = int(config["num_heads"])
             self.head_dim = int(config["hidden_dim"]) // self.num_heads
             self.max_length = int(config["max_length"])

@@ -90,7 +90,7 @@ def options_from_args(args, tokenizer, **overrides):
 
 
 def _suppressed(tokenizer, text):
-    ids = tokenizer.encode(text)
+    ids = tokenizer.encode_target(text)
     if not ids:
         raise ValueError(f"--suppress {text!r} has no tokens.")
     return ids

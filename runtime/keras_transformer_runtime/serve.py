@@ -155,6 +155,7 @@ def create_app(engine, settings):
                     options.max_length,
                     lengths=[len(ids) for ids, _ in encoded],  # as truncated
                     continuations=engine.continuations,
+                    encode_target=engine.tokenizer.encode_target,
                 )
             return encoded, prefix_ids, phrases
 

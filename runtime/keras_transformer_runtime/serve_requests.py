@@ -186,7 +186,7 @@ def parse_request(data, settings, tokenizer):
         )
     sequences = []
     for text in suppress:
-        ids = tokenizer.encode(text)
+        ids = tokenizer.encode_target(text)
         if not ids:
             raise Refusal(400, f'"suppress" holds {text!r}, which has no tokens')
         sequences.append(ids)

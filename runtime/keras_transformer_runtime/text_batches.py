@@ -114,9 +114,9 @@ def encode_prefixes(tokenizer, texts, max_length=None):
     """
     prefixes = []
     for n, text in enumerate(texts):
-        ids = tokenizer.encode(text) if text and text.strip() else []
+        ids = tokenizer.encode_target(text) if text and text.strip() else []
         if UNK_ID in ids:
-            words = [w for w in text.split() if UNK_ID in tokenizer.encode(w)]
+            words = [w for w in text.split() if UNK_ID in tokenizer.encode_target(w)]
             raise ValueError(
                 f"the target prefix of line {n + 1} ({text!r}) holds "
                 f"{words[0] if words else 'a piece'!r}, which is not in the vocabulary."

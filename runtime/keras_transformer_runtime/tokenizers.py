@@ -8,6 +8,9 @@ and tf.data.
 
 from __future__ import annotations
 
+import os
+
+from keras_transformer_runtime.marian_vocabulary import VOCABULARY, MarianVocabulary
 from keras_transformer_runtime.specials import (
     BOS_ID,
     EOS_ID,
@@ -66,6 +69,10 @@ class SentencePieceModel:
     def encode_batch(self, texts) -> list[list[int]]:
         return self._processor.encode(list(texts), out_type=int)
 
+    def encode_target(self, text: str) -> list[int]:
+        """Target-side ids: the same as `encode` (one joint model)."""
+        return self.encode(text)
+
     def decode(self, ids) -> str:
         """Text of `ids`; stops at the first EOS and skips pad and BOS."""
         return self._processor.decode(visible_ids(ids))
@@ -110,6 +117,9 @@ class WordVocabulary:
     def encode(self, text: str) -> list[int]:
         return [self.index.get(word, UNK_ID) for word in text.split()]
 
+    def encode_target(self, text: str) -> list[int]:
+        return self.encode(text)
+
     def pieces(self, ids) -> list[str]:
         unknown = SPECIAL_PIECES[UNK_ID]
         return [self.tokens[int(i)] if int(i) < len(self.tokens) else unknown for i in ids]
@@ -120,7 +130,8 @@ class WordVocabulary:
 
 
 def load_tokenizer(path: str):
-    """The tokenizer in `path`: a SentencePiece `.model`, otherwise a `vocab.txt`.
+    """The tokenizer in `path`: a SentencePiece `.model`, Marian's `vocab.json` (with
+    `source.spm` and `target.spm` beside it), otherwise a `vocab.txt`.
 
     Raises:
         OSError: the file cannot be read.
@@ -129,6 +140,8 @@ def load_tokenizer(path: str):
     if path.endswith(".model"):
         with open(path, "rb") as f:
             return SentencePieceModel(f.read())
+    if os.path.basename(path) == VOCABULARY:
+        return MarianVocabulary.read(os.path.dirname(path) or ".")
     try:
         return WordVocabulary.read(path)
     except UnicodeDecodeError as error:

@@ -323,6 +323,7 @@ class Translator:
                 self.max_length,
                 options.max_length,
                 continuations=word_continuations(self.tokenizer),
+                encode_target=self.tokenizer.encode_target,
             )
         free = self._parallel(parallel_batches, options.beam_size)
 
@@ -397,7 +398,8 @@ class Translator:
             raise ValueError(f"{len(targets)} targets for {len(sources)} sources.")
 
         def search(batch, indices):
-            return self.score_ids(batch, [self.tokenizer.encode(targets[i]) for i in indices])
+            target_ids = [self.tokenizer.encode_target(targets[i]) for i in indices]
+            return self.score_ids(batch, target_ids)
 
         found = search_texts(
             sources, self.tokenizer.encode, search, self.max_length, batch_size, progress, warn

@@ -2,6 +2,7 @@
 its encoder, decoder step and whole-model graphs against Keras, in float32,
 float16 and int8."""
 
+import dataclasses
 import json
 import logging
 import os
@@ -232,10 +233,37 @@ def test_encoder_teacher_forced_and_step_outputs_match_keras(kind, exported):
         np.testing.assert_array_equal(values, -np.sort(-allowed, axis=1)[:, :7])
 
 
-def test_pre_norm_untied_model_graphs_match_keras(tmp_path):
-    """The node-by-node encoder and step also cover the other model shapes:
-    pre-norm layers with final norms, separate output projection, and a source
-    with no token at all (Keras gives its queries zeros, not an average)."""
+# Model shapes beyond the paper's that the node-by-node graphs must follow.
+MODEL_SHAPES = {
+    # pre-norm layers with final norms, a separate output projection
+    "pre-norm-untied": dict(normalize_first=True, tie_embeddings=False),
+    # Marian's options: concatenated sinusoids, swish, an output bias,
+    # unscaled embeddings, a deeper encoder than decoder
+    "marian-swish": dict(
+        positional_layout="concatenated",
+        activation="swish",
+        output_bias=True,
+        embedding_scale=1.0,
+        num_encoder_layers=3,
+        num_decoder_layers=1,
+        layer_norm_epsilon=1e-5,
+    ),
+    # separate source vocabulary, the decoder embedding tied to the output, GELU
+    "separate-vocabularies-gelu": dict(
+        tie_embeddings=False,
+        tie_decoder_output=True,
+        source_vocabulary_size=37,
+        activation="gelu",
+        output_bias=True,
+    ),
+}
+
+
+@pytest.mark.parametrize("shape", sorted(MODEL_SHAPES))
+def test_other_model_shapes_graphs_match_keras(shape, tmp_path):
+    """The node-by-node encoder and step also cover the other model shapes
+    (`MODEL_SHAPES`), and a source with no token at all (Keras gives its
+    queries zeros, not an average)."""
     from keras_transformer.config import TransformerConfig
     from keras_transformer.model import build_transformer
 
@@ -247,15 +275,19 @@ def test_pre_norm_untied_model_graphs_match_keras(tmp_path):
         intermediate_dim=48,
         num_heads=4,
         max_length=16,
-        normalize_first=True,
-        tie_embeddings=False,
+        **MODEL_SHAPES[shape],
     )
     model = build_transformer(config)
+    parts = transformer_parts(model)
+    # The model recovers its config (num_layers is only the depths' shorthand).
+    assert dataclasses.replace(parts.config, num_layers=config.num_layers) == config
+    if parts.target_embedding.logits_bias is not None:
+        parts.target_embedding.logits_bias.assign(np.linspace(-2, 2, 50).astype("float32"))
     out = str(tmp_path / "onnx")
     export_onnx(model, out)
     translator = OnnxTranslator(out)
-    parts = transformer_parts(model)
-    source = np.array([[5, 6, 7, 8, 2], [9, 2, 0, 0, 0], [0, 0, 0, 0, 0]], np.int32)
+    # Positions past the table (16) are computed, in both layouts.
+    source = np.array([[5, 6, 7, 8] * 5 + [2], [9, 2] + [0] * 19, [0] * 21], np.int32)
     target = np.array([[1, 5, 9], [1, 7, 0], [1, 4, 4]], np.int32)
     encoded, mask, cross = translator.decoder.encode(source)
     keras_encoded, keras_mask = parts.encode(source)

@@ -1,0 +1,1 @@
+"""Pretrained models from other toolkits: Marian / OPUS-MT import and export back."""

@@ -1,0 +1,221 @@
+"""The one table between transformers' MarianMT tensor names and our variables.
+
+`weight_table` pairs every variable of a model from `build_transformer` with
+its tensor in a transformers MarianMT checkpoint and the two reshapes between
+them, so that importing (`assign_weights`) and exporting back (`marian_state`)
+read the same table. PyTorch's `Linear` keeps `(out, in)`; our projections
+keep `(in, out)` split into heads. The vocabulary rows are renumbered
+(`keras_transformer_runtime.marian_vocabulary`): our padding row 0 is zero on
+import and dropped on export.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+from collections.abc import Callable
+
+import numpy as np
+
+# Tensors a checkpoint may hold that carry nothing of their own: the fixed
+# sinusoids, and copies of a tied embedding.
+DERIVED = ("model.encoder.embed_positions.weight", "model.decoder.embed_positions.weight")
+
+
+class MarianWeightError(ValueError):
+    """A checkpoint whose tensors do not fit the model its config describes."""
+
+
+@dataclasses.dataclass
+class Entry:
+    variable: object  # a Keras variable
+    names: tuple[str, ...]  # the checkpoint's name for it, and aliases tried in order
+    to_keras: Callable[[np.ndarray], np.ndarray]
+    to_marian: Callable[[np.ndarray], np.ndarray]
+
+
+def _rows_in(to_marian):
+    """Marian's `(V, ...)` rows in our order, with a zero padding row first."""
+
+    def convert(matrix):
+        out = np.zeros((len(to_marian),) + matrix.shape[1:], np.float32)
+        out[1:] = matrix[to_marian[1:]]
+        return out
+
+    return convert
+
+
+def _rows_out(to_marian):
+    """Our rows back in Marian's order (our padding row dropped)."""
+
+    def convert(matrix):
+        out = np.zeros((len(to_marian) - 1,) + matrix.shape[1:], np.float32)
+        out[to_marian[1:]] = matrix[1:]
+        return out
+
+    return convert
+
+
+def weight_table(parts, tokenizer) -> list[Entry]:
+    """Every variable of `parts` (a `TransformerParts`) with its MarianMT tensor."""
+    d = parts.config.hidden_dim
+    heads = parts.config.num_heads
+    head_dim = d // heads
+    table = []
+
+    def add(variable, names, to_keras, to_marian):
+        if isinstance(names, str):
+            names = (names,)
+        table.append(Entry(variable, tuple(names), to_keras, to_marian))
+
+    def linear(dense, name):
+        add(dense.kernel, f"{name}.weight", lambda w: w.T, lambda k: k.T)
+        add(dense.bias, f"{name}.bias", lambda b: b, lambda b: b)
+
+    def attention(mha, name):
+        for ours, theirs in (
+            (mha.query_dense, "q_proj"),
+            (mha.key_dense, "k_proj"),
+            (mha.value_dense, "v_proj"),
+        ):
+            add(
+                ours.kernel,
+                f"{name}.{theirs}.weight",
+                lambda w: w.T.reshape(d, heads, head_dim),
+                lambda k: k.reshape(d, d).T,
+            )
+            add(
+                ours.bias,
+                f"{name}.{theirs}.bias",
+                lambda b: b.reshape(heads, head_dim),
+                lambda b: b.reshape(d),
+            )
+        out = mha.output_dense
+        add(
+            out.kernel,
+            f"{name}.out_proj.weight",
+            lambda w: w.T.reshape(heads, head_dim, d),
+            lambda k: k.reshape(d, d).T,
+        )
+        add(out.bias, f"{name}.out_proj.bias", lambda b: b, lambda b: b)
+
+    def norm(layer, name):
+        add(layer.gamma, f"{name}.weight", lambda w: w, lambda w: w)
+        add(layer.beta, f"{name}.bias", lambda b: b, lambda b: b)
+
+    for i, layer in enumerate(parts.encoder_layers):
+        p = f"model.encoder.layers.{i}"
+        attention(layer.self_attention, f"{p}.self_attn")
+        norm(layer.self_attention_norm, f"{p}.self_attn_layer_norm")
+        linear(layer.feed_forward.intermediate_dense, f"{p}.fc1")
+        linear(layer.feed_forward.output_dense, f"{p}.fc2")
+        norm(layer.feed_forward_norm, f"{p}.final_layer_norm")
+    for i, layer in enumerate(parts.decoder_layers):
+        p = f"model.decoder.layers.{i}"
+        attention(layer.self_attention, f"{p}.self_attn")
+        norm(layer.self_attention_norm, f"{p}.self_attn_layer_norm")
+        attention(layer.cross_attention, f"{p}.encoder_attn")
+        norm(layer.cross_attention_norm, f"{p}.encoder_attn_layer_norm")
+        linear(layer.feed_forward.intermediate_dense, f"{p}.fc1")
+        linear(layer.feed_forward.output_dense, f"{p}.fc2")
+        norm(layer.feed_forward_norm, f"{p}.final_layer_norm")
+
+    source, target = tokenizer.source.to_marian, tokenizer.target.to_marian
+    if parts.source_embedding is parts.target_embedding:
+        add(
+            parts.source_embedding.embeddings,
+            ("model.shared.weight", "model.encoder.embed_tokens.weight"),
+            _rows_in(source),
+            _rows_out(source),
+        )
+    else:
+        add(
+            parts.source_embedding.embeddings,
+            ("model.encoder.embed_tokens.weight", "model.shared.weight"),
+            _rows_in(source),
+            _rows_out(source),
+        )
+        add(
+            parts.target_embedding.embeddings,
+            ("model.decoder.embed_tokens.weight", "model.shared.weight"),
+            _rows_in(target),
+            _rows_out(target),
+        )
+    bias_rows_in, bias_rows_out = _rows_in(target), _rows_out(target)
+    if parts.output_projection is not None:
+        add(
+            parts.output_projection.kernel,
+            "lm_head.weight",
+            lambda w: bias_rows_in(w).T,
+            lambda k: bias_rows_out(k.T),
+        )
+        bias = parts.output_projection.bias
+    else:
+        bias = parts.target_embedding.logits_bias
+    add(bias, "final_logits_bias", lambda b: bias_rows_in(b[0]), lambda b: bias_rows_out(b)[None])
+    return table
+
+
+def assign_weights(parts, tensors: dict, tokenizer, hf_config: dict) -> None:
+    """Sets every variable of `parts` from the checkpoint `tensors`.
+
+    Raises:
+        MarianWeightError: a tensor is missing, has another shape than the
+            config implies, or the checkpoint holds a tensor this model has no
+            place for (it would be dropped silently).
+    """
+    used = set(DERIVED)
+    for entry in weight_table(parts, tokenizer):
+        name = next((n for n in entry.names if n in tensors), None)
+        if name is None:
+            raise MarianWeightError(f"The checkpoint has no tensor {entry.names[0]}.")
+        value = entry.to_keras(np.asarray(tensors[name], np.float32))
+        expected = tuple(entry.variable.shape)
+        if value.shape != expected:
+            raise MarianWeightError(
+                f"The checkpoint's {name} has shape {tuple(tensors[name].shape)}; the model "
+                f"its config.json describes needs {expected} (after renumbering the vocabulary): "
+                "the config, the vocabulary and the weights disagree."
+            )
+        entry.variable.assign(value)
+        used.add(name)
+    # Tied copies of the embedding: accepted when they equal what was loaded.
+    for name in ("model.encoder.embed_tokens.weight", "model.decoder.embed_tokens.weight"):
+        used.add(name)
+    if hf_config.get("tie_word_embeddings", True):
+        used.add("lm_head.weight")
+    unused = sorted(set(tensors) - used)
+    if unused:
+        raise MarianWeightError(
+            f"The checkpoint holds {len(unused)} tensor(s) this model has no place for, "
+            f"such as {unused[0]}: it is not a MarianMT model of the kind its config says."
+        )
+
+
+def marian_state(parts, tokenizer) -> dict[str, np.ndarray]:
+    """The model's weights as a transformers MarianMT state dict (numpy, float32)."""
+    from keras import ops
+
+    state = {}
+    for entry in weight_table(parts, tokenizer):
+        value = np.asarray(ops.convert_to_numpy(entry.variable), np.float32)
+        state[entry.names[0]] = np.ascontiguousarray(entry.to_marian(value))
+    return state
+
+
+def source_record(source: str) -> dict:
+    """What `imported.json` says of an import: where from, when, with which versions."""
+    from importlib import metadata
+
+    versions = {}
+    for package in ("keras-transformer", "keras", "safetensors"):
+        try:
+            versions[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            versions[package] = None
+    return {
+        "format": "marian-hf",
+        "source": source,
+        "imported_at": datetime.datetime.now(datetime.timezone.utc).isoformat(),
+        "versions": versions,
+    }
