@@ -205,6 +205,8 @@ def _evaluate(args):
 def _export(args):
     from keras_transformer.export.onnx import ExportError, export_onnx
 
+    if args.format == "marian-hf":
+        return _export_marian(args)
     out = args.out or os.path.join(args.run_dir, "onnx")
     try:
         manifest = export_onnx(
@@ -219,6 +221,31 @@ def _export(args):
         if k in ("float32", "float16", "int8")
     ) + sorted(manifest.get("weights", {}).values())
     print(f"Wrote {', '.join(files)} and {manifest.get('tokenizer', 'no tokenizer')} to {out}")
+    return 0
+
+
+def _export_marian(args):
+    from keras_transformer.pretrained.marian import MarianImportError
+    from keras_transformer.pretrained.marian_export import export_marian_hf
+
+    if not args.out:
+        raise SystemExit("error: --format marian-hf needs --out DIR")
+    try:
+        files = export_marian_hf(args.run_dir, args.out, overwrite=args.overwrite)
+    except (MarianImportError, FileNotFoundError, ValueError) as error:
+        raise SystemExit(f"error: {error}") from None
+    print(f"Wrote {', '.join(files)} to {args.out}")
+    return 0
+
+
+def _import(args):
+    from keras_transformer.pretrained.marian import MarianImportError, import_marian
+
+    try:
+        out = import_marian(args.source, args.out, overwrite=args.overwrite)
+    except (MarianImportError, FileNotFoundError, ValueError) as error:
+        raise SystemExit(f"error: {error}") from None
+    print(f"Imported {args.source} into {out} (model.keras and its Marian tokenizer)")
     return 0
 
 
@@ -321,11 +348,31 @@ def build_parser() -> argparse.ArgumentParser:
         help="float16 also writes float16 graphs (for GPUs); int8 also writes graphs with "
         "int8 weight matrices (dynamic quantization, for CPUs)",
     )
+    export.add_argument(
+        "--format",
+        default="onnx",
+        choices=["onnx", "marian-hf"],
+        help="onnx (graphs for keras-transformer-translate and -serve), or marian-hf: a "
+        "Hugging Face MarianMT directory, for models imported with `import marian`",
+    )
     export.add_argument("--opset", type=int, default=17, help="ONNX opset (default 17)")
     export.add_argument(
         "--overwrite", action="store_true", help="replace an earlier export in --out"
     )
     export.set_defaults(func=_export)
+
+    imported = sub.add_parser(
+        "import", help="turn a pretrained checkpoint of another toolkit into a run directory"
+    )
+    imported.add_argument("kind", choices=["marian"], help="the checkpoint's family")
+    imported.add_argument(
+        "source",
+        help="a Hugging Face MarianMT directory (config.json, model.safetensors, source.spm, "
+        "target.spm, vocab.json), or a hub name such as Helsinki-NLP/opus-mt-de-en",
+    )
+    imported.add_argument("--out", required=True, help="the run directory to write")
+    imported.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    imported.set_defaults(func=_import)
     return parser
 
 

@@ -82,7 +82,9 @@ SHARED_WEIGHT_GRAPHS = (
     "beam_search",
     "beam_batch_search",
 )
-TOKENIZER_FILES = ("spm.model", "vocab.txt")
+TOKENIZER_FILES = ("spm.model", "vocab.json", "vocab.txt")
+# The files beside Marian's vocab.json that its tokenizer reads too.
+MARIAN_TOKENIZER_FILES = ("source.spm", "target.spm", "target_vocab.json")
 PRECISIONS = ("float32", "float16", "int8")
 # The file suffix of each extra precision's graphs.
 SUFFIXES = {"float16": "_fp16", "int8": "_int8"}
@@ -100,7 +102,7 @@ def export_onnx(
 
     Args:
         model_or_run_dir: a `build_transformer` model, or a run directory
-            (with `model.keras` and `spm.model` or `vocab.txt`).
+            (with `model.keras` and `spm.model`, Marian's `vocab.json` or `vocab.txt`).
         out_dir: the folder to create. An existing export there is replaced
             only with `overwrite=True`; any other existing non-empty folder
             is refused.
@@ -145,6 +147,13 @@ def export_onnx(
             name = os.path.basename(tokenizer_path)
             shutil.copyfile(tokenizer_path, os.path.join(staging, name))
             manifest["tokenizer"] = name
+            if name == "vocab.json":
+                folder = os.path.dirname(tokenizer_path)
+                for companion in MARIAN_TOKENIZER_FILES:
+                    if os.path.isfile(os.path.join(folder, companion)):
+                        shutil.copyfile(
+                            os.path.join(folder, companion), os.path.join(staging, companion)
+                        )
         with open(os.path.join(staging, MANIFEST), "w", encoding="utf-8") as f:
             json.dump(manifest, f, indent=2)
             f.write("\n")
