@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install demo test integration lint slow clean
+.PHONY: install demo test integration lint slow pretrained clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -26,7 +26,7 @@ demo: $(STAMP)
 # same time, the tests marked `jax` under JAX (two processes: most of a test
 # run is single-threaded tracing, so the two share the 2 cores well); the JAX
 # output is printed after the TensorFlow run, and either failing fails it.
-UNIT = not slow and not integration
+UNIT = not slow and not integration and not pretrained
 PYTEST = TF_CPP_MIN_LOG_LEVEL=2 $(BIN)/python -m pytest -q -p no:cacheprovider --durations=15
 
 test: $(STAMP)
@@ -65,6 +65,12 @@ lint: $(STAMP)
 
 slow: $(STAMP)
 	$(PYTEST) -m slow
+
+# The Marian import against transformers itself (PyTorch, a large install: not in
+# `make test` or CI). `-m "pretrained and not slow"` leaves out the OPUS-MT-size model.
+pretrained: $(STAMP)
+	$(BIN)/python -m pip install --quiet -e ".[pretrained-test]"
+	$(PYTEST) -m pretrained
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .pytest-jax-tmp .jax-tests.log .pytest-train-tmp .train-tests.log

@@ -169,9 +169,12 @@ def assign_weights(parts, tensors: dict, tokenizer, hf_config: dict) -> None:
         name = next((n for n in entry.names if n in tensors), None)
         if name is None:
             raise MarianWeightError(f"The checkpoint has no tensor {entry.names[0]}.")
-        value = entry.to_keras(np.asarray(tensors[name], np.float32))
         expected = tuple(entry.variable.shape)
-        if value.shape != expected:
+        try:
+            value = entry.to_keras(np.asarray(tensors[name], np.float32))
+        except (ValueError, IndexError):  # a reshape or a row lookup that cannot fit
+            value = None
+        if value is None or value.shape != expected:
             raise MarianWeightError(
                 f"The checkpoint's {name} has shape {tuple(tensors[name].shape)}; the model "
                 f"its config.json describes needs {expected} (after renumbering the vocabulary): "

@@ -1,0 +1,203 @@
+"""Marian directories in the Hugging Face layout, built here for the import tests.
+
+`marian_tokenizer_files` trains two small SentencePiece models on the toy
+corpus and writes Marian's `vocab.json` (`</s>` 0, `<unk>` 1, `<pad>` last).
+`numpy_checkpoint` writes random weights under transformers' MarianMT names
+with safetensors alone (no PyTorch: the tier CI runs); `transformers_checkpoint`
+builds a random `MarianMTModel` with transformers itself (the `pretrained` tier).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+
+import numpy as np
+
+SOURCE_EXTRA = ["Ein großer Hund läuft über die Straße.", "Zwei Kinder spielen im Park."]
+TARGET_EXTRA = ["A big dog runs across the street.", "Two children play in the park."]
+# Variants of the issue: relu and swish (and gelu), shared and separate
+# vocabularies, with and without final_logits_bias, scaled or unscaled embeddings.
+VARIANTS = {
+    "relu-shared-bias": dict(activation_function="relu", scale_embedding=True, bias=True),
+    "swish-shared-nobias": dict(activation_function="swish", scale_embedding=False, bias=False),
+    "gelu-separate-bias": dict(
+        activation_function="gelu", scale_embedding=True, bias=True, separate=True
+    ),
+}
+
+
+def _texts():
+    from keras_transformer.data.toy import generate_toy_corpus
+
+    corpus = generate_toy_corpus(num_train=300, num_valid=5, num_test=5, seed=5)
+    return (
+        [s for s, _ in corpus.train] + SOURCE_EXTRA * 5,
+        [t for _, t in corpus.train] + TARGET_EXTRA * 5,
+    )
+
+
+def _spm(texts, size):
+    import sentencepiece as spm
+
+    buffer = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(texts),
+        model_writer=buffer,
+        vocab_size=size,
+        hard_vocab_limit=False,
+        character_coverage=1.0,
+        minloglevel=2,
+    )
+    return buffer.getvalue()
+
+
+def _vocabulary(*models, pad_first=False):
+    """Marian's vocab.json: `</s>` 0, `<unk>` 1, `<pad>` last; or 2 with `pad_first`
+    (separate vocabularies keep pad at one id on both sides, which transformers needs)."""
+    import sentencepiece as spm
+
+    vocabulary = {"</s>": 0, "<unk>": 1}
+    if pad_first:
+        vocabulary["<pad>"] = 2
+    for model in models:
+        processor = spm.SentencePieceProcessor(model_proto=model)
+        for i in range(processor.get_piece_size()):
+            if not (processor.is_control(i) or processor.is_unknown(i)):
+                vocabulary.setdefault(processor.id_to_piece(i), len(vocabulary))
+    vocabulary.setdefault("<pad>", len(vocabulary))
+    return vocabulary
+
+
+def marian_tokenizer_files(folder, separate=False, vocabulary_size=None):
+    """Writes source.spm, target.spm, vocab.json (and target_vocab.json with
+    `separate`); returns `(source_size, target_size, pad_id)`."""
+    os.makedirs(folder, exist_ok=True)
+    sources, targets = _texts()
+    source, target = _spm(sources, 90), _spm(targets, 90)
+    for name, data in (("source.spm", source), ("target.spm", target)):
+        with open(os.path.join(folder, name), "wb") as f:
+            f.write(data)
+    if separate:
+        vocabularies = [_vocabulary(source, pad_first=True), _vocabulary(target, pad_first=True)]
+    else:
+        vocabularies = [_vocabulary(source, target)]
+    if vocabulary_size:  # widened to a real model's size with pieces no text makes
+        (vocabulary,) = vocabularies
+        pad = vocabulary.pop("<pad>")
+        assert pad == len(vocabulary)
+        for i in range(vocabulary_size - len(vocabulary) - 1):
+            vocabulary[f"\u2581x{i:05d}"] = len(vocabulary)
+        vocabulary["<pad>"] = len(vocabulary)
+    names = ["vocab.json", "target_vocab.json"]
+    for name, vocabulary in zip(names, vocabularies, strict=False):
+        with open(os.path.join(folder, name), "w", encoding="utf-8") as f:
+            json.dump(vocabulary, f, ensure_ascii=False)
+    return len(vocabularies[0]), len(vocabularies[-1]), vocabularies[-1]["<pad>"]
+
+
+def marian_config(sizes, variant, d=64, layers=(2, 2), ffn=128, heads=4):
+    source_size, target_size, pad = sizes
+    options = dict(VARIANTS[variant])
+    separate = options.pop("separate", False)
+    options.pop("bias")
+    return dict(
+        model_type="marian",
+        architectures=["MarianMTModel"],
+        vocab_size=source_size,
+        decoder_vocab_size=target_size,
+        share_encoder_decoder_embeddings=not separate,
+        d_model=d,
+        encoder_layers=layers[0],
+        decoder_layers=layers[1],
+        encoder_attention_heads=heads,
+        decoder_attention_heads=heads,
+        encoder_ffn_dim=ffn,
+        decoder_ffn_dim=ffn,
+        max_position_embeddings=128,
+        pad_token_id=pad,
+        eos_token_id=0,
+        decoder_start_token_id=pad,
+        forced_eos_token_id=0,
+        dropout=0.1,
+        attention_dropout=0.0,
+        **options,
+    )
+
+
+def numpy_checkpoint(folder, variant="relu-shared-bias", seed=0):
+    """A random MarianMT directory written with numpy and safetensors; returns its config."""
+    from safetensors.numpy import save_file
+
+    separate = VARIANTS[variant].get("separate", False)
+    sizes = marian_tokenizer_files(folder, separate)
+    source_size, target_size, _ = sizes
+    config = marian_config(sizes, variant)
+    rng = np.random.default_rng(seed)
+    d, ffn = config["d_model"], config["encoder_ffn_dim"]
+
+    def normal(*shape, scale=0.2):
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+    tensors = {}
+
+    def linear(name, out, inp):
+        tensors[f"{name}.weight"] = normal(out, inp)
+        tensors[f"{name}.bias"] = normal(out, scale=0.05)
+
+    def norm(name):
+        tensors[f"{name}.weight"] = 1 + normal(d, scale=0.1)
+        tensors[f"{name}.bias"] = normal(d, scale=0.1)
+
+    for side, count in (
+        ("encoder", config["encoder_layers"]),
+        ("decoder", config["decoder_layers"]),
+    ):
+        for i in range(count):
+            p = f"model.{side}.layers.{i}"
+            attentions = ["self_attn"] + (["encoder_attn"] if side == "decoder" else [])
+            for attention in attentions:
+                for proj in ("q_proj", "k_proj", "v_proj", "out_proj"):
+                    linear(f"{p}.{attention}.{proj}", d, d)
+                norm(f"{p}.{attention}_layer_norm")
+            linear(f"{p}.fc1", ffn, d)
+            linear(f"{p}.fc2", d, ffn)
+            norm(f"{p}.final_layer_norm")
+    if separate:
+        tensors["model.encoder.embed_tokens.weight"] = normal(source_size, d)
+        tensors["model.decoder.embed_tokens.weight"] = normal(target_size, d)
+    else:
+        tensors["model.shared.weight"] = normal(source_size, d)
+    bias = (
+        normal(1, target_size, scale=1.0)
+        if VARIANTS[variant]["bias"]
+        else np.zeros((1, target_size), np.float32)
+    )
+    tensors["final_logits_bias"] = bias
+    save_file(tensors, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(config, f)
+    return config
+
+
+def transformers_checkpoint(
+    folder, variant="relu-shared-bias", seed=0, vocabulary_size=None, **shape
+):
+    """A random `MarianMTModel` saved by transformers (needs torch); returns the model."""
+    import torch
+    from transformers import MarianConfig, MarianMTModel
+
+    separate = VARIANTS[variant].get("separate", False)
+    sizes = marian_tokenizer_files(folder, separate, vocabulary_size)
+    config = marian_config(sizes, variant, **shape)
+    config.pop("model_type")
+    config.pop("architectures")
+    torch.manual_seed(seed)
+    model = MarianMTModel(MarianConfig(**config)).eval()
+    if VARIANTS[variant]["bias"]:
+        model.final_logits_bias.copy_(torch.randn_like(model.final_logits_bias))
+    model.save_pretrained(folder)
+    with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
+        json.dump({"separate_vocabs": separate, "tokenizer_class": "MarianTokenizer"}, f)
+    return model

@@ -1,0 +1,200 @@
+"""`import marian` and `export --format marian-hf` without PyTorch: checkpoints
+written with numpy and safetensors (tests/pretrained/marian_dirs.py), the
+tokenizer in Python and in tf.data, the ONNX export of an imported model,
+the round trip, and the refusals. The comparisons against transformers
+itself are in test_marian_transformers.py (the `pretrained` tier)."""
+
+import json
+import os
+
+import keras
+import numpy as np
+import pytest
+
+from keras_transformer import cli
+from keras_transformer.pretrained.marian import MarianImportError, from_marian, import_marian
+from tests.pretrained.marian_dirs import SOURCE_EXTRA, TARGET_EXTRA, VARIANTS, numpy_checkpoint
+
+TEXTS = SOURCE_EXTRA + ["ka ko ☃ mina", "ko tel", "eine Straße ✈ über"]
+
+
+@pytest.fixture(scope="module", params=sorted(VARIANTS))
+def marian_dir(request, tmp_path_factory):
+    folder = str(tmp_path_factory.mktemp(request.param))
+    numpy_checkpoint(folder, request.param)
+    return folder
+
+
+def test_the_tokenizer_gives_marians_ids_in_our_numbering(marian_dir):
+    import sentencepiece as spm
+
+    _, tokenizer = from_marian(marian_dir)
+    with open(os.path.join(marian_dir, "vocab.json")) as f:
+        vocabulary = json.load(f)
+    source = spm.SentencePieceProcessor(model_file=os.path.join(marian_dir, "source.spm"))
+    for text in TEXTS:
+        # Marian's ids: the source model's pieces looked up in vocab.json, <unk> if absent.
+        expected = [
+            vocabulary.get(p, vocabulary["<unk>"]) for p in source.encode(text, out_type=str)
+        ]
+        ids = tokenizer.encode(text)
+        assert tokenizer.to_marian(ids, "source") == expected
+        assert 0 not in ids and 1 not in ids  # our padding and BOS never come from text
+    assert 3 in tokenizer.encode("ka ☃")  # an unseen character is <unk>
+    # Our BOS is Marian's decoder start, <pad>; EOS </s>; UNK <unk>.
+    assert tokenizer.to_marian([1, 2, 3]) == [
+        tokenizer.target.vocabulary[p] for p in ("<pad>", "</s>", "<unk>")
+    ]
+    target = tokenizer.encode_target(TARGET_EXTRA[0])
+    assert tokenizer.decode(target + [2, 7]) == TARGET_EXTRA[0]
+
+
+def test_the_tf_data_tokenizer_gives_the_python_ids(marian_dir):
+    import tensorflow as tf
+
+    if keras.backend.backend() != "tensorflow":
+        pytest.skip("tf.data tokenization")
+    _, tokenizer = from_marian(marian_dir)
+    for side, encode in (("source", tokenizer.encode), ("target", tokenizer.encode_target)):
+        ragged = tokenizer.tf_tokenizer(side=side).tokenize(tf.constant(TEXTS[:-1]))
+        assert ragged.to_list() == [encode(t) for t in TEXTS[:-1]]
+
+
+@pytest.mark.skipif(keras.backend.backend() != "tensorflow", reason="ONNX export")
+def test_an_imported_model_exports_and_onnx_runtime_matches_keras(marian_dir, tmp_path):
+    from keras_transformer_runtime import OnnxTranslator
+
+    from keras_transformer.decoding import translator
+
+    run = str(tmp_path / "run")
+    import_marian(marian_dir, run)
+    out = str(tmp_path / "onnx")
+    assert cli.main(["export", run, "--out", out, "--precision", "int8"]) == 0
+    assert {"source.spm", "target.spm", "vocab.json"} <= set(os.listdir(out))
+    model, tokenizer = from_marian(marian_dir)
+    keras_side = translator(model, tokenizer)
+    onnx_side = OnnxTranslator(out)
+    for beam in (1, 3):
+        expected = keras_side.translate(TEXTS, beam_size=beam, max_length=12)
+        assert onnx_side.translate(TEXTS, beam_size=beam, max_length=12) == expected
+    # Forced scores of the same pairs agree within float32 noise.
+    targets = TARGET_EXTRA + ["A", "B C", "D"]
+    ours = [s["log_prob"] for s in onnx_side.score(TEXTS, targets)]
+    theirs = [s["log_prob"] for s in keras_side.score(TEXTS, targets)]
+    np.testing.assert_allclose(ours, theirs, rtol=1e-4, atol=1e-3)
+    int8 = OnnxTranslator(out, precision="int8").translate(TEXTS, beam_size=1, max_length=12)
+    assert len(int8) == len(TEXTS)
+
+
+@pytest.mark.skipif(keras.backend.backend() != "tensorflow", reason="saving a run")
+def test_import_then_export_gives_back_the_same_checkpoint(marian_dir, tmp_path):
+    from safetensors.numpy import load_file
+
+    run, back = str(tmp_path / "run"), str(tmp_path / "back")
+    assert cli.main(["import", "marian", marian_dir, "--out", run]) == 0
+    assert {"model.keras", "vocab.json", "source.spm", "target.spm"} <= set(os.listdir(run))
+    assert cli.main(["export", run, "--format", "marian-hf", "--out", back]) == 0
+    original = load_file(os.path.join(marian_dir, "model.safetensors"))
+    written = load_file(os.path.join(back, "model.safetensors"))
+    assert set(written) == set(original)
+    for name, value in original.items():
+        np.testing.assert_array_equal(written[name], value, err_msg=name)
+    with open(os.path.join(marian_dir, "config.json")) as f:
+        config = json.load(f)
+    with open(os.path.join(back, "config.json")) as f:
+        written_config = json.load(f)
+    for key in (
+        "d_model",
+        "activation_function",
+        "scale_embedding",
+        "vocab_size",
+        "decoder_vocab_size",
+        "share_encoder_decoder_embeddings",
+        "pad_token_id",
+    ):
+        assert written_config[key] == config[key], key
+    for name in ("source.spm", "target.spm", "vocab.json"):
+        with (
+            open(os.path.join(marian_dir, name), "rb") as a,
+            open(os.path.join(back, name), "rb") as b,
+        ):
+            if name.endswith(".spm"):
+                assert a.read() == b.read()
+            else:
+                assert json.load(a) == json.load(b)
+
+
+def _broken(tmp_path, edit):
+    folder = str(tmp_path / "marian")
+    numpy_checkpoint(folder, "relu-shared-bias")
+    edit(folder)
+    return folder
+
+
+def _edit_config(**changes):
+    def edit(folder):
+        path = os.path.join(folder, "config.json")
+        with open(path) as f:
+            config = json.load(f)
+        config.update(changes)
+        with open(path, "w") as f:
+            json.dump(config, f)
+
+    return edit
+
+
+def _truncate(folder):
+    path = os.path.join(folder, "model.safetensors")
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda f: os.remove(os.path.join(f, "vocab.json")), "vocab.json"),
+        (lambda f: os.remove(os.path.join(f, "model.safetensors")), "no weights"),
+        (lambda f: os.remove(os.path.join(f, "config.json")), "no config.json"),
+        (_edit_config(model_type="bart"), "model_type='bart'"),
+        (_edit_config(activation_function="gelu_new"), "activation_function='gelu_new'"),
+        (_edit_config(vocab_size=12), "vocab_size=12"),
+        (_edit_config(normalize_before=True), "normalize_before=True"),
+        (_edit_config(decoder_ffn_dim=96), "decoder_ffn_dim=96"),
+        (_edit_config(d_model=32), "self_attn.q_proj.weight has shape (64, 64)"),
+        (_truncate, "not a whole safetensors file"),
+    ],
+)
+def test_bad_checkpoints_are_refused_by_name_and_leave_nothing(edit, message, tmp_path, capsys):
+    folder = _broken(tmp_path, edit)
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as raised:
+        cli.main(["import", "marian", folder, "--out", str(out)])
+    assert message in str(raised.value)
+    assert str(raised.value).startswith("error: ")
+    assert not out.exists()
+    assert [p for p in os.listdir(tmp_path) if p.startswith(".run")] == []
+
+
+def test_an_existing_run_is_not_overwritten_without_asking(tmp_path):
+    folder = str(tmp_path / "marian")
+    numpy_checkpoint(folder, "swish-shared-nobias")
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(MarianImportError, match="not empty"):
+        import_marian(folder, str(out))
+    assert (out / "notes.txt").read_text() == "mine"
+
+
+@pytest.mark.skipif(keras.backend.backend() != "tensorflow", reason="saving a run")
+def test_a_run_of_our_own_is_refused_by_marian_hf_export(tmp_path):
+    from keras_transformer.config import TransformerConfig
+    from keras_transformer.model import build_transformer
+
+    run = tmp_path / "run"
+    run.mkdir()
+    build_transformer(TransformerConfig.from_preset("tiny")).save(str(run / "model.keras"))
+    (run / "vocab.txt").write_text("\n".join(["<pad>", "<s>", "</s>", "<unk>", "a"]) + "\n")
+    with pytest.raises(SystemExit, match="no Marian tokenizer"):
+        cli.main(["export", str(run), "--format", "marian-hf", "--out", str(tmp_path / "hf")])
+    assert not (tmp_path / "hf").exists()
