@@ -16,6 +16,7 @@ from keras_transformer.layers import (
 )
 from keras_transformer.losses import LabelSmoothedCrossEntropy, MaskedAccuracy
 from keras_transformer.model import TransformerParts, build_transformer, transformer_parts
+from keras_transformer.pretrained.marian import from_marian
 from keras_transformer.schedules import TransformerSchedule, transformer_optimizer
 
 __version__ = "0.1.0"
@@ -33,6 +34,7 @@ __all__ = [
     "TransformerParts",
     "TransformerSchedule",
     "build_transformer",
+    "from_marian",
     "transformer_optimizer",
     "transformer_parts",
 ]

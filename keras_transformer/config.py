@@ -47,6 +47,10 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
+# The shape fields a run may override on its preset (`preset_config`).
+SHAPE_FIELDS = ("num_layers", "hidden_dim", "intermediate_dim", "num_heads")
+
+
 @dataclasses.dataclass
 class TransformerConfig:
     """Hyper-parameters of an encoder-decoder Transformer.
@@ -164,3 +168,25 @@ class TransformerConfig:
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+
+def preset_config(
+    preset, vocabulary_size, dropout=None, attention_dropout=None, normalize_first=None, **shape
+):
+    """The `TransformerConfig` of a run: the preset with the run's vocabulary and overrides.
+
+    `shape` takes `SHAPE_FIELDS`; a None value keeps the preset's.
+    """
+    unknown = set(shape) - set(SHAPE_FIELDS)
+    if unknown:
+        raise ValueError(f"Unknown shape fields: {', '.join(sorted(unknown))}")
+    overrides = {"vocabulary_size": vocabulary_size}
+    for name, value in (
+        ("dropout", dropout),
+        ("attention_dropout", attention_dropout),
+        ("normalize_first", normalize_first),
+        *shape.items(),
+    ):
+        if value is not None:
+            overrides[name] = value
+    return TransformerConfig.from_preset(preset, **overrides)

@@ -40,6 +40,10 @@ class TransformerSchedule(keras.optimizers.schedules.LearningRateSchedule):
         cooldown_steps: int or None. Length of the final linear cool-down to
             zero, in updates, at most `total_steps`; None: no cool-down (the
             paper's curve).
+        constant: float or None. A fixed learning rate reached by a linear
+            warm-up over `warmup_steps` and then kept (fine-tuning a trained
+            model), instead of the paper's curve; `scale` and `hidden_dim`
+            then play no part. The cool-down applies to it as well.
 
     Example:
 
@@ -56,8 +60,11 @@ class TransformerSchedule(keras.optimizers.schedules.LearningRateSchedule):
         accumulation_steps=1,
         total_steps=None,
         cooldown_steps=None,
+        constant=None,
     ):
         check_positive_int("hidden_dim", hidden_dim)
+        if constant is not None and not (isinstance(constant, (int, float)) and constant > 0):
+            raise ValueError(f"constant must be a positive number. Received: constant={constant!r}")
         check_positive_int("warmup_steps", warmup_steps)
         check_positive_int("accumulation_steps", accumulation_steps)
         if not isinstance(scale, (int, float)) or scale <= 0:
@@ -79,6 +86,7 @@ class TransformerSchedule(keras.optimizers.schedules.LearningRateSchedule):
         self.accumulation_steps = accumulation_steps
         self.total_steps = total_steps
         self.cooldown_steps = cooldown_steps
+        self.constant = None if constant is None else float(constant)
 
     def __call__(self, step):
         if self.accumulation_steps > 1:
@@ -86,13 +94,20 @@ class TransformerSchedule(keras.optimizers.schedules.LearningRateSchedule):
         iteration = ops.cast(step, "float32")
         step = ops.maximum(iteration, 1.0)
         warmup = ops.cast(self.warmup_steps, "float32")
-        rate = ops.minimum(ops.rsqrt(step), step * warmup**-1.5)
+        if self.constant is not None:
+            rate = self.constant * ops.minimum(1.0, step / warmup)
+        else:
+            rate = (
+                self.scale
+                * self.hidden_dim**-0.5
+                * ops.minimum(ops.rsqrt(step), step * warmup**-1.5)
+            )
         if self.cooldown_steps is not None:
             # Keras' counter runs 0 .. total_steps - 1: the first update of the
             # cool-down keeps the full rate, the last gets 1 / cooldown_steps.
             remaining = float(self.total_steps) - iteration
             rate = rate * ops.clip(remaining / float(self.cooldown_steps), 0.0, 1.0)
-        return self.scale * self.hidden_dim**-0.5 * rate
+        return rate
 
     def get_config(self):
         return {
@@ -102,10 +117,13 @@ class TransformerSchedule(keras.optimizers.schedules.LearningRateSchedule):
             "accumulation_steps": self.accumulation_steps,
             "total_steps": self.total_steps,
             "cooldown_steps": self.cooldown_steps,
+            "constant": self.constant,
         }
 
     def peak(self) -> float:
         """The largest learning rate, reached after `warmup_steps` updates."""
+        if self.constant is not None:
+            return self.constant
         return self.scale * (self.hidden_dim * self.warmup_steps) ** -0.5
 
 
@@ -116,6 +134,7 @@ def transformer_optimizer(
     accumulation_steps=1,
     total_steps=None,
     cooldown_steps=None,
+    constant=None,
     **kwargs,
 ):
     """Adam as in section 5.3 (beta_1=0.9, beta_2=0.98, epsilon=1e-9) on `TransformerSchedule`.
@@ -129,7 +148,13 @@ def transformer_optimizer(
     settings = dict(beta_1=0.9, beta_2=0.98, epsilon=1e-9) | kwargs
     return keras.optimizers.Adam(
         learning_rate=TransformerSchedule(
-            hidden_dim, warmup_steps, scale, accumulation_steps, total_steps, cooldown_steps
+            hidden_dim,
+            warmup_steps,
+            scale,
+            accumulation_steps,
+            total_steps,
+            cooldown_steps,
+            constant,
         ),
         gradient_accumulation_steps=accumulation_steps if accumulation_steps > 1 else None,
         **settings,

@@ -115,14 +115,15 @@ def _encode_all(tokenizer, sources, targets):
 
     if not sources:
         return [], []
-    tf_tokenizer = tokenizer.tf_tokenizer()
+    source_tokenizer = tokenizer.tf_tokenizer(side="source")
+    target_tokenizer = tokenizer.tf_tokenizer(side="target")
     dataset = (
         tf.data.Dataset.from_tensor_slices(
             (tf.constant(sources, tf.string), tf.constant(targets, tf.string))
         )
         .batch(1024)
         .map(
-            lambda s, t: (tf_tokenizer.tokenize(s), tf_tokenizer.tokenize(t)),
+            lambda s, t: (source_tokenizer.tokenize(s), target_tokenizer.tokenize(t)),
             num_parallel_calls=tf.data.AUTOTUNE,
             deterministic=True,
         )
@@ -347,16 +348,19 @@ def batch_pairs(
     if sampling is None:
         dataset = dataset.map(with_specials, num_parallel_calls=tf.data.AUTOTUNE)
     else:
-        sampler = tokenizer.tf_tokenizer(nbest_size=sampling.nbest, alpha=sampling.alpha)
+        samplers = [
+            tokenizer.tf_tokenizer(nbest_size=sampling.nbest, alpha=sampling.alpha, side=side)
+            for side in ("source", "target")
+        ]
         fits = encoded.max_length - 1  # pieces that fit beside EOS or BOS
 
-        def resampled(best, text):
-            sample = sampler.tokenize(text)
+        def resampled(best, text, side):
+            sample = samplers[side].tokenize(text)
             return tf.cond(tf.shape(sample)[0] <= fits, lambda: sample, lambda: best)
 
         def with_samples(s, t, s_text, t_text):
             key = tf.maximum(tf.shape(s)[0], tf.shape(t)[0]) + 1
-            s, dec, lab, _ = with_specials(resampled(s, s_text), resampled(t, t_text))
+            s, dec, lab, _ = with_specials(resampled(s, s_text, 0), resampled(t, t_text, 1))
             return s, dec, lab, key
 
         dataset = dataset.map(with_samples, num_parallel_calls=tf.data.AUTOTUNE)

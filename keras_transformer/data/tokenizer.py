@@ -129,13 +129,15 @@ class SentencePieceTokenizer(SentencePieceModel):
         with atomic_path(path) as tmp, open(tmp, "wb") as f:
             f.write(self.model_proto)
 
-    def tf_tokenizer(self, nbest_size: int = 0, alpha: float = 1.0):
+    def tf_tokenizer(self, nbest_size: int = 0, alpha: float = 1.0, side: str = "source"):
         """A new `tensorflow_text.SentencepieceTokenizer` on the same model bytes (int32 ids).
 
         A new one per call: its TensorFlow resource belongs to the context it
         was made in, and a cached one can outlive that context. The default
         gives the one best segmentation; `nbest_size` (-1 or at least 2) and
         `alpha` make it sample one (`keras_transformer.data.pipeline.SubwordSampling`).
+        `side` is for tokenizers with one model per side (Marian's); one joint
+        model serves both.
         """
         import tensorflow as tf
         import tensorflow_text

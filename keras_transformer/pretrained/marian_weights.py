@@ -20,6 +20,11 @@ import numpy as np
 # Tensors a checkpoint may hold that carry nothing of their own: the fixed
 # sinusoids, and copies of a tied embedding.
 DERIVED = ("model.encoder.embed_positions.weight", "model.decoder.embed_positions.weight")
+# The output bias of our padding row, which Marian lacks: far below any real
+# logit, so that it takes no probability (the log-probabilities are Marian's
+# exactly) and no gradient reaches it through the softmax; finite, so that the
+# label-smoothed loss stays finite and float16 holds it.
+PADDING_BIAS = -1e4
 
 
 class MarianWeightError(ValueError):
@@ -37,8 +42,8 @@ class Entry:
 def _rows_in(to_marian):
     """Marian's `(V, ...)` rows in our order, with a zero padding row first."""
 
-    def convert(matrix):
-        out = np.zeros((len(to_marian),) + matrix.shape[1:], np.float32)
+    def convert(matrix, padding=0.0):
+        out = np.full((len(to_marian),) + matrix.shape[1:], padding, np.float32)
         out[1:] = matrix[to_marian[1:]]
         return out
 
@@ -152,7 +157,12 @@ def weight_table(parts, tokenizer) -> list[Entry]:
         bias = parts.output_projection.bias
     else:
         bias = parts.target_embedding.logits_bias
-    add(bias, "final_logits_bias", lambda b: bias_rows_in(b[0]), lambda b: bias_rows_out(b)[None])
+    add(
+        bias,
+        "final_logits_bias",
+        lambda b: bias_rows_in(b[0], PADDING_BIAS),
+        lambda b: bias_rows_out(b)[None],
+    )
     return table
 
 

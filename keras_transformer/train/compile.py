@@ -26,6 +26,7 @@ def build_and_compile(
     total_steps: int | None = None,
     cooldown_steps: int | None = None,
     rdrop_alpha: float = 0.0,
+    learning_rate: float | None = None,
 ) -> keras.Model:
     """Builds `config` under `strategy`'s scope in `precision` and compiles it for training.
 
@@ -36,7 +37,8 @@ def build_and_compile(
     `cooldown_steps` of `total_steps` end the schedule with a linear fall to
     zero (`TransformerSchedule`). `rdrop_alpha` > 0 adds R-Drop's consistency
     term to the loss; the batches must then hold each sentence twice
-    (`keras_transformer.data.pipeline.duplicate_rows`).
+    (`keras_transformer.data.pipeline.duplicate_rows`). `learning_rate`: a
+    constant rate after the warm-up (fine-tuning) instead of the paper's curve.
     `strategy` (anything with a `scope()`: a `tf.distribute.Strategy`, or a
     `keras.distribution.Distribution` under JAX) places the variables; None
     is one device.
@@ -65,6 +67,7 @@ def build_and_compile(
                 accumulate_steps,
                 total_steps,
                 cooldown_steps,
+                constant=learning_rate,
             ),
             loss=LabelSmoothedCrossEntropy(label_smoothing, consistency=rdrop_alpha),
             metrics=[MaskedAccuracy()],

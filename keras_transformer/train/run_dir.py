@@ -147,12 +147,31 @@ def stream_seed(seed: int, epochs_done: int) -> int:
 def portable_identity(settings) -> bytes:
     """The settings that every process of a run must share, without machine-specific file paths."""
     values = settings.identity()
-    for name in ("src_train", "tgt_train", "src_valid", "tgt_valid", "data"):
+    for name in ("src_train", "tgt_train", "src_valid", "tgt_valid", "data", "init_from"):
         values.pop(name, None)
     return json.dumps(values, sort_keys=True).encode()
 
 
+# A run's tokenizer files: SentencePiece's, Marian's, or the toy demo's words.
+TOKENIZER_FILES = ("spm.model", "vocab.json", "source.spm", "target.spm", "target_vocab.json")
+
+
 def load_or_train_tokenizer(out_dir, settings, resume, sources, targets):
+    if settings.init_from is not None:
+        # Fine-tuning keeps the model's own tokenizer, copied into the run once.
+        import shutil
+
+        from keras_transformer.io_utils import atomic_path
+        from keras_transformer.translation import load_tokenizer
+
+        for name in TOKENIZER_FILES:
+            origin = os.path.join(settings.init_from, name)
+            if os.path.isfile(origin) and not (
+                resume and os.path.isfile(os.path.join(out_dir, name))
+            ):
+                with atomic_path(os.path.join(out_dir, name)) as tmp:
+                    shutil.copyfile(origin, tmp)
+        return load_tokenizer(out_dir)
     path = os.path.join(out_dir, "spm.model")
     if resume and os.path.isfile(path):
         return SentencePieceTokenizer.load(path)

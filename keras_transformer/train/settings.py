@@ -17,7 +17,7 @@ import math
 import os
 
 from keras_transformer.checks import check_consistency
-from keras_transformer.config import TransformerConfig
+from keras_transformer.config import SHAPE_FIELDS, TransformerConfig, preset_config
 from keras_transformer.data.pipeline import DataError, SubwordSampling, check_batch_fits
 from keras_transformer.data.tokenizer import DEFAULT_VOCABULARY_SIZE
 from keras_transformer.distribute import STRATEGIES, check_strategy
@@ -62,9 +62,6 @@ WARMUP_EPOCHS = 3
 AUTO_TOKENS_PER_BATCH = (4096, 2048, 1024)
 
 MIN_UPDATES_PER_EPOCH = 400
-
-# The shape settings a run may override on its preset (TransformerConfig fields).
-SHAPE_FIELDS = ("num_layers", "hidden_dim", "intermediate_dim", "num_heads")
 
 # Validation measure: history key, and whether larger is better.
 MEASURES = {"loss": ("val_loss", False), "bleu": ("val_bleu", True)}
@@ -184,6 +181,14 @@ class TrainSettings:
         help="pre-norm: LayerNorm before each sublayer instead of after the residual sum "
         "(default: the preset's, post-norm as in the paper)",
     )
+    # Fine-tuning: the model, its weights and its tokenizer from another run.
+    init_from: str | None = option(
+        None,
+        group="model",
+        metavar="RUN",
+        help="start from RUN's weights and tokenizer (an imported Marian model, or any "
+        "run): no SentencePiece model is trained and the shape is RUN's",
+    )
     # Optimisation: batches, the learning-rate schedule (TransformerSchedule), the seed.
     # Padded tokens per batch on each side; None: automatic (automatic_tokens_per_batch).
     tokens_per_batch: int | None = option(
@@ -212,6 +217,13 @@ class TrainSettings:
         help="multiplier on the paper's learning-rate curve (default: "
         f"sqrt(warmup / {PAPER_WARMUP_STEPS}), which keeps the paper's peak learning rate "
         "for the model width)",
+    )
+    # None: the paper's curve; a number: constant after the warm-up (fine-tuning).
+    learning_rate: float | None = option(
+        None,
+        group="optimisation",
+        help="a constant learning rate after the linear warm-up, for fine-tuning (e.g. 5e-5 "
+        "with --warmup-steps 100), instead of the paper's inverse-square-root curve",
     )
     # The last fraction of the run's updates (epochs or max_steps) over which the
     # learning rate falls linearly to zero; None: none, the paper's curve.
@@ -422,6 +434,17 @@ class TrainSettings:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be a positive integer. Received: {name}={value}")
+        if self.learning_rate is not None and not self.learning_rate > 0:
+            raise ValueError(f"learning_rate must be positive. Received: {self.learning_rate}")
+        if self.init_from is not None:
+            given = [n for n in ("num_layers", *SHAPE_FIELDS) if getattr(self, n) is not None]
+            if given or self.data is not None or self.normalize_first is not None:
+                raise ValueError(
+                    "init_from takes the model's shape and tokenizer from its run: leave out "
+                    f"{', '.join(given) or ('data' if self.data else 'normalize_first')}."
+                )
+            if not os.path.isfile(os.path.join(self.init_from, "model.keras")):
+                raise ValueError(f"init_from: no model.keras in {self.init_from}")
         if self.learning_rate_scale is not None and not self.learning_rate_scale > 0:
             raise ValueError(
                 "learning_rate_scale must be positive. "
@@ -498,7 +521,7 @@ class TrainSettings:
         values = dataclasses.asdict(self)
         for name in RESUMABLE_FIELDS:
             values.pop(name)
-        for name in ("src_train", "tgt_train", "src_valid", "tgt_valid", "data"):
+        for name in ("src_train", "tgt_train", "src_valid", "tgt_valid", "data", "init_from"):
             if values[name] is not None:
                 values[name] = os.path.abspath(values[name])
         return values
@@ -556,25 +579,3 @@ class TrainSettings:
             self.normalize_first,
             **{name: getattr(self, name) for name in SHAPE_FIELDS},
         )
-
-
-def preset_config(
-    preset, vocabulary_size, dropout=None, attention_dropout=None, normalize_first=None, **shape
-):
-    """The `TransformerConfig` of a run: the preset with the run's vocabulary and overrides.
-
-    `shape` takes `SHAPE_FIELDS`; a None value keeps the preset's.
-    """
-    unknown = set(shape) - set(SHAPE_FIELDS)
-    if unknown:
-        raise ValueError(f"Unknown shape fields: {', '.join(sorted(unknown))}")
-    overrides = {"vocabulary_size": vocabulary_size}
-    for name, value in (
-        ("dropout", dropout),
-        ("attention_dropout", attention_dropout),
-        ("normalize_first", normalize_first),
-        *shape.items(),
-    ):
-        if value is not None:
-            overrides[name] = value
-    return TransformerConfig.from_preset(preset, **overrides)

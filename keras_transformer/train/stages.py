@@ -73,6 +73,7 @@ from keras_transformer.train.settings import (
     automatic_tokens_per_batch,
 )
 from keras_transformer.train.streamed import DataPosition, PreparedBatches, streamed_inputs
+from keras_transformer.translation import load_run
 
 
 @dataclasses.dataclass
@@ -92,10 +93,11 @@ class _Data:
     def valid_pairs(self) -> list[tuple[str, str]]:
         """The validation pairs the validation loss uses (non-empty, within max_length)."""
         encode, limit = self.tokenizer.encode, self.config.max_length
+        target = self.tokenizer.encode_target
         return [
             (s, t)
             for s, t in zip(*self.valid_text, strict=True)
-            if s.strip() and t.strip() and len(encode(s)) < limit and len(encode(t)) < limit
+            if s.strip() and t.strip() and len(encode(s)) < limit and len(target(t)) < limit
         ]
 
 
@@ -123,6 +125,7 @@ class _Recipe:
             jit_compile=settings.jit_compile,
             accumulate_steps=settings.accumulate_steps,
             rdrop_alpha=settings.rdrop_alpha,
+            learning_rate=settings.learning_rate,
         )
 
 
@@ -151,6 +154,9 @@ def train(settings: TrainSettings, out_dir: str, verbose: int = 1, strategy=None
         data = _load_data(run, settings, *texts)
     recipe = _recipe(run, settings, data)
     model = build_and_compile(data.config, run.strategy, **recipe.compile_args(settings))
+    if settings.init_from is not None:
+        # The starting weights; a resumed start then restores its own backup over them.
+        model.set_weights(load_run(settings.init_from)[0].get_weights())
     history = _fit(run, settings, model, data, recipe)
     processes.leave()
     if not run.chief:
@@ -167,6 +173,19 @@ def train(settings: TrainSettings, out_dir: str, verbose: int = 1, strategy=None
     atomic_save_model(model, os.path.join(run.out_dir, "model.keras"))
     atomic_write_json(os.path.join(run.out_dir, "config.json"), data.config.to_dict())
     return _validate_and_record(run, settings, model, data, history, recipe, final, greedy)
+
+
+def init_config(settings) -> TransformerConfig:
+    """The `--init-from` run's model config, with this run's dropout settings where given."""
+    from keras_transformer.model import transformer_parts
+
+    config = transformer_parts(load_run(settings.init_from)[0]).config
+    changes = {
+        name: getattr(settings, name)
+        for name in ("dropout", "attention_dropout")
+        if getattr(settings, name) is not None
+    }
+    return dataclasses.replace(config, **changes)
 
 
 def _strategy(settings, strategy):
@@ -191,11 +210,18 @@ def _load_data(run, settings, src_train, tgt_train, src_valid, tgt_valid) -> _Da
     seed = stream_seed(settings.seed, epochs_done)
     keras.utils.set_random_seed(seed)
     tokenizer = load_or_train_tokenizer(run.out_dir, settings, run.resume, src_train, tgt_train)
-    config = settings.model_config(tokenizer.vocabulary_size)
-    run.log(
-        f"SentencePiece vocabulary: {tokenizer.vocabulary_size} pieces (asked for "
-        f"{settings.vocab_size})"
-    )
+    if settings.init_from is not None:
+        config = init_config(settings)
+        run.log(
+            f"Fine-tuning {settings.init_from}: its weights and tokenizer "
+            f"({tokenizer.vocabulary_size} target pieces)."
+        )
+    else:
+        config = settings.model_config(tokenizer.vocabulary_size)
+        run.log(
+            f"SentencePiece vocabulary: {tokenizer.vocabulary_size} pieces (asked for "
+            f"{settings.vocab_size})"
+        )
     given = settings.tokens_per_batch
     # Encoded once; the automatic batch size only counts each candidate's batches.
     train_pairs = encode_pairs(src_train, tgt_train, tokenizer, config.max_length)
@@ -367,12 +393,19 @@ def _recipe(run, settings, data) -> _Recipe:
     total, cooldown = settings.run_length(updates_per_epoch)
     device = training_device(gpus)
     recipe = _Recipe(precision, reason, warmup, scale, updates_per_epoch, total, cooldown, device)
-    peak = TransformerSchedule(data.config.hidden_dim, warmup, scale).peak()
+    schedule = TransformerSchedule(
+        data.config.hidden_dim, warmup, scale, constant=settings.learning_rate
+    )
+    peak = schedule.peak()
     run.log(f"Precision: {precision} ({reason}), on {device}.")
     run.log(
         f"Learning rate: warm-up {warmup} updates ({updates_per_epoch} per epoch"
         + (f", {settings.accumulate_steps} batches each" if settings.accumulate_steps > 1 else "")
-        + f"), peak {peak:.3g} (scale {scale:.3g})"
+        + (
+            f"), then constant at {peak:.3g}"
+            if settings.learning_rate
+            else f"), peak {peak:.3g} (scale {scale:.3g})"
+        )
         + (
             f", falling linearly to 0 over updates {total - cooldown + 1}-{total}."
             if cooldown

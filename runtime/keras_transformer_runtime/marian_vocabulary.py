@@ -152,6 +152,11 @@ class MarianVocabulary:
                 f.write(data)
         return list(files)
 
+    @property
+    def model_proto(self) -> bytes:
+        """Both SentencePiece models' bytes, source first: what identity checks hash."""
+        return self.source.model_proto + self.target.model_proto
+
     def __len__(self) -> int:
         """The target vocabulary's size in our ids (Marian's plus our padding row)."""
         return len(self.target.to_marian)

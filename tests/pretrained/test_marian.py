@@ -198,3 +198,51 @@ def test_a_run_of_our_own_is_refused_by_marian_hf_export(tmp_path):
     with pytest.raises(SystemExit, match="no Marian tokenizer"):
         cli.main(["export", str(run), "--format", "marian-hf", "--out", str(tmp_path / "hf")])
     assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(keras.backend.backend() != "tensorflow", reason="training and export")
+def test_fine_tuning_an_imported_model_changes_weights_keeps_the_tokenizer_and_deploys(tmp_path):
+    from keras_transformer.data.toy import generate_toy_corpus
+    from keras_transformer.model import transformer_parts
+    from keras_transformer.pretrained.marian_weights import marian_state
+    from keras_transformer.translation import load_run
+    from tests.onnx_helpers import translate_command
+
+    folder = str(tmp_path / "marian")
+    numpy_checkpoint(folder, "swish-shared-nobias")
+    files = generate_toy_corpus(num_train=120, num_valid=10, num_test=5, seed=2).write(
+        str(tmp_path / "corpus")
+    )
+    imported, tuned = str(tmp_path / "imported"), str(tmp_path / "tuned")
+    assert cli.main(["import", "marian", folder, "--out", imported]) == 0
+    args = ["train", "--init-from", imported, "--out", tuned, "--max-steps", "3"]
+    args += ["--learning-rate", "1e-3", "--warmup-steps", "1", "--precision", "float32"]
+    args += ["--src-train", files["train.src"], "--tgt-train", files["train.tgt"]]
+    args += ["--src-valid", files["valid.src"], "--tgt-valid", files["valid.tgt"]]
+    assert cli.main(args) == 0
+    for name in ("source.spm", "target.spm", "vocab.json"):
+        with (
+            open(os.path.join(folder, name), "rb") as a,
+            open(os.path.join(tuned, name), "rb") as b,
+        ):
+            assert a.read() == b.read(), name
+    assert not os.path.exists(os.path.join(tuned, "spm.model"))  # no tokenizer trained
+    before, after = load_run(imported)[0], load_run(tuned)[0]
+    changed = [
+        not np.array_equal(a, b)
+        for a, b in zip(before.get_weights(), after.get_weights(), strict=True)
+    ]
+    assert sum(changed) > len(changed) // 2
+    back, onnx_dir = str(tmp_path / "back"), str(tmp_path / "onnx")
+    assert cli.main(["export", tuned, "--format", "marian-hf", "--out", back]) == 0
+    assert cli.main(["import", "marian", back, "--out", str(tmp_path / "again")]) == 0
+    # Everything Marian has survives the way back (our padding row is ours alone).
+    again, tokenizer = load_run(str(tmp_path / "again"))
+    tuned_state = marian_state(transformer_parts(after), tokenizer)
+    for name, value in marian_state(transformer_parts(again), tokenizer).items():
+        np.testing.assert_array_equal(value, tuned_state[name], err_msg=name)
+    assert cli.main(["export", tuned, "--out", onnx_dir]) == 0
+    result = translate_command(onnx_dir, ["ka ko mina", "tel"])
+    assert result.returncode == 0, result.stderr
+    assert len(result.stdout.splitlines()) == 2

@@ -43,7 +43,7 @@ def _ours(ids, tokenizer, side):
     return [inverse[m] for m in ids]
 
 
-def _logits_both(folder, model, tokenizer, sources, targets):
+def _logits_both(folder, model, tokenizer, sources, targets, log_probs=False):
     hf = transformers.MarianMTModel.from_pretrained(folder).eval()
     hf_tokenizer = _marian_tokenizer(folder)
     batch = hf_tokenizer(sources, text_target=targets, padding=True, return_tensors="pt")
@@ -66,6 +66,9 @@ def _logits_both(folder, model, tokenizer, sources, targets):
         real = [row[0]] + [m for m in row[1:] if m != pad]
         target_ids[i, : len(real)] = _ours(real, tokenizer, "target")
     logits = keras.ops.convert_to_numpy(model({"source_ids": source_ids, "target_ids": target_ids}))
+    if log_probs:  # over all our columns, our padding's included
+        logits = keras.ops.convert_to_numpy(keras.ops.log_softmax(logits, axis=-1))
+        reference = keras.ops.convert_to_numpy(keras.ops.log_softmax(reference, axis=-1))
     # Our columns in Marian's order (our padding column dropped).
     ours = np.zeros_like(reference)
     ours[..., tokenizer.target.to_marian[1:]] = logits[..., 1:]
@@ -75,6 +78,9 @@ def _logits_both(folder, model, tokenizer, sources, targets):
 def test_logits_equal_transformers(hf_dir):
     model, tokenizer = from_marian(hf_dir)
     ours, reference, real = _logits_both(hf_dir, model, tokenizer, TEXTS, TARGETS)
+    np.testing.assert_allclose(ours[real], reference[real], atol=1e-4)
+    # The log-probabilities too: our padding row takes no probability.
+    ours, reference, real = _logits_both(hf_dir, model, tokenizer, TEXTS, TARGETS, log_probs=True)
     np.testing.assert_allclose(ours[real], reference[real], atol=1e-4)
 
 
