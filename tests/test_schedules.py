@@ -144,3 +144,18 @@ def test_accumulated_half_batches_give_the_full_batch_update():
         np.testing.assert_allclose(a, b, atol=1e-5)
     largest = max(float(np.abs(a - b).max()) for a, b in zip(full, separate, strict=True))
     assert largest > 1e-2
+
+
+def test_a_constant_rate_follows_a_linear_warm_up_and_the_cool_down():
+    schedule = TransformerSchedule(
+        hidden_dim=512, warmup_steps=10, constant=5e-5, total_steps=100, cooldown_steps=20
+    )
+    rates = [float(to_numpy(schedule(i))) for i in (0, 4, 9, 10, 50, 80, 90, 99)]
+    assert rates[:3] == pytest.approx([5e-6, 2e-5, 4.5e-5])  # iteration 0 counts as step 1
+    assert rates[3:6] == pytest.approx([5e-5] * 3)
+    assert rates[6:] == pytest.approx([5e-5 * 10 / 20, 5e-5 / 20])
+    assert schedule.peak() == 5e-5
+    restored = TransformerSchedule.from_config(schedule.get_config())
+    assert float(to_numpy(restored(50))) == pytest.approx(5e-5)
+    with pytest.raises(ValueError, match="constant must be a positive number"):
+        TransformerSchedule(hidden_dim=8, constant=0)

@@ -437,7 +437,7 @@ class TrainSettings:
         if self.learning_rate is not None and not self.learning_rate > 0:
             raise ValueError(f"learning_rate must be positive. Received: {self.learning_rate}")
         if self.init_from is not None:
-            given = [n for n in ("num_layers", *SHAPE_FIELDS) if getattr(self, n) is not None]
+            given = [n for n in SHAPE_FIELDS if getattr(self, n) is not None]
             if given or self.data is not None or self.normalize_first is not None:
                 raise ValueError(
                     "init_from takes the model's shape and tokenizer from its run: leave out "

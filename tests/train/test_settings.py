@@ -168,3 +168,20 @@ def test_the_automatic_batch_is_the_largest_with_enough_updates_else_the_smalles
         pairs = _pairs(count)
         assert pairs.batches(4096) == -(-count // 256)
         assert automatic_tokens_per_batch(pairs, accumulate) == chosen, (count, accumulate)
+
+
+def test_init_from_takes_the_shape_and_tokenizer_of_its_run(tmp_path):
+    paths = []
+    for name in ("a", "b"):
+        (tmp_path / name).write_text("x\n")
+        paths.append(str(tmp_path / name))
+    with pytest.raises(ValueError, match="init_from: no model.keras in"):
+        TrainSettings(*paths, *paths, init_from=str(tmp_path))
+    (tmp_path / "model.keras").write_bytes(b"")
+    settings = TrainSettings(*paths, *paths, init_from=str(tmp_path), learning_rate=5e-5)
+    assert settings.init_from == str(tmp_path)
+    with pytest.raises(ValueError, match="leave out num_layers, hidden_dim"):
+        TrainSettings(*paths, *paths, init_from=str(tmp_path), num_layers=2, hidden_dim=64)
+    with pytest.raises(ValueError, match="learning_rate must be positive"):
+        TrainSettings(*paths, *paths, learning_rate=0.0)
+    keras.backend.clear_session()
