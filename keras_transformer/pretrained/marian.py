@@ -184,9 +184,11 @@ def read_tensors(folder: str) -> dict[str, np.ndarray]:
 def from_marian(path: str):
     """A Marian / OPUS-MT model as `(keras.Model, MarianTokenizer)`.
 
-    `path` is a local Hugging Face MarianMT directory, or a hub name such as
-    `Helsinki-NLP/opus-mt-de-en` (downloaded with huggingface_hub, which
-    honours `HF_HUB_OFFLINE` and its cache).
+    `path` is a local Hugging Face MarianMT directory, a Marian release folder
+    (`decoder.yml`, the `.npz`, its `.vocab.yml`, `source.spm`, `target.spm`;
+    `marian_npz`), or a hub name such as `Helsinki-NLP/opus-mt-de-en`
+    (downloaded with huggingface_hub, which honours `HF_HUB_OFFLINE` and its
+    cache).
 
     Example:
 
@@ -194,13 +196,18 @@ def from_marian(path: str):
     """
     from keras_transformer.data.marian_tokenizer import MarianTokenizer
     from keras_transformer.model import build_transformer, transformer_parts
+    from keras_transformer.pretrained.marian_npz import is_native, read_native
     from keras_transformer.pretrained.marian_weights import assign_weights
 
     folder = local_directory(path)
-    hf = read_config(folder)
-    tokenizer = MarianTokenizer.load(folder)
-    config = marian_config(hf, tokenizer)
-    tensors = read_tensors(folder)
+    if is_native(folder) and not os.path.isfile(os.path.join(folder, CONFIG)):
+        hf, tensors, tokenizer = read_native(folder)  # Marian's own .npz release
+        config = marian_config(hf, tokenizer)
+    else:
+        hf = read_config(folder)
+        tokenizer = MarianTokenizer.load(folder)
+        config = marian_config(hf, tokenizer)
+        tensors = read_tensors(folder)
     model = build_transformer(config)
     assign_weights(transformer_parts(model), tensors, tokenizer, hf)
     return model, tokenizer

@@ -195,9 +195,80 @@ def transformers_checkpoint(
     config.pop("architectures")
     torch.manual_seed(seed)
     model = MarianMTModel(MarianConfig(**config)).eval()
+    # transformers' initialization (std 0.02) gives near-uniform outputs whose
+    # near-ties float32 round-off decides; wider weights give clear choices.
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "layer_norm" in name:
+                parameter.copy_((name.endswith("weight")) + 0.1 * torch.randn_like(parameter))
+            elif "embed_positions" not in name:
+                parameter.normal_(0.0, 0.05 if name.endswith("bias") else 0.2)
+        # The pad row stays zero, as in every converted OPUS-MT model (Marian
+        # starts decoding from a zero embedding; CTranslate2 assumes it).
+        for embedding in (model.model.encoder.embed_tokens, model.model.decoder.embed_tokens):
+            embedding.weight[config["pad_token_id"]] = 0.0
     if VARIANTS[variant]["bias"]:
         model.final_logits_bias.copy_(torch.randn_like(model.final_logits_bias))
     model.save_pretrained(folder)
     with open(os.path.join(folder, "tokenizer_config.json"), "w") as f:
         json.dump({"separate_vocabs": separate, "tokenizer_class": "MarianTokenizer"}, f)
     return model
+
+
+def native_release(folder, activation="swish", seed=0, d=64, layers=(2, 2), ffn=128, heads=4):
+    """A random Marian release folder (decoder.yml, model.npz with its model.yml,
+    vocab.yml, source.spm, target.spm), written with numpy as Marian names its tensors."""
+    import yaml
+
+    source_size, _, _ = marian_tokenizer_files(folder)
+    with open(os.path.join(folder, "vocab.json"), encoding="utf-8") as f:
+        vocabulary = json.load(f)
+    os.remove(os.path.join(folder, "vocab.json"))
+    vocabulary.pop("<pad>")  # Marian's own vocabulary has none
+    with open(os.path.join(folder, "opus.vocab.yml"), "w", encoding="utf-8") as f:
+        yaml.safe_dump(vocabulary, f, allow_unicode=True, sort_keys=False, width=1000)
+    rng = np.random.default_rng(seed)
+
+    def normal(*shape, scale=0.2):
+        return (rng.standard_normal(shape) * scale).astype(np.float32)
+
+    tensors = {"Wemb": normal(len(vocabulary), d)}
+    tensors["decoder_ff_logit_out_b"] = normal(1, len(vocabulary), scale=1.0)
+    for side, depth in (("encoder", layers[0]), ("decoder", layers[1])):
+        for i in range(1, depth + 1):
+            p = f"{side}_l{i}"
+            for block in ["self"] + (["context"] if side == "decoder" else []):
+                for x in "qkvo":
+                    tensors[f"{p}_{block}_W{x}"] = normal(d, d)
+                    tensors[f"{p}_{block}_b{x}"] = normal(1, d, scale=0.05)
+                tensors[f"{p}_{block}_Wo_ln_scale"] = 1 + normal(1, d, scale=0.1)
+                tensors[f"{p}_{block}_Wo_ln_bias"] = normal(1, d, scale=0.1)
+            tensors[f"{p}_ffn_W1"], tensors[f"{p}_ffn_b1"] = normal(d, ffn), normal(1, ffn)
+            tensors[f"{p}_ffn_W2"], tensors[f"{p}_ffn_b2"] = normal(ffn, d), normal(1, d)
+            tensors[f"{p}_ffn_ffn_ln_scale"] = 1 + normal(1, d, scale=0.1)
+            tensors[f"{p}_ffn_ffn_ln_bias"] = normal(1, d, scale=0.1)
+    options = {
+        "type": "transformer",
+        "dim-emb": d,
+        "enc-depth": layers[0],
+        "dec-depth": layers[1],
+        "transformer-heads": heads,
+        "transformer-dim-ffn": ffn,
+        "transformer-ffn-depth": 2,
+        "transformer-ffn-activation": activation,
+        "transformer-preprocess": "",
+        "transformer-postprocess": "dan",
+        "transformer-postprocess-emb": "d",
+        "transformer-decoder-autoreg": "self-attention",
+        "transformer-no-projection": False,
+        "transformer-guided-alignment-layer": "last",
+        "tied-embeddings-all": True,
+    }
+    text = yaml.safe_dump(options).encode() + b"\0"
+    tensors["special:model.yml"] = np.frombuffer(text, np.int8)
+    np.savez(os.path.join(folder, "opus.model1.npz"), **tensors)
+    with open(os.path.join(folder, "decoder.yml"), "w") as f:
+        yaml.safe_dump(
+            {"models": ["opus.model1.npz"], "vocabs": ["opus.vocab.yml", "opus.vocab.yml"]}, f
+        )
+    return source_size

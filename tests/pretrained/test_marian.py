@@ -246,3 +246,54 @@ def test_fine_tuning_an_imported_model_changes_weights_keeps_the_tokenizer_and_d
     result = translate_command(onnx_dir, ["ka ko mina", "tel"])
     assert result.returncode == 0, result.stderr
     assert len(result.stdout.splitlines()) == 2
+
+
+@pytest.mark.parametrize("activation", ["swish", "relu"])
+def test_a_native_marian_release_imports_and_translates_as_ctranslate2_does(activation, tmp_path):
+    """Marian's own format (model.npz, decoder.yml, vocab.yml), against CTranslate2's
+    OpusMTConverter on the same folder (numpy alone: no Marian, no PyTorch)."""
+    ctranslate2 = pytest.importorskip("ctranslate2")
+    from keras_transformer.decoding import translator
+    from tests.pretrained.marian_dirs import native_release
+
+    folder = str(tmp_path / "release")
+    native_release(folder, activation)
+    model, tokenizer = from_marian(folder)
+    converted = str(tmp_path / "ct2")
+    ctranslate2.converters.OpusMTConverter(folder).convert(converted)
+    reference = ctranslate2.Translator(converted, device="cpu", intra_threads=1)
+    ours = translator(model, tokenizer)
+    for text in TEXTS:
+        ids = tokenizer.encode(text)
+        pieces = [tokenizer.source.pieces[i] for i in ids]  # CTranslate2 adds EOS
+        for beam in (1, 4):
+            found = reference.translate_batch(
+                [pieces], beam_size=beam, max_decoding_length=10, length_penalty=0
+            )[0].hypotheses[0]
+            expected = [tokenizer.piece_to_id(p) for p in found]
+            hypothesis = ours.search([ids + [2]], _options(beam, 10))[0][0].tokens
+            assert [i for i in hypothesis if i != 2] == expected, (text, beam)
+
+
+def _options(beam, max_length):
+    from keras_transformer_runtime.options import SearchOptions
+
+    return SearchOptions(beam_size=beam, max_length=max_length, length_penalty=0.0)
+
+
+def test_a_native_release_with_options_this_project_does_not_build_is_refused(tmp_path):
+    import yaml
+
+    from tests.pretrained.marian_dirs import native_release
+
+    folder = str(tmp_path / "release")
+    native_release(folder)
+    path = os.path.join(folder, "opus.model1.npz")
+    tensors = dict(np.load(path))
+    options = yaml.safe_load(tensors["special:model.yml"][:-1].tobytes())
+    options["transformer-preprocess"] = "n"
+    tensors["special:model.yml"] = np.frombuffer(yaml.safe_dump(options).encode() + b"\0", np.int8)
+    np.savez(path, **tensors)
+    with pytest.raises(SystemExit, match="transformer-preprocess='n' is not supported"):
+        cli.main(["import", "marian", folder, "--out", str(tmp_path / "run")])
+    assert not (tmp_path / "run").exists()

@@ -168,6 +168,7 @@ def test_ctranslate2_converted_from_the_same_directory_finds_the_same_greedy_out
     ours = OnnxTranslator(out)
     tokenizer = ours.tokenizer
     for text in TEXTS:
+        # This converter keeps the tokenizer's EOS as a source piece (OpusMTConverter adds it).
         pieces = [tokenizer.source.pieces[i] for i in tokenizer.encode(text)] + ["</s>"]
         result = translator.translate_batch(
             [[_marian_piece(tokenizer, p) for p in pieces]], beam_size=1, max_decoding_length=10
