@@ -302,7 +302,7 @@ class CTranslate2Translator:
         """Forced decoding with `score_batch`: per pair a dict of `log_prob` (summed,
         EOS included) and `token_scores`, in batches sorted by source length."""
         sources = self._sources(sources)
-        targets = [self.tokenizer.pieces(self.tokenizer.encode(line)) for line in targets]
+        targets = [self.tokenizer.pieces(self.tokenizer.encode_target(line)) for line in targets]
         chunks = self._chunks(sources, batch_size)
         request = (
             "score",

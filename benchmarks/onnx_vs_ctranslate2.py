@@ -3,6 +3,7 @@
     python -m benchmarks.onnx_vs_ctranslate2 RUN_DIR --src test.de.gz --ref test.en.gz
     python -m benchmarks.onnx_vs_ctranslate2 RUN_DIR --src ... --ref ... --options nbest,score
     python -m benchmarks.onnx_vs_ctranslate2 combine A.json B.json C.json
+    python -m benchmarks.onnx_vs_ctranslate2 RUN_DIR --marian-hf HF_DIR --src ... --cells beam4-32
 
 The run is exported afresh to ONNX with its int8 graphs (RUN_DIR/onnx-int8) and
 converted to CTranslate2 float32 and int8 folders (RUN_DIR/ct2-*) from the
@@ -19,6 +20,11 @@ batches at once (ONNX Runtime's `parallel_batches`, CTranslate2's
 With T > 1, ONNX Runtime float32 searches a batch of 32 as T parts at once,
 one thread each (`OnnxTranslator`'s `split_batches`); `--whole-batches`
 keeps each batch one search on T threads, as CTranslate2 does.
+
+`--marian-hf HF_DIR` compares on a Marian model: RUN_DIR is its import
+(`keras-transformer import marian HF_DIR`), and CTranslate2 converts HF_DIR
+itself with its `TransformersConverter` (needs transformers and torch), as
+a user of both would (docs/pretrained.md).
 
 `--options` measures the output options instead of the cells: beam 4 on
 batches of 32, the plain search and then each option asked for, with the
@@ -81,6 +87,11 @@ def build_parser():
         help="ONNX Runtime searches each batch whole on --threads threads "
         "(split_batches=False), not one part per thread",
     )
+    parser.add_argument(
+        "--marian-hf",
+        help="a Hugging Face MarianMT directory that RUN_DIR was imported from: CTranslate2 "
+        "converts it with its TransformersConverter instead of our weights' spec",
+    )
     parser.add_argument("--repeats", type=int, default=3, help="interleaved repetitions")
     parser.add_argument(
         "--cells",
@@ -119,7 +130,9 @@ def _cells(text):
     return tuple(CELL_NAMES[name] for name in names)
 
 
-def _systems(run_dir, tokenizer, model, threads, parallel_batches, split_batches=None):
+def _systems(
+    run_dir, tokenizer, model, threads, parallel_batches, split_batches=None, marian_hf=None
+):
     from keras_transformer_runtime import OnnxTranslator
 
     from benchmarks.ctranslate2_peer import CTranslate2Translator, ctranslate2_model
@@ -147,8 +160,15 @@ def _systems(run_dir, tokenizer, model, threads, parallel_batches, split_batches
         ] + [manifest["weights"][precision]]  # their weights, stored once
         sizes[name] = sum(os.path.getsize(os.path.join(onnx_dir, f)) for f in files)
         folder = os.path.join(run_dir, f"ct2-{precision}")
-        if not os.path.isfile(os.path.join(folder, "model.bin")):
-            ctranslate2_model(model, tokenizer, folder, None if precision == "float32" else "int8")
+        quantization = None if precision == "float32" else "int8"
+        if marian_hf is not None:
+            import ctranslate2
+
+            folder = os.path.join(run_dir, f"ct2-marian-{precision}")
+            converter = ctranslate2.converters.TransformersConverter(marian_hf)
+            converter.convert(folder, quantization=quantization, force=True)
+        elif not os.path.isfile(os.path.join(folder, "model.bin")):
+            ctranslate2_model(model, tokenizer, folder, quantization)
         name = f"ct2-{precision}"
         # Each in a process of its own: see CTranslate2Translator.
         systems[name] = CTranslate2Translator(
@@ -174,6 +194,7 @@ def _load(args):
         args.threads,
         args.parallel_batches,
         False if args.whole_batches else None,
+        args.marian_hf,
     )
     return lines, references, tokenizer, systems, sizes
 
@@ -198,7 +219,7 @@ def run(args):
         for name in SYSTEMS:
             # Target tokens as CTranslate2's benchmark counts them: the pieces
             # of each output, without BOS and EOS.
-            tokens = sum(len(ids) for ids in tokenizer.encode_batch(outputs[name]))
+            tokens = sum(len(tokenizer.encode_target(text)) for text in outputs[name])
             entry = {
                 "sentences_per_second": len(lines) / statistics.median(times[name]),
                 "target_tokens_per_second": tokens / statistics.median(times[name]),
