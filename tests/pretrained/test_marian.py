@@ -246,6 +246,19 @@ def test_fine_tuning_an_imported_model_changes_weights_keeps_the_tokenizer_and_d
     result = translate_command(onnx_dir, ["ka ko mina", "tel"])
     assert result.returncode == 0, result.stderr
     assert len(result.stdout.splitlines()) == 2
+    # Served: the server's answers are the translator's.
+    from keras_transformer_runtime import OnnxTranslator
+
+    from tests.runtime.test_serve import Server, post
+
+    expected = OnnxTranslator(onnx_dir).translate(["ka ko mina", "tel"], beam_size=2)
+    server = Server(onnx_dir, log_dir=str(tmp_path))
+    try:
+        status, answer, _ = post(server.port, {"texts": ["ka ko mina", "tel"], "beam_size": 2})
+    finally:
+        server.stop()
+    assert status == 200, answer
+    assert answer["translations"] == expected
 
 
 @pytest.mark.parametrize("activation", ["swish", "relu"])
