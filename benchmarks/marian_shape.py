@@ -93,12 +93,17 @@ def weights(config, seed=0):
     return tensors
 
 
-def build(out, sources, targets, vocab_size, d, layers, ffn, heads, activation, seed=0):
+def build(out, sources, targets, vocab_size, d, layers, ffn, heads, activation, seed=0, total=None):
     from safetensors.numpy import save_file
 
     os.makedirs(out, exist_ok=True)
     source, target = _spm(sources, vocab_size, seed), _spm(targets, vocab_size, seed)
     vocabulary = _vocabulary(source, target)
+    if total:  # widened to a real model's size by pieces no text makes (the cost benchmark)
+        pad = vocabulary.pop("<pad>")
+        for i in range(total - pad - 1):
+            vocabulary[f"\u2581x{i:05d}"] = len(vocabulary)
+        vocabulary["<pad>"] = len(vocabulary)
     for name, data in (("source.spm", source), ("target.spm", target)):
         with open(os.path.join(out, name), "wb") as f:
             f.write(data)
@@ -211,6 +216,11 @@ def main(argv=None):
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--activation", default="swish", choices=["swish", "relu", "gelu"])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--total-vocabulary",
+        type=int,
+        help="widen vocab.json to this many pieces (opus-mt-de-en has 58,101), for the cost",
+    )
     args = parser.parse_args(argv)
     config = build(
         args.out,
@@ -223,6 +233,7 @@ def main(argv=None):
         args.heads,
         args.activation,
         args.seed,
+        args.total_vocabulary,
     )
     print(
         f"Wrote {args.out}: d{config['d_model']}, {args.layers[0]}+{args.layers[1]} layers, "

@@ -310,3 +310,34 @@ def test_a_native_release_with_options_this_project_does_not_build_is_refused(tm
     with pytest.raises(SystemExit, match="transformer-preprocess='n' is not supported"):
         cli.main(["import", "marian", folder, "--out", str(tmp_path / "run")])
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.skipif(keras.backend.backend() != "tensorflow", reason="saving a run")
+def test_the_marian_shape_benchmark_builds_a_directory_that_imports_and_measures_its_cost(
+    tmp_path,
+):
+    from benchmarks.marian_shape import main
+    from tests.pretrained.marian_dirs import SOURCE_EXTRA, TARGET_EXTRA
+
+    sources, targets = tmp_path / "src.txt", tmp_path / "tgt.txt"
+    sources.write_text("\n".join(SOURCE_EXTRA * 20) + "\n")
+    targets.write_text("\n".join(TARGET_EXTRA * 20) + "\n")
+    folder = str(tmp_path / "hf")
+    args = ["build", folder, "--src-train", str(sources), "--tgt-train", str(targets)]
+    args += ["--vocab-size", "40", "--hidden-dim", "32", "--layers", "2", "1"]
+    main(args + ["--intermediate-dim", "64", "--heads", "4", "--total-vocabulary", "300"])
+    model, tokenizer = from_marian(folder)
+    assert len(tokenizer) == 301  # 300 of Marian's pieces and our padding row
+    assert transformer_parts_config(model).num_decoder_layers == 1
+    out = str(tmp_path / "cost.json")
+    main(["cost", folder, "--out", out])
+    with open(out) as f:
+        report = json.load(f)
+    assert set(report["steps"]) == {"baseline", "import", "export_marian_hf"}
+    assert all(step["peak_rss_mib"] > 0 for step in report["steps"].values())
+
+
+def transformer_parts_config(model):
+    from keras_transformer.model import transformer_parts
+
+    return transformer_parts(model).config
