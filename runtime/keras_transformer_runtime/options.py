@@ -16,6 +16,10 @@ import numpy as np
 
 from keras_transformer_runtime.specials import UNK_ID
 
+# The length normalisations of beam search: GNMT's (Wu et al. 2016), ours by
+# default, and the average of transformers and fairseq (`spec.length_penalty_factor`).
+LENGTH_PENALTY_FORMS = ("gnmt", "average")
+
 
 def _is_int(value):
     return not isinstance(value, bool) and isinstance(value, (int, np.integer))
@@ -57,6 +61,12 @@ class SearchOptions:
         0.6,
         "beam search's alpha: scores are divided by ((5 + length) / 6) ** alpha (Wu et al. "
         "2016); higher favours longer translations; 0 disables it",
+    )
+    length_penalty_form: str = _option(
+        "gnmt",
+        "how --length-penalty divides a score: gnmt, ((5 + length) / 6) ** alpha; or "
+        "average, length ** alpha (transformers' and fairseq's form; the beam search then "
+        "stops only when no live hypothesis can win at the longest length)",
     )
     n_best: int = _option(
         1, "hypotheses answered per sentence, best first (at most beam_size)", output=True
@@ -112,6 +122,8 @@ class SearchOptions:
                 refuse(name, "a positive integer or None")
         if not _is_number(self.length_penalty) or not self.length_penalty >= 0:
             refuse("length_penalty", "a non-negative number")
+        if self.length_penalty_form not in LENGTH_PENALTY_FORMS:
+            refuse("length_penalty_form", " or ".join(repr(f) for f in LENGTH_PENALTY_FORMS))
         if not _is_number(self.repetition_penalty) or not self.repetition_penalty > 0:
             refuse("repetition_penalty", "a positive number")
         if not _is_number(self.sampling_temperature) or not self.sampling_temperature > 0:

@@ -131,7 +131,10 @@ def plain_hypotheses(tokens, scores, limits, options, token_scores=None):
         log_prob = float(score)
         if options.beam_size > 1 and limit:
             length = len(row) + (len(row) < limit)
-            log_prob = float(score * length_penalty_factor(length, options.length_penalty))
+            factor = length_penalty_factor(
+                length, options.length_penalty, options.length_penalty_form
+            )
+            log_prob = float(score * factor)
         steps = list(token_scores[i]) if options.token_scores else None
         found.append([Hypothesis(list(row), float(score), log_prob, steps)])
     return found

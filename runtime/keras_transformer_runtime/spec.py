@@ -55,9 +55,13 @@ def banned_ids(ignore_eos=False):
     return [PAD_ID, BOS_ID] + ([EOS_ID] if ignore_eos else [])
 
 
-def length_penalty_factor(length, alpha=0.6):
-    """((5 + length) / 6) ** alpha, the length normalisation of Wu et al. (2016)."""
-    return ((5.0 + np.asarray(length, np.float64)) / 6.0) ** alpha
+def length_penalty_factor(length, alpha=0.6, form="gnmt"):
+    """((5 + length) / 6) ** alpha, the length normalisation of Wu et al. (2016); with
+    `form="average"`, length ** alpha (transformers' and fairseq's)."""
+    length = np.asarray(length, np.float64)
+    if form == "average":
+        return length**alpha
+    return ((5.0 + length) / 6.0) ** alpha
 
 
 def greedy(log_probs, limit):
@@ -81,7 +85,7 @@ def greedy(log_probs, limit):
     return tokens, score
 
 
-def beam(log_probs, limit, beam_size, length_penalty=0.6):
+def beam(log_probs, limit, beam_size, length_penalty=0.6, form="gnmt"):
     """Beam search for one sentence: `(tokens, length-penalized score)`.
 
     Args:
@@ -89,12 +93,17 @@ def beam(log_probs, limit, beam_size, length_penalty=0.6):
         limit: the most tokens generated, EOS included; 0 for an empty source.
         beam_size: live hypotheses kept.
         length_penalty: alpha of `length_penalty_factor`; 0 disables it.
+        form: the penalty's form, "gnmt" or "average" (`length_penalty_factor`).
+            With "average" the search stops only when no live hypothesis can
+            win at the longest length (the bound, which holds for either form);
+            with "gnmt" also once beam_size have finished and none can win at
+            its present length.
     """
     if limit == 0:
         return [], 0.0
 
     def penalty(length):
-        return length_penalty_factor(length, length_penalty)
+        return length_penalty_factor(length, length_penalty, form)
 
     alive = [([], 0.0)]  # (tokens, summed log-probability)
     finished = []  # (length-penalized score, tokens)
@@ -123,7 +132,7 @@ def beam(log_probs, limit, beam_size, length_penalty=0.6):
         best = max((score for score, _ in finished), default=-np.inf)
         top = max(score for _, score in grown)
         if top / penalty(limit) <= best or (
-            len(finished) >= beam_size and top / penalty(t + 1) <= best
+            form == "gnmt" and len(finished) >= beam_size and top / penalty(t + 1) <= best
         ):
             break
         alive = grown
@@ -315,20 +324,28 @@ class SentenceSearch:
 
         It ends with nothing live, or when no live hypothesis can still beat
         the n-th best finished one: not even at the longest length allowed,
-        or, once beam_size have finished, not at its present length.
+        or (the GNMT form only), once beam_size have finished, not at its
+        present length.
         """
         ranks = sorted((f[0] for f in self.finished), reverse=True)
         n = self.options.n_best
         bar = ranks[n - 1] if len(ranks) >= n else -np.inf
         top = max((total for _, total, _ in live), default=-np.inf)
+        heuristic = self.options.length_penalty_form == "gnmt"
         return (
             not live
             or top / self._penalty(self.limit) <= bar
-            or (len(self.finished) >= self.options.beam_size and top / self._penalty(t + 1) <= bar)
+            or (
+                heuristic
+                and len(self.finished) >= self.options.beam_size
+                and top / self._penalty(t + 1) <= bar
+            )
         )
 
     def _penalty(self, length):
-        return length_penalty_factor(length, self.options.length_penalty)
+        return length_penalty_factor(
+            length, self.options.length_penalty, self.options.length_penalty_form
+        )
 
     def advance(self, rows):
         """One step: `rows[j]` are the log-probabilities after `live[j]`."""

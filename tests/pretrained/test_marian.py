@@ -63,6 +63,7 @@ def test_the_tf_data_tokenizer_gives_the_python_ids(marian_dir):
 @pytest.mark.skipif(keras.backend.backend() != "tensorflow", reason="ONNX export")
 def test_an_imported_model_exports_and_onnx_runtime_matches_keras(marian_dir, tmp_path):
     from keras_transformer_runtime import OnnxTranslator
+    from keras_transformer_runtime.options import SearchOptions
 
     from keras_transformer.decoding import translator
 
@@ -77,6 +78,11 @@ def test_an_imported_model_exports_and_onnx_runtime_matches_keras(marian_dir, tm
     for beam in (1, 3):
         expected = keras_side.translate(TEXTS, beam_size=beam, max_length=12)
         assert onnx_side.translate(TEXTS, beam_size=beam, max_length=12) == expected
+    # transformers' length penalty (the step loop: the beam graphs have GNMT's).
+    average = SearchOptions(beam_size=3, length_penalty=1.0, length_penalty_form="average")
+    expected = keras_side.translate_hypotheses(TEXTS, average)
+    found = onnx_side.translate_hypotheses(TEXTS, average)
+    assert [h[0]["text"] for h in found] == [h[0]["text"] for h in expected]
     # Forced scores of the same pairs agree within float32 noise.
     targets = TARGET_EXTRA + ["A", "B C", "D"]
     ours = [s["log_prob"] for s in onnx_side.score(TEXTS, targets)]

@@ -98,7 +98,7 @@ def test_tokenizer_ids_equal_marian_tokenizers(hf_dir):
         )
 
 
-def _generate(folder, texts, num_beams, max_new_tokens, length_penalty=1.0):
+def _generate(folder, texts, num_beams, max_new_tokens, length_penalty=1.0, early_stopping=True):
     hf = transformers.MarianMTModel.from_pretrained(folder).eval()
     hf_tokenizer = _marian_tokenizer(folder)
     outputs = []
@@ -113,7 +113,7 @@ def _generate(folder, texts, num_beams, max_new_tokens, length_penalty=1.0):
                 bad_words_ids=[[hf.config.pad_token_id]],
                 forced_eos_token_id=None,
                 length_penalty=length_penalty,
-                early_stopping=True,
+                early_stopping=early_stopping,
             )
         outputs.append(out[0].tolist()[1:])  # without the decoder start
     return outputs
@@ -136,6 +136,41 @@ def test_greedy_output_equals_generate(hf_dir):
     for hypotheses, reference in zip(found, expected, strict=True):
         ours = tokenizer.to_marian(hypotheses[0].tokens)
         assert _until_eos(ours) == _until_eos(reference)[: len(ours)]
+
+
+@pytest.mark.parametrize("alpha", [0.0, 1.0])
+def test_beam_output_equals_generate_under_the_same_length_penalty(hf_dir, alpha, tmp_path):
+    """transformers divides by length ** alpha: our `length_penalty_form="average"`.
+    Its canonical stopping rule (`early_stopping="never"`) is the bound ours keeps."""
+    import shutil
+
+    from keras_transformer_runtime.options import SearchOptions
+    from safetensors.numpy import load_file, save_file
+
+    from keras_transformer.decoding import translator
+
+    # EOS made likelier, so that searches end before the limit and the rule shows.
+    folder = str(tmp_path / "eos")
+    shutil.copytree(hf_dir, folder)
+    path = os.path.join(folder, "model.safetensors")
+    tensors = load_file(path)
+    tensors["final_logits_bias"][0, 0] += 4.0
+    save_file(tensors, path, metadata={"format": "pt"})
+    hf_dir = folder
+    model, tokenizer = from_marian(hf_dir)
+    texts = TEXTS + TARGETS  # more sentences, some of which end early
+    expected = _generate(hf_dir, texts, 4, 12, length_penalty=alpha, early_stopping="never")
+    options = SearchOptions(
+        beam_size=4, max_length=12, length_penalty=alpha, length_penalty_form="average"
+    )
+    sources = [tokenizer.encode(t) + [2] for t in texts]
+    found = translator(model, tokenizer).search(sources, options)
+    ended = 0
+    for hypotheses, reference in zip(found, expected, strict=True):
+        ours = tokenizer.to_marian(hypotheses[0].tokens)
+        assert ours == [i for i in reference if i not in (0, tokenizer.target.to_marian[1])]
+        ended += 0 in reference
+    assert ended  # the stopping rule was exercised, not only the length limit
 
 
 @pytest.mark.skipif(keras.backend.backend() != "tensorflow", reason="saving a run")

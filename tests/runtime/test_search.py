@@ -53,10 +53,10 @@ class ToyDecoder:
         self.prefixes = [list(self.prefixes[r]) for r in rows]
 
 
-def _search(limits, beam_size, drop_finished, alpha=0.6, ties=False):
+def _search(limits, beam_size, drop_finished, alpha=0.6, ties=False, form="gnmt"):
     """The best `(tokens, scores)` of `search_loop` and the step's batch sizes."""
     decoder = ToyDecoder(len(limits), beam_size, ties)
-    options = SearchOptions(beam_size, alpha)
+    options = SearchOptions(beam_size, alpha, length_penalty_form=form)
     found = search_loop(decoder.step, decoder.reorder, limits, options, drop_finished=drop_finished)
     tokens = [h[0].tokens for h in found]
     return (tokens, np.array([h[0].score for h in found])), decoder.batch_sizes
@@ -117,10 +117,11 @@ def test_wider_beams_never_score_worse_on_the_toy_decoder():
     assert (wide >= narrow - 1e-9).mean() >= 0.9 and (wide > narrow + 1e-6).any()
 
 
+@pytest.mark.parametrize("form", ["gnmt", "average"])
 @pytest.mark.parametrize("ties", [False, True])
 @pytest.mark.parametrize("alpha", [0.0, 0.6, 2.0])
 @pytest.mark.parametrize("beam_size", [1, 3, 5])
-def test_the_batched_search_is_the_plain_one_sentence_search(beam_size, alpha, ties):
+def test_the_batched_search_is_the_plain_one_sentence_search(beam_size, alpha, ties, form):
     limits = np.array([9, 0, 4, 12, 1, 7, 12, 3, 6, 10])
     if beam_size == 1:
         expected = [
@@ -129,11 +130,13 @@ def test_the_batched_search_is_the_plain_one_sentence_search(beam_size, alpha, t
         ]
     else:
         expected = [
-            spec.beam(lambda prefix, s=s: _log_probs(s, prefix, ties), limit, beam_size, alpha)
+            spec.beam(
+                lambda prefix, s=s: _log_probs(s, prefix, ties), limit, beam_size, alpha, form
+            )
             for s, limit in enumerate(limits)
         ]
     for drop in (False, True):
-        (tokens, scores), _ = _search(limits, beam_size, drop, alpha, ties)
+        (tokens, scores), _ = _search(limits, beam_size, drop, alpha, ties, form)
         assert tokens == [e[0] for e in expected]
         np.testing.assert_allclose(scores, [e[1] for e in expected], rtol=1e-12)
 
