@@ -69,6 +69,11 @@ def check_keras_archive(path: str) -> None:
         raise ValueError(f"{path} is not a Keras model file: it has no {', '.join(missing)}.")
 
 
+# A run's tokenizer files: SentencePiece's, or Marian's (`vocab.json` with its two
+# SentencePiece models, and `target_vocab.json` for separate vocabularies).
+TOKENIZER_FILES = ("spm.model", "vocab.json", "source.spm", "target.spm", "target_vocab.json")
+
+
 def load_tokenizer(run_dir: str):
     """The run's tokenizer: `spm.model` (SentencePiece), Marian's `vocab.json` with
     `source.spm` and `target.spm` (an imported model), or `vocab.txt` (the toy

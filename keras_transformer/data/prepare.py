@@ -98,10 +98,17 @@ class PrepareSettings:
     pairs_per_shard: int = _setting(
         DEFAULT_PAIRS_PER_SHARD, "input lines per shard (default %(default)s)"
     )
+    tokenizer_from: str | None = _setting(
+        None,
+        "encode with this run's tokenizer (an imported Marian model, for train --init-from "
+        "RUN --data) instead of training SentencePiece; its files are copied in",
+    )
 
     def __post_init__(self):
         for name in ("vocab_size", "max_length", "spm_pairs", "pairs_per_shard"):
             check_positive_int(name, getattr(self, name))
+        if self.tokenizer_from is not None:
+            object.__setattr__(self, "tokenizer_from", os.path.abspath(self.tokenizer_from))
 
 
 class LineReader:
@@ -262,22 +269,32 @@ def _sample_pairs(source_path, target_path, spm_pairs, seed):
     return total, [p for _, p in sample]
 
 
-# The worker processes' SentencePiece model, loaded once per process.
-_worker_processor = None
+# The worker processes' encoders of each side, loaded once per process.
+_worker_encoders = None
 
 
-def _start_worker(model_proto: bytes):
-    global _worker_processor
+def _start_worker(model_proto: bytes, marian_folder: str | None = None):
+    global _worker_encoders
+    if marian_folder is not None:  # Marian's: a SentencePiece model and vocabulary per side
+        from keras_transformer_runtime.marian_vocabulary import MarianVocabulary
+
+        marian = MarianVocabulary.read(marian_folder)
+        _worker_encoders = (
+            marian.encode_batch,
+            lambda texts: list(map(marian.encode_target, texts)),
+        )
+        return
     import sentencepiece as spm
 
-    _worker_processor = spm.SentencePieceProcessor(model_proto=model_proto)
+    processor = spm.SentencePieceProcessor(model_proto=model_proto)
+    _worker_encoders = (processor.encode, processor.encode)
 
 
 def _encode_chunk(sources, targets, max_length, dtype):
     """Encodes one chunk of pairs: the kept pairs' pieces and lengths, and the counts."""
     nonempty = [i for i in range(len(sources)) if sources[i].strip() and targets[i].strip()]
-    source_ids = _worker_processor.encode([sources[i] for i in nonempty])
-    target_ids = _worker_processor.encode([targets[i] for i in nonempty])
+    source_ids = _worker_encoders[0]([sources[i] for i in nonempty])
+    target_ids = _worker_encoders[1]([targets[i] for i in nonempty])
     keep = [
         k
         for k in range(len(nonempty))
@@ -382,8 +399,9 @@ def _encode_shards(out_dir, source_path, target_path, tokenizer, settings, total
             )
 
     # A bounded queue: the text is never read much ahead of the encoders.
+    marian = out_dir if os.path.isfile(os.path.join(out_dir, "vocab.json")) else None
     with concurrent.futures.ProcessPoolExecutor(
-        max_workers=workers, initializer=_start_worker, initargs=(tokenizer.model_proto,)
+        max_workers=workers, initializer=_start_worker, initargs=(tokenizer.model_proto, marian)
     ) as pool:
         for shard, sources, targets in _chunks(
             source_path, target_path, settings.pairs_per_shard, done
@@ -441,7 +459,10 @@ def prepare(
     if total == 0:
         raise DataError(f"{src_train} and {tgt_train} are empty: nothing to prepare.")
     spm_path = os.path.join(out_dir, SPM_MODEL)
-    if os.path.isfile(spm_path):
+    if settings.tokenizer_from is not None:
+        tokenizer = _copied_tokenizer(settings.tokenizer_from, out_dir)
+        del sample
+    elif os.path.isfile(spm_path):
         tokenizer = SentencePieceTokenizer.load(spm_path)
         del sample
     else:
@@ -492,6 +513,17 @@ def prepare(
     log(stats.describe("prepared"))
     log(f"Prepared {out_dir} in {time.perf_counter() - started:.0f} s ({len(shards)} shards).")
     return manifest
+
+
+def _copied_tokenizer(run_dir, out_dir):
+    """The tokenizer of the run `run_dir`, its files copied into `out_dir`."""
+    from keras_transformer.translation import TOKENIZER_FILES, load_tokenizer
+
+    tokenizer = load_tokenizer(run_dir)
+    for name in TOKENIZER_FILES:
+        if os.path.isfile(os.path.join(run_dir, name)):
+            shutil.copyfile(os.path.join(run_dir, name), os.path.join(out_dir, name))
+    return tokenizer
 
 
 def prepare_command(args) -> int:

@@ -160,6 +160,12 @@ class PreparedData:
         return [s["name"] for s in self.manifest["shards"]]
 
     def tokenizer(self):
+        """The tokenizer the shards were encoded with: SentencePiece's, or Marian's
+        (`prepare --tokenizer-from`)."""
+        if os.path.isfile(os.path.join(self.directory, "vocab.json")):
+            from keras_transformer.data.marian_tokenizer import MarianTokenizer
+
+            return MarianTokenizer.load(self.directory)
         from keras_transformer.data.tokenizer import SentencePieceTokenizer
 
         return SentencePieceTokenizer.load(os.path.join(self.directory, SPM_MODEL))

@@ -152,17 +152,13 @@ def portable_identity(settings) -> bytes:
     return json.dumps(values, sort_keys=True).encode()
 
 
-# A run's tokenizer files: SentencePiece's, Marian's, or the toy demo's words.
-TOKENIZER_FILES = ("spm.model", "vocab.json", "source.spm", "target.spm", "target_vocab.json")
-
-
 def load_or_train_tokenizer(out_dir, settings, resume, sources, targets):
     if settings.init_from is not None:
         # Fine-tuning keeps the model's own tokenizer, copied into the run once.
         import shutil
 
         from keras_transformer.io_utils import atomic_path
-        from keras_transformer.translation import load_tokenizer
+        from keras_transformer.translation import TOKENIZER_FILES, load_tokenizer
 
         for name in TOKENIZER_FILES:
             origin = os.path.join(settings.init_from, name)

@@ -438,10 +438,10 @@ class TrainSettings:
             raise ValueError(f"learning_rate must be positive. Received: {self.learning_rate}")
         if self.init_from is not None:
             given = [n for n in SHAPE_FIELDS if getattr(self, n) is not None]
-            if given or self.data is not None or self.normalize_first is not None:
+            if given or self.normalize_first is not None:
                 raise ValueError(
                     "init_from takes the model's shape and tokenizer from its run: leave out "
-                    f"{', '.join(given) or ('data' if self.data else 'normalize_first')}."
+                    f"{', '.join(given) or 'normalize_first'}."
                 )
             if not os.path.isfile(os.path.join(self.init_from, "model.keras")):
                 raise ValueError(f"init_from: no model.keras in {self.init_from}")

@@ -57,6 +57,7 @@ from keras_transformer.train.data_parallel import (
     share_of_each_batch,
     start_data_parallel,
 )
+from keras_transformer.train.init_from import check_prepared_for, init_config
 from keras_transformer.train.run_dir import (
     finished_epochs,
     load_or_train_tokenizer,
@@ -175,19 +176,6 @@ def train(settings: TrainSettings, out_dir: str, verbose: int = 1, strategy=None
     return _validate_and_record(run, settings, model, data, history, recipe, final, greedy)
 
 
-def init_config(settings) -> TransformerConfig:
-    """The `--init-from` run's model config, with this run's dropout settings where given."""
-    from keras_transformer.model import transformer_parts
-
-    config = transformer_parts(load_run(settings.init_from)[0]).config
-    changes = {
-        name: getattr(settings, name)
-        for name in ("dropout", "attention_dropout")
-        if getattr(settings, name) is not None
-    }
-    return dataclasses.replace(config, **changes)
-
-
 def _strategy(settings, strategy):
     """`(strategy, processes)`: the given `tf.distribute` strategy, or the one `settings` names
     (None: Keras' default, off TensorFlow), or a data-parallel run's distribution and place."""
@@ -288,6 +276,9 @@ def _load_data(run, settings, src_train, tgt_train, src_valid, tgt_valid) -> _Da
 
 def _check_prepared(settings, prepared) -> None:
     """Refuses settings that the prepared directory cannot serve, before the run is written."""
+    if settings.init_from is not None:
+        check_prepared_for(settings, prepared)
+        return
     requested = prepared.manifest["identity"]["vocab_size"]
     if settings.vocab_size != requested:
         raise DataError(
@@ -307,8 +298,12 @@ def _check_prepared(settings, prepared) -> None:
 def _load_prepared(run, settings, prepared) -> _Data:
     """`_load_data` for `--data`: the prepared tokenizer, the stream from this start's position."""
     tokenizer = prepared.tokenizer()
-    tokenizer.save(os.path.join(run.out_dir, "spm.model"))
-    config = settings.model_config(tokenizer.vocabulary_size)
+    if settings.init_from is not None:
+        load_or_train_tokenizer(run.out_dir, settings, run.resume, [], [])  # its files copied
+        config = init_config(settings)
+    else:
+        tokenizer.save(os.path.join(run.out_dir, "spm.model"))
+        config = settings.model_config(tokenizer.vocabulary_size)
     run.log(f"SentencePiece vocabulary: {tokenizer.vocabulary_size} pieces (from {settings.data})")
     tokens_per_batch = settings.tokens_per_batch or automatic_tokens_per_batch(
         PreparedBatches(prepared), settings.accumulate_steps

@@ -347,3 +347,37 @@ def transformer_parts_config(model):
     from keras_transformer.model import transformer_parts
 
     return transformer_parts(model).config
+
+
+@pytest.mark.integration
+@pytest.mark.skipif(keras.backend.backend() != "tensorflow", reason="training")
+def test_fine_tuning_on_prepared_data_encoded_with_the_imported_tokenizer(tmp_path):
+    from keras_transformer.data.shards import PreparedData
+    from keras_transformer.data.toy import generate_toy_corpus
+
+    folder = str(tmp_path / "marian")
+    numpy_checkpoint(folder, "relu-shared-bias")
+    files = generate_toy_corpus(num_train=150, num_valid=10, num_test=5, seed=3).write(
+        str(tmp_path / "corpus")
+    )
+    imported, data = str(tmp_path / "imported"), str(tmp_path / "data")
+    assert cli.main(["import", "marian", folder, "--out", imported]) == 0
+    args = ["prepare", "--src-train", files["train.src"], "--tgt-train", files["train.tgt"]]
+    args += ["--src-valid", files["valid.src"], "--tgt-valid", files["valid.tgt"]]
+    assert cli.main([*args, "--out", data, "--tokenizer-from", imported, "--workers", "1"]) == 0
+    prepared = PreparedData(data)
+    _, tokenizer = from_marian(folder)
+    shard = np.load(os.path.join(data, prepared.manifest["shards"][0]["name"], "source.npy"))
+    first = tokenizer.encode(open(files["train.src"], encoding="utf-8").readline().rstrip("\n"))
+    assert shard[: len(first)].tolist() == first  # Marian's source ids, renumbered as ours
+    tuned = str(tmp_path / "tuned")
+    args = ["train", "--init-from", imported, "--data", data, "--out", tuned, "--max-steps", "2"]
+    assert cli.main([*args, "--learning-rate", "1e-4", "--precision", "float32"]) == 0
+    assert os.path.isfile(os.path.join(tuned, "vocab.json"))
+    # Data prepared with another tokenizer is refused before anything is written.
+    other = str(tmp_path / "other")
+    args = ["prepare", "--src-train", files["train.src"], "--tgt-train", files["train.tgt"]]
+    assert cli.main([*args, "--out", other, "--vocab-size", "400", "--workers", "1"]) == 0
+    with pytest.raises(SystemExit, match="was not encoded with the tokenizer of"):
+        cli.main(["train", "--init-from", imported, "--data", other, "--out", str(tmp_path / "x")])
+    assert not (tmp_path / "x").exists()
