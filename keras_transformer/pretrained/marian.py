@@ -227,8 +227,15 @@ def local_directory(path: str) -> str:
             "huggingface_hub) is needed to download it."
         ) from None
     patterns = [CONFIG, SAFETENSORS, TORCH_BIN, "*.spm", "*vocab.json", "generation_config.json"]
+    # Read at each call (huggingface_hub reads them once, when first imported).
+    offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
     try:
-        return snapshot_download(path, allow_patterns=patterns)
+        return snapshot_download(
+            path,
+            allow_patterns=patterns,
+            local_files_only=offline,
+            cache_dir=os.environ.get("HF_HUB_CACHE") or None,
+        )
     except Exception as error:  # offline, unknown repository, network
         raise FileNotFoundError(f"Cannot download {path} from the hub: {error}") from error
 

@@ -381,3 +381,20 @@ def test_fine_tuning_on_prepared_data_encoded_with_the_imported_tokenizer(tmp_pa
     with pytest.raises(SystemExit, match="was not encoded with the tokenizer of"):
         cli.main(["train", "--init-from", imported, "--data", other, "--out", str(tmp_path / "x")])
     assert not (tmp_path / "x").exists()
+
+
+def test_a_hub_name_is_read_from_the_hub_cache_when_offline(tmp_path, monkeypatch):
+    """HF_HUB_OFFLINE and the cache are honoured (no network here: a cache laid out
+    as huggingface_hub lays it out)."""
+    pytest.importorskip("huggingface_hub")
+    cache = tmp_path / "hub"
+    snapshot = cache / "models--Helsinki-NLP--opus-mt-xx-yy" / "snapshots" / ("0" * 40)
+    numpy_checkpoint(str(snapshot), "swish-shared-nobias")
+    (cache / "models--Helsinki-NLP--opus-mt-xx-yy" / "refs").mkdir()
+    (cache / "models--Helsinki-NLP--opus-mt-xx-yy" / "refs" / "main").write_text("0" * 40)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    model, tokenizer = from_marian("Helsinki-NLP/opus-mt-xx-yy")
+    assert tokenizer.encode("ka ko") and model.count_params() > 0
+    with pytest.raises(FileNotFoundError, match="Cannot download Helsinki-NLP/opus-mt-none"):
+        from_marian("Helsinki-NLP/opus-mt-none")
