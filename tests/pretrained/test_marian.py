@@ -61,12 +61,16 @@ def test_the_tf_data_tokenizer_gives_the_python_ids(marian_dir):
 
 
 @pytest.mark.skipif(keras.backend.backend() != "tensorflow", reason="ONNX export")
-def test_an_imported_model_exports_and_onnx_runtime_matches_keras(marian_dir, tmp_path):
+def test_an_imported_model_exports_and_onnx_runtime_matches_keras(tmp_path):
+    """One variant with most options (separate vocabularies, GELU, an output bias):
+    the graphs of each option alone are tests/export/test_onnx.py's MODEL_SHAPES."""
     from keras_transformer_runtime import OnnxTranslator
     from keras_transformer_runtime.options import SearchOptions
 
     from keras_transformer.decoding import translator
 
+    marian_dir = str(tmp_path / "marian")
+    numpy_checkpoint(marian_dir, "gelu-separate-bias")
     run = str(tmp_path / "run")
     import_marian(marian_dir, run)
     out = str(tmp_path / "onnx")
@@ -267,8 +271,7 @@ def test_fine_tuning_an_imported_model_changes_weights_keeps_the_tokenizer_and_d
     assert answer["translations"] == expected
 
 
-@pytest.mark.parametrize("activation", ["swish", "relu"])
-def test_a_native_marian_release_imports_and_translates_as_ctranslate2_does(activation, tmp_path):
+def test_a_native_marian_release_imports_and_translates_as_ctranslate2_does(tmp_path):
     """Marian's own format (model.npz, decoder.yml, vocab.yml), against CTranslate2's
     OpusMTConverter on the same folder (numpy alone: no Marian, no PyTorch)."""
     ctranslate2 = pytest.importorskip("ctranslate2")
@@ -276,7 +279,7 @@ def test_a_native_marian_release_imports_and_translates_as_ctranslate2_does(acti
     from tests.pretrained.marian_dirs import native_release
 
     folder = str(tmp_path / "release")
-    native_release(folder, activation)
+    native_release(folder, "swish")  # OPUS-MT's activation
     model, tokenizer = from_marian(folder)
     converted = str(tmp_path / "ct2")
     ctranslate2.converters.OpusMTConverter(folder).convert(converted)
@@ -318,6 +321,7 @@ def test_a_native_release_with_options_this_project_does_not_build_is_refused(tm
     assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.integration  # three child processes, each loading TensorFlow
 @pytest.mark.skipif(keras.backend.backend() != "tensorflow", reason="saving a run")
 def test_the_marian_shape_benchmark_builds_a_directory_that_imports_and_measures_its_cost(
     tmp_path,
