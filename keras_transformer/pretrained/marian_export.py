@@ -114,7 +114,9 @@ def export_marian_hf(run_dir: str, out_dir: str, overwrite: bool = False) -> lis
     config = marian_hf_config(parts.config, tokenizer)
     state = marian_state(parts, tokenizer)
     if config["share_encoder_decoder_embeddings"] and "model.shared.weight" not in state:
-        state["model.shared.weight"] = state.pop("model.encoder.embed_tokens.weight")
+        # One vocabulary, an output of its own: transformers then keeps the encoder's
+        # and decoder's embeddings apart from the shared module, and saves all three.
+        state["model.shared.weight"] = state["model.encoder.embed_tokens.weight"].copy()
     generation = {
         key: config[key]
         for key in ("pad_token_id", "eos_token_id", "decoder_start_token_id", "bad_words_ids")

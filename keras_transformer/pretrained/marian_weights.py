@@ -192,8 +192,13 @@ def assign_weights(parts, tensors: dict, tokenizer, hf_config: dict) -> None:
             )
         entry.variable.assign(value)
         used.add(name)
-    # Tied copies of the embedding: accepted when they equal what was loaded.
-    for name in ("model.encoder.embed_tokens.weight", "model.decoder.embed_tokens.weight"):
+    # The embedding modules transformers saves beside the ones its forward pass reads
+    # (the encoder's and decoder's own where they exist, else the shared one).
+    for name in (
+        "model.shared.weight",
+        "model.encoder.embed_tokens.weight",
+        "model.decoder.embed_tokens.weight",
+    ):
         used.add(name)
     if hf_config.get("tie_word_embeddings", True):
         used.add("lm_head.weight")

@@ -25,6 +25,15 @@ VARIANTS = {
     "gelu-separate-bias": dict(
         activation_function="gelu", scale_embedding=True, bias=True, separate=True
     ),
+    # an output projection of its own, and a shallower decoder
+    "relu-untied-3-1": dict(
+        activation_function="relu",
+        scale_embedding=True,
+        bias=True,
+        tie_word_embeddings=False,
+        encoder_layers=3,
+        decoder_layers=1,
+    ),
 }
 
 
@@ -102,6 +111,7 @@ def marian_config(sizes, variant, d=64, layers=(2, 2), ffn=128, heads=4):
     options = dict(VARIANTS[variant])
     separate = options.pop("separate", False)
     options.pop("bias")
+    layers = (options.pop("encoder_layers", layers[0]), options.pop("decoder_layers", layers[1]))
     return dict(
         model_type="marian",
         architectures=["MarianMTModel"],
@@ -169,6 +179,11 @@ def numpy_checkpoint(folder, variant="relu-shared-bias", seed=0):
         tensors["model.decoder.embed_tokens.weight"] = normal(target_size, d)
     else:
         tensors["model.shared.weight"] = normal(source_size, d)
+    if not config.get("tie_word_embeddings", True):
+        tensors["lm_head.weight"] = normal(target_size, d)
+        if not separate:  # as transformers saves it: the shared module and both copies
+            tensors["model.encoder.embed_tokens.weight"] = tensors["model.shared.weight"]
+            tensors["model.decoder.embed_tokens.weight"] = normal(target_size, d)
     bias = (
         normal(1, target_size, scale=1.0)
         if VARIANTS[variant]["bias"]

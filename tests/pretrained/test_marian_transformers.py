@@ -154,7 +154,7 @@ def test_beam_output_equals_generate_under_the_same_length_penalty(hf_dir, alpha
     shutil.copytree(hf_dir, folder)
     path = os.path.join(folder, "model.safetensors")
     tensors = load_file(path)
-    tensors["final_logits_bias"][0, 0] += 4.0
+    tensors["final_logits_bias"][0, 0] += 6.0
     save_file(tensors, path, metadata={"format": "pt"})
     hf_dir = folder
     model, tokenizer = from_marian(hf_dir)
