@@ -102,6 +102,9 @@ class TransformerConfig:
     # Source vocabulary size when the source has its own vocabulary (with
     # tie_embeddings False); None = `vocabulary_size`.
     source_vocabulary_size: int | None = None
+    # Whether the decoder's start token (BOS) embeds as a zero vector that training
+    # keeps zero: Marian's decoder start, which CTranslate2 assumes of its models.
+    zero_start_embedding: bool = False
 
     def __post_init__(self):
         if self.num_encoder_layers is None:

@@ -50,6 +50,7 @@ def build_transformer(config: TransformerConfig, name: str = "transformer") -> k
             positional_layout=config.positional_layout,
             embedding_scale=config.embedding_scale,
             output_bias=output_bias,
+            zero_start=config.zero_start_embedding and layer_name != "source_embedding",
             name=layer_name,
         )
 
@@ -241,6 +242,7 @@ def transformer_parts(model: keras.Model) -> TransformerParts:
         positional_layout=source_embedding.positional_layout,
         embedding_scale=source_embedding.embedding_scale,
         output_bias=target_embedding.output_bias,
+        zero_start_embedding=target_embedding.zero_start,
     )
     return TransformerParts(
         config=config,

@@ -7,6 +7,7 @@ import math
 import keras
 import numpy as np
 from keras import ops
+from keras_transformer_runtime.specials import BOS_ID
 
 from keras_transformer.checks import check_positional_layout, check_positive_int, check_rate
 from keras_transformer.layers.dropout import Dropout
@@ -60,6 +61,23 @@ def positional_encoding(positions, table, frequencies, layout="interleaved"):
 
 
 @keras.saving.register_keras_serializable(package="keras_transformer")
+class ZeroStartRow(keras.constraints.Constraint):
+    """Keeps the decoder's start row (BOS) of an embedding at zero through training.
+
+    Marian starts decoding from a zero vector, and so does CTranslate2 for its
+    models; a model imported from one keeps that row zero while it is
+    fine-tuned (PyTorch's `padding_idx` does the same for transformers).
+    """
+
+    def __call__(self, w):
+        rows = ops.arange(ops.shape(w)[0])[:, None]
+        return ops.where(ops.equal(rows, BOS_ID), ops.zeros_like(w), w)
+
+    def get_config(self):
+        return {}
+
+
+@keras.saving.register_keras_serializable(package="keras_transformer")
 class PositionalEmbedding(keras.layers.Layer):
     """Scaled token embedding plus sinusoidal positions, then dropout.
 
@@ -81,6 +99,8 @@ class PositionalEmbedding(keras.layers.Layer):
             in; None is the paper's `sqrt(hidden_dim)`.
         output_bias: bool. Whether the reverse (output) projection adds a
             learned `(vocabulary_size,)` bias, as Marian's `final_logits_bias`.
+        zero_start: bool. The start token's row (BOS) stays zero in training
+            (`ZeroStartRow`), as the decoder start of Marian models.
 
     Call arguments:
         inputs: int tensor `(batch_size, seq_len)` of token ids, or, with
@@ -112,6 +132,7 @@ class PositionalEmbedding(keras.layers.Layer):
         positional_layout="interleaved",
         embedding_scale=None,
         output_bias=False,
+        zero_start=False,
         **kwargs,
     ):
         super().__init__(**kwargs)
@@ -127,6 +148,7 @@ class PositionalEmbedding(keras.layers.Layer):
         self.positional_layout = check_positional_layout(positional_layout)
         self.embedding_scale = None if embedding_scale is None else float(embedding_scale)
         self.output_bias = bool(output_bias)
+        self.zero_start = bool(zero_start)
         self._table = sinusoid_table(max_length, hidden_dim, positional_layout)
         self._frequencies = sinusoid_frequencies(hidden_dim)
         self._scale = math.sqrt(hidden_dim) if embedding_scale is None else float(embedding_scale)
@@ -136,6 +158,7 @@ class PositionalEmbedding(keras.layers.Layer):
         self._embeddings = self.add_weight(
             shape=(self.vocabulary_size, self.hidden_dim),
             initializer=self.embeddings_initializer,
+            constraint=ZeroStartRow() if self.zero_start else None,
             name="embeddings",
         )
         self._output_bias = None
@@ -186,6 +209,7 @@ class PositionalEmbedding(keras.layers.Layer):
                 "positional_layout": self.positional_layout,
                 "embedding_scale": self.embedding_scale,
                 "output_bias": self.output_bias,
+                "zero_start": self.zero_start,
             }
         )
         return config

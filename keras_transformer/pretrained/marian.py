@@ -18,6 +18,7 @@ that is refused, naming the field: a model is never imported half right.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
@@ -208,6 +209,13 @@ def from_marian(path: str):
         tokenizer = MarianTokenizer.load(folder)
         config = marian_config(hf, tokenizer)
         tensors = read_tensors(folder)
+    # A zero decoder-start row (every model converted from Marian's own) stays zero
+    # in fine-tuning, as Marian, CTranslate2 and PyTorch's padding_idx keep it.
+    start = hf.get("decoder_start_token_id", hf.get("pad_token_id"))
+    embedding = tensors.get("model.decoder.embed_tokens.weight", tensors.get("model.shared.weight"))
+    if embedding is not None and start is not None and 0 <= start < len(embedding):
+        if not np.any(embedding[start]):
+            config = dataclasses.replace(config, zero_start_embedding=True)
     model = build_transformer(config)
     assign_weights(transformer_parts(model), tensors, tokenizer, hf)
     return model, tokenizer

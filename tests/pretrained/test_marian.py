@@ -402,3 +402,28 @@ def test_a_hub_name_is_read_from_the_hub_cache_when_offline(tmp_path, monkeypatc
     assert tokenizer.encode("ka ko") and model.count_params() > 0
     with pytest.raises(FileNotFoundError, match="Cannot download Helsinki-NLP/opus-mt-none"):
         from_marian("Helsinki-NLP/opus-mt-none")
+
+
+def test_a_zero_start_row_stays_zero_through_training_and_imports_say_so(tmp_path):
+    from keras_transformer.config import TransformerConfig
+    from keras_transformer.losses import LabelSmoothedCrossEntropy
+    from keras_transformer.model import build_transformer, transformer_parts
+    from tests.pretrained.marian_dirs import native_release
+
+    config = TransformerConfig.from_preset("tiny", zero_start_embedding=True)
+    model = build_transformer(config)
+    embedding = transformer_parts(model).target_embedding.embeddings
+    embedding.assign(keras.ops.where(np.arange(64)[:, None] == 1, 0.0, embedding))
+    before = keras.ops.convert_to_numpy(embedding).copy()
+    model.compile(optimizer=keras.optimizers.Adam(1e-2), loss=LabelSmoothedCrossEntropy(0.1))
+    source = np.array([[5, 6, 7, 2]] * 4, "int32")
+    target = np.array([[1, 8, 9, 10]] * 4, "int32")
+    labels = np.array([[8, 9, 10, 2]] * 4, "int32")
+    model.fit({"source_ids": source, "target_ids": target}, labels, epochs=2, verbose=0)
+    after = keras.ops.convert_to_numpy(embedding)
+    assert not after[1].any()  # the start row: zero still
+    assert not np.allclose(after[8], before[8])  # the others learn
+    # Marian's own release starts from a zero vector: the import keeps it so.
+    folder = str(tmp_path / "release")
+    native_release(folder)
+    assert transformer_parts(from_marian(folder)[0]).config.zero_start_embedding
