@@ -29,7 +29,8 @@ import os
 import numpy as np
 
 
-def _spm(texts, size, seed):
+def train_spm(texts, size, seed=0):
+    """A unigram SentencePiece model's bytes, as Marian's recipe trains one per language."""
     import sentencepiece as spm
 
     spm.set_random_generator_seed(seed)
@@ -45,16 +46,20 @@ def _spm(texts, size, seed):
     return buffer.getvalue()
 
 
-def _vocabulary(*models):
+def marian_vocabulary(*models, pad_first=False):
+    """Marian's vocab.json of the models' pieces: `</s>` 0, `<unk>` 1, `<pad>` last
+    (or 2 with `pad_first`)."""
     import sentencepiece as spm
 
     vocabulary = {"</s>": 0, "<unk>": 1}
+    if pad_first:
+        vocabulary["<pad>"] = 2
     for model in models:
         processor = spm.SentencePieceProcessor(model_proto=model)
         for i in range(processor.get_piece_size()):
             if not (processor.is_control(i) or processor.is_unknown(i)):
                 vocabulary.setdefault(processor.id_to_piece(i), len(vocabulary))
-    vocabulary["<pad>"] = len(vocabulary)
+    vocabulary.setdefault("<pad>", len(vocabulary))
     return vocabulary
 
 
@@ -97,8 +102,8 @@ def build(out, sources, targets, vocab_size, d, layers, ffn, heads, activation, 
     from safetensors.numpy import save_file
 
     os.makedirs(out, exist_ok=True)
-    source, target = _spm(sources, vocab_size, seed), _spm(targets, vocab_size, seed)
-    vocabulary = _vocabulary(source, target)
+    source, target = train_spm(sources, vocab_size, seed), train_spm(targets, vocab_size, seed)
+    vocabulary = marian_vocabulary(source, target)
     if total:  # widened to a real model's size by pieces no text makes (the cost benchmark)
         pad = vocabulary.pop("<pad>")
         for i in range(total - pad - 1):

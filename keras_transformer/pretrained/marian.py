@@ -22,8 +22,6 @@ import dataclasses
 import json
 import math
 import os
-import shutil
-import tempfile
 
 import numpy as np
 
@@ -254,7 +252,7 @@ def import_marian(source: str, out_dir: str, overwrite: bool = False) -> str:
     The run is built in a staging folder beside `out_dir` and renamed into
     place when whole, so a failure leaves `out_dir` as it was.
     """
-    from keras_transformer.io_utils import atomic_write_json
+    from keras_transformer.io_utils import atomic_write_json, staged_directory
 
     out_dir = os.fspath(out_dir)
     if os.path.isfile(out_dir):
@@ -263,20 +261,11 @@ def import_marian(source: str, out_dir: str, overwrite: bool = False) -> str:
         raise MarianImportError(
             f"{out_dir} exists and is not empty; choose a new folder or pass --overwrite."
         )
+    from keras_transformer.pretrained.marian_weights import source_record
+
     model, tokenizer = from_marian(source)
-    parent = os.path.dirname(os.path.abspath(out_dir))
-    os.makedirs(parent, exist_ok=True)
-    staging = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(out_dir)}.import-")
-    try:
+    with staged_directory(out_dir, "import") as staging:
         model.save(os.path.join(staging, "model.keras"))
         tokenizer.save(staging)
-        from keras_transformer.pretrained.marian_weights import source_record
-
         atomic_write_json(os.path.join(staging, "imported.json"), source_record(source))
-        if os.path.isdir(out_dir):
-            shutil.rmtree(out_dir)
-        os.rename(staging, out_dir)
-    finally:
-        if os.path.isdir(staging):
-            shutil.rmtree(staging, ignore_errors=True)
     return out_dir

@@ -12,8 +12,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
-import tempfile
 
 from keras_transformer.pretrained.marian import (
     CONFIG,
@@ -87,6 +85,7 @@ def export_marian_hf(run_dir: str, out_dir: str, overwrite: bool = False) -> lis
     from safetensors.numpy import save_file
 
     from keras_transformer.data.marian_tokenizer import MarianTokenizer
+    from keras_transformer.io_utils import staged_directory
     from keras_transformer.model import transformer_parts
     from keras_transformer.pretrained.marian_weights import marian_state
     from keras_transformer.translation import load_run
@@ -132,10 +131,7 @@ def export_marian_hf(run_dir: str, out_dir: str, overwrite: bool = False) -> lis
         "pad_token": "<pad>",
         "model_max_length": config["max_position_embeddings"],
     }
-    parent = os.path.dirname(out_dir)
-    os.makedirs(parent, exist_ok=True)
-    staging = tempfile.mkdtemp(dir=parent, prefix=f".{os.path.basename(out_dir)}.marian-")
-    try:
+    with staged_directory(out_dir, "marian") as staging:
         save_file(state, os.path.join(staging, SAFETENSORS), metadata={"format": "pt"})
         for name, data in (
             (CONFIG, config),
@@ -146,10 +142,4 @@ def export_marian_hf(run_dir: str, out_dir: str, overwrite: bool = False) -> lis
                 json.dump(data, f, indent=2)
                 f.write("\n")
         files = sorted(os.listdir(staging) + tokenizer.save(staging))
-        if os.path.isdir(out_dir):
-            shutil.rmtree(out_dir)
-        os.rename(staging, out_dir)
-    finally:
-        if os.path.isdir(staging):
-            shutil.rmtree(staging, ignore_errors=True)
     return sorted(set(files))

@@ -9,11 +9,12 @@ builds a random `MarianMTModel` with transformers itself (the `pretrained` tier)
 
 from __future__ import annotations
 
-import io
 import json
 import os
 
 import numpy as np
+
+from benchmarks.marian_shape import marian_vocabulary, train_spm
 
 SOURCE_EXTRA = ["Ein großer Hund läuft über die Straße.", "Zwei Kinder spielen im Park."]
 TARGET_EXTRA = ["A big dog runs across the street.", "Two children play in the park."]
@@ -47,51 +48,22 @@ def _texts():
     )
 
 
-def _spm(texts, size):
-    import sentencepiece as spm
-
-    buffer = io.BytesIO()
-    spm.SentencePieceTrainer.train(
-        sentence_iterator=iter(texts),
-        model_writer=buffer,
-        vocab_size=size,
-        hard_vocab_limit=False,
-        character_coverage=1.0,
-        minloglevel=2,
-    )
-    return buffer.getvalue()
-
-
-def _vocabulary(*models, pad_first=False):
-    """Marian's vocab.json: `</s>` 0, `<unk>` 1, `<pad>` last; or 2 with `pad_first`
-    (separate vocabularies keep pad at one id on both sides, which transformers needs)."""
-    import sentencepiece as spm
-
-    vocabulary = {"</s>": 0, "<unk>": 1}
-    if pad_first:
-        vocabulary["<pad>"] = 2
-    for model in models:
-        processor = spm.SentencePieceProcessor(model_proto=model)
-        for i in range(processor.get_piece_size()):
-            if not (processor.is_control(i) or processor.is_unknown(i)):
-                vocabulary.setdefault(processor.id_to_piece(i), len(vocabulary))
-    vocabulary.setdefault("<pad>", len(vocabulary))
-    return vocabulary
-
-
 def marian_tokenizer_files(folder, separate=False, vocabulary_size=None):
     """Writes source.spm, target.spm, vocab.json (and target_vocab.json with
     `separate`); returns `(source_size, target_size, pad_id)`."""
     os.makedirs(folder, exist_ok=True)
     sources, targets = _texts()
-    source, target = _spm(sources, 90), _spm(targets, 90)
+    source, target = train_spm(sources, 90), train_spm(targets, 90)
     for name, data in (("source.spm", source), ("target.spm", target)):
         with open(os.path.join(folder, name), "wb") as f:
             f.write(data)
     if separate:
-        vocabularies = [_vocabulary(source, pad_first=True), _vocabulary(target, pad_first=True)]
+        vocabularies = [
+            marian_vocabulary(source, pad_first=True),
+            marian_vocabulary(target, pad_first=True),
+        ]
     else:
-        vocabularies = [_vocabulary(source, target)]
+        vocabularies = [marian_vocabulary(source, target)]
     if vocabulary_size:  # widened to a real model's size with pieces no text makes
         (vocabulary,) = vocabularies
         pad = vocabulary.pop("<pad>")
