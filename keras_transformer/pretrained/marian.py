@@ -209,14 +209,20 @@ def from_marian(path: str):
         tensors = read_tensors(folder)
     # A zero decoder-start row (every model converted from Marian's own) stays zero
     # in fine-tuning, as Marian, CTranslate2 and PyTorch's padding_idx keep it.
-    start = hf.get("decoder_start_token_id", hf.get("pad_token_id"))
-    embedding = tensors.get("model.decoder.embed_tokens.weight", tensors.get("model.shared.weight"))
-    if embedding is not None and start is not None and 0 <= start < len(embedding):
-        if not np.any(embedding[start]):
-            config = dataclasses.replace(config, zero_start_embedding=True)
+    if _zero_start_row(hf, tensors):
+        config = dataclasses.replace(config, zero_start_embedding=True)
     model = build_transformer(config)
     assign_weights(transformer_parts(model), tensors, tokenizer, hf)
     return model, tokenizer
+
+
+def _zero_start_row(hf: dict, tensors: dict) -> bool:
+    """Whether the checkpoint's decoder-start row is all zeros."""
+    start = hf.get("decoder_start_token_id", hf.get("pad_token_id"))
+    embedding = tensors.get("model.decoder.embed_tokens.weight", tensors.get("model.shared.weight"))
+    if embedding is None or start is None or not 0 <= start < len(embedding):
+        return False
+    return not np.any(embedding[start])
 
 
 def local_directory(path: str) -> str:

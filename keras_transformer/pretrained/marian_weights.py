@@ -175,8 +175,11 @@ def assign_weights(parts, tensors: dict, tokenizer, hf_config: dict) -> None:
             place for (it would be dropped silently).
     """
     used = set(DERIVED)
-    for entry in weight_table(parts, tokenizer):
-        name = next((n for n in entry.names if n in tensors), None)
+    present = set(tensors)
+    table = weight_table(parts, tokenizer)
+    chosen = [next((n for n in entry.names if n in tensors), None) for entry in table]
+    uses = {name: chosen.count(name) for name in chosen}
+    for entry, name in zip(table, chosen, strict=True):
         if name is None:
             raise MarianWeightError(f"The checkpoint has no tensor {entry.names[0]}.")
         expected = tuple(entry.variable.shape)
@@ -191,7 +194,11 @@ def assign_weights(parts, tensors: dict, tokenizer, hf_config: dict) -> None:
                 "the config, the vocabulary and the weights disagree."
             )
         entry.variable.assign(value)
+        del value
         used.add(name)
+        uses[name] -= 1
+        if not uses[name]:  # its last use: freed now, so that peak memory stays low
+            del tensors[name]
     # The embedding modules transformers saves beside the ones its forward pass reads
     # (the encoder's and decoder's own where they exist, else the shared one).
     for name in (
@@ -202,7 +209,7 @@ def assign_weights(parts, tensors: dict, tokenizer, hf_config: dict) -> None:
         used.add(name)
     if hf_config.get("tie_word_embeddings", True):
         used.add("lm_head.weight")
-    unused = sorted(set(tensors) - used)
+    unused = sorted(present - used)
     if unused:
         raise MarianWeightError(
             f"The checkpoint holds {len(unused)} tensor(s) this model has no place for, "
