@@ -49,6 +49,7 @@ TRAIN_TESTS = tests/train/test_stages.py tests/test_demo.py
 TRAIN_LANE_TOO = tests/train/test_streamed.py \
 	tests/pretrained/test_marian.py::test_fine_tuning_an_imported_model_changes_weights_keeps_the_tokenizer_and_deploys \
 	tests/pretrained/test_marian.py::test_fine_tuning_on_prepared_data_encoded_with_the_imported_tokenizer \
+	tests/pretrained/test_marian.py::test_the_marian_shape_benchmark_builds_a_directory_that_imports_and_measures_its_cost \
 	tests/test_benchmarks.py::test_gradients_ablation_variants_agree_and_put_the_switch_back \
 	tests/test_benchmarks.py::test_attention_ablation_times_both_paths_and_puts_the_switch_back
 integration: $(STAMP)
