@@ -90,17 +90,10 @@ def read_native(folder: str):
     config = native_config(options, size + 1, vocabulary)
     tensors = native_tensors(npz, options)
 
-    def spm(name):
-        path = os.path.join(folder, name)
-        if not os.path.isfile(path):
-            raise FileNotFoundError(f"Marian tokenizer file missing: {path}")
-        with open(path, "rb") as f:
-            return f.read()
-
     try:
-        tokenizer = MarianTokenizer(spm("source.spm"), spm("target.spm"), vocabulary)
+        tokenizer = MarianTokenizer.read(folder, vocabulary)
     except ValueError as error:
-        raise MarianImportError(f"{folder}: {error}") from error
+        raise MarianImportError(str(error)) from error
     return config, tensors, tokenizer
 
 

@@ -104,9 +104,10 @@ class MarianVocabulary:
         self.separate_vocabularies = target_vocabulary is not None
 
     @classmethod
-    def read(cls, folder: str) -> MarianVocabulary:
+    def read(cls, folder: str, vocabulary: dict | None = None) -> MarianVocabulary:
         """Reads `source.spm`, `target.spm`, `vocab.json` (and `target_vocab.json`
-        when present) from `folder`.
+        when present) from `folder`; a `vocabulary` given (Marian's own YAML one,
+        read by the caller) stands for both JSON files.
 
         Raises:
             FileNotFoundError: a file is missing (the message names it).
@@ -127,12 +128,12 @@ class MarianVocabulary:
                 raise ValueError(f"{os.path.join(folder, name)} is not JSON ({error})") from error
 
         target = None
-        if os.path.isfile(os.path.join(folder, TARGET_VOCABULARY)):
+        if vocabulary is None and os.path.isfile(os.path.join(folder, TARGET_VOCABULARY)):
             target = read_json(TARGET_VOCABULARY)
+        if vocabulary is None:
+            vocabulary = read_json(VOCABULARY)
         try:
-            return cls(
-                read_bytes(SOURCE_SPM), read_bytes(TARGET_SPM), read_json(VOCABULARY), target
-            )
+            return cls(read_bytes(SOURCE_SPM), read_bytes(TARGET_SPM), vocabulary, target)
         except ValueError as error:
             raise ValueError(f"{folder}: {error}") from error
 
