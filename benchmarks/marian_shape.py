@@ -63,23 +63,20 @@ def marian_vocabulary(*models, pad_first=False):
     return vocabulary
 
 
-def weights(config, seed=0):
-    """Glorot-uniform MarianMT tensors under transformers' names (zero biases, unit norms)."""
-    rng = np.random.default_rng(seed)
-    d, ffn, size = config["d_model"], config["encoder_ffn_dim"], config["vocab_size"]
+def layer_tensors(config, weight, bias, norm_weight, norm_bias):
+    """The encoder and decoder layers' MarianMT tensors under transformers' names:
+    `weight(out, in)` and `bias(out)` of each linear, `norm_weight(d)` and
+    `norm_bias(d)` of each LayerNorm, called in that order, layer by layer."""
+    d, ffn = config["d_model"], config["encoder_ffn_dim"]
     tensors = {}
 
-    def glorot(out, inp):
-        limit = np.sqrt(6.0 / (out + inp))
-        return rng.uniform(-limit, limit, (out, inp)).astype(np.float32)
-
     def linear(name, out, inp):
-        tensors[f"{name}.weight"] = glorot(out, inp)
-        tensors[f"{name}.bias"] = np.zeros(out, np.float32)
+        tensors[f"{name}.weight"] = weight(out, inp)
+        tensors[f"{name}.bias"] = bias(out)
 
     def norm(name):
-        tensors[f"{name}.weight"] = np.ones(d, np.float32)
-        tensors[f"{name}.bias"] = np.zeros(d, np.float32)
+        tensors[f"{name}.weight"] = norm_weight(d)
+        tensors[f"{name}.bias"] = norm_bias(d)
 
     for side in ("encoder", "decoder"):
         for i in range(config[f"{side}_layers"]):
@@ -91,6 +88,22 @@ def weights(config, seed=0):
             linear(f"{p}.fc1", ffn, d)
             linear(f"{p}.fc2", d, ffn)
             norm(f"{p}.final_layer_norm")
+    return tensors
+
+
+def weights(config, seed=0):
+    """Glorot-uniform MarianMT tensors under transformers' names (zero biases, unit norms)."""
+    rng = np.random.default_rng(seed)
+    d, size = config["d_model"], config["vocab_size"]
+
+    def glorot(out, inp):
+        limit = np.sqrt(6.0 / (out + inp))
+        return rng.uniform(-limit, limit, (out, inp)).astype(np.float32)
+
+    def zeros(n):
+        return np.zeros(n, np.float32)
+
+    tensors = layer_tensors(config, glorot, zeros, lambda n: np.ones(n, np.float32), zeros)
     shared = (rng.standard_normal((size, d)) * d**-0.5).astype(np.float32)
     shared[config["pad_token_id"]] = 0.0
     tensors["model.shared.weight"] = shared

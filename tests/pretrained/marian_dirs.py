@@ -14,7 +14,7 @@ import os
 
 import numpy as np
 
-from benchmarks.marian_shape import marian_vocabulary, train_spm
+from benchmarks.marian_shape import layer_tensors, marian_vocabulary, train_spm
 
 SOURCE_EXTRA = ["Ein großer Hund läuft über die Straße.", "Zwei Kinder spielen im Park."]
 TARGET_EXTRA = ["A big dog runs across the street.", "Two children play in the park."]
@@ -117,35 +117,18 @@ def numpy_checkpoint(folder, variant="relu-shared-bias", seed=0):
     source_size, target_size, _ = sizes
     config = marian_config(sizes, variant)
     rng = np.random.default_rng(seed)
-    d, ffn = config["d_model"], config["encoder_ffn_dim"]
+    d = config["d_model"]
 
     def normal(*shape, scale=0.2):
         return (rng.standard_normal(shape) * scale).astype(np.float32)
 
-    tensors = {}
-
-    def linear(name, out, inp):
-        tensors[f"{name}.weight"] = normal(out, inp)
-        tensors[f"{name}.bias"] = normal(out, scale=0.05)
-
-    def norm(name):
-        tensors[f"{name}.weight"] = 1 + normal(d, scale=0.1)
-        tensors[f"{name}.bias"] = normal(d, scale=0.1)
-
-    for side, count in (
-        ("encoder", config["encoder_layers"]),
-        ("decoder", config["decoder_layers"]),
-    ):
-        for i in range(count):
-            p = f"model.{side}.layers.{i}"
-            attentions = ["self_attn"] + (["encoder_attn"] if side == "decoder" else [])
-            for attention in attentions:
-                for proj in ("q_proj", "k_proj", "v_proj", "out_proj"):
-                    linear(f"{p}.{attention}.{proj}", d, d)
-                norm(f"{p}.{attention}_layer_norm")
-            linear(f"{p}.fc1", ffn, d)
-            linear(f"{p}.fc2", d, ffn)
-            norm(f"{p}.final_layer_norm")
+    tensors = layer_tensors(
+        config,
+        normal,
+        lambda n: normal(n, scale=0.05),
+        lambda n: 1 + normal(n, scale=0.1),
+        lambda n: normal(n, scale=0.1),
+    )
     if separate:
         tensors["model.encoder.embed_tokens.weight"] = normal(source_size, d)
         tensors["model.decoder.embed_tokens.weight"] = normal(target_size, d)
