@@ -136,6 +136,7 @@ def _systems(
     from keras_transformer_runtime import OnnxTranslator
 
     from benchmarks.ctranslate2_peer import CTranslate2Translator, ctranslate2_model
+    from keras_transformer.export.forced_graph import FORCED_GRAPHS
     from keras_transformer.export.onnx import export_onnx
 
     # Exported afresh every time: a folder left by older code would otherwise
@@ -156,7 +157,7 @@ def _systems(
         files = [
             graph[precision]
             for key, graph in manifest["graphs"].items()
-            if key != "model"  # the teacher-forced graph is not used to translate
+            if key not in FORCED_GRAPHS  # the teacher-forced graphs do not translate
         ] + [manifest["weights"][precision]]  # their weights, stored once
         sizes[name] = sum(os.path.getsize(os.path.join(onnx_dir, f)) for f in files)
         folder = os.path.join(run_dir, f"ct2-{precision}")

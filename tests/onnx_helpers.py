@@ -72,7 +72,7 @@ SPEC_SCORE_TOLERANCE = 1e-4
 
 
 def spec_view(translator, source):
-    """`log_probs(prefix)` of the export's whole model (`model.onnx`, no cache) for
+    """`log_probs(prefix)` of the export's teacher-forced pass (`teacher_forced.onnx`, no cache) for
     one source: the model as the search specification (`keras_transformer_runtime.spec`)
     sees it."""
     known = {}
@@ -81,9 +81,9 @@ def spec_view(translator, source):
     def log_probs(prefix):
         if tuple(prefix) not in known:
             target = np.array([[BOS_ID, *prefix]], np.int32)
-            logits = translator.decoder.logits(source, target)[0, -1].astype(np.float64)
-            top = logits.max()
-            known[tuple(prefix)] = logits - top - np.log(np.exp(logits - top).sum())
+            known[tuple(prefix)] = translator.decoder.log_probs(source, target)[0, -1].astype(
+                np.float64
+            )
         return known[tuple(prefix)]
 
     return log_probs

@@ -189,3 +189,28 @@ def test_parts_reproduce_the_model():
 def test_rejects_non_config():
     with pytest.raises(TypeError, match="TransformerConfig"):
         build_transformer({"hidden_dim": 8})
+
+
+def test_the_onnx_export_of_either_backend_matches_its_keras_model(tmp_path):
+    """The export builds its graphs from the weights alone: a model of the JAX
+    backend exports as one of TensorFlow does, and ONNX Runtime's teacher-forced
+    pass and greedy search give the Keras model's log-probabilities and tokens."""
+    from keras_transformer_runtime import OnnxTranslator
+
+    from keras_transformer import decoding
+    from keras_transformer.export.onnx import export_onnx
+
+    keras.utils.set_random_seed(11)
+    model = build_transformer(tiny(vocabulary_size=64))
+    out = tmp_path / "onnx"
+    manifest = export_onnx(model, out, precision="int8")
+    assert manifest["precisions"] == ["float32", "int8"]
+    inputs = batch()
+    source, target = inputs["source_ids"], inputs["target_ids"]
+    translator = OnnxTranslator(out)
+    log_probs = to_numpy(keras.ops.log_softmax(model(inputs, training=False), axis=-1))
+    real = target != 0
+    forced = translator.decoder.log_probs(source, target)
+    np.testing.assert_allclose(forced[real], log_probs[real], atol=1e-4)
+    tokens, _ = translator.greedy_search(source, max_length=8)
+    assert tokens == decoding.greedy_search(model, source, max_length=8)[0]

@@ -1,6 +1,6 @@
-"""Export a trained model to ONNX: encoder, cached decoder step and the full model.
+"""Export a trained model to ONNX: encoder, cached decoder step, search and teacher-forced graphs.
 
-Three graphs:
+The graphs, each built node by node from the layer weights:
 
 - `encoder.onnx` (built node by node, `keras_transformer.export.encoder_graph`):
   `source_ids (batch, source_len) int32` -> `encoder_output`, `source_mask
@@ -17,16 +17,18 @@ Three graphs:
   `new_self_value_i` of length `past_len + 1`. The step index is the cache
   length: the first step gets caches of length 0, so one graph serves every
   step and the two can never disagree.
-- `model.onnx` (tf2onnx): `source_ids`, `target_ids` -> teacher-forced `logits`
-  and `alignment_weights (batch, target_len, source_len)`, the cross-attention
-  of `spec.alignment_layer` averaged over heads (scoring and alignments).
+- `forced_scores.onnx`, `alignment.onnx` and `teacher_forced.onnx` (built
+  node by node, `keras_transformer.export.forced_graph`): the encoder's
+  outputs and `target_ids (batch, target_len)` (and `labels` for the first)
+  -> each label's log-probability, the cross-attention of
+  `spec.alignment_layer` averaged over heads `(batch, target_len,
+  source_len)`, or the whole log-probabilities at every position.
 - `greedy_search.onnx`, `beam_search.onnx` and their batch versions
   `greedy_batch_search.onnx`, `beam_batch_search.onnx`: the whole search,
   the decoder step inside an ONNX `Loop` (`keras_transformer.export.greedy_graph`,
   `.beam_graph`); a batch graph drops each sentence from its loop when it ends.
 
-The graphs that translate (all but `model.onnx`) keep their weights in one
-file per precision, `weights.bin` (`weights_int8.bin`, ...), each tensor
+Every graph keeps its weights in one file per precision, `weights.bin` (`weights_int8.bin`, ...), each tensor
 once (`share_weights`).
 
 Why one step graph rather than ONNX Runtime's split into a first step (that
@@ -58,16 +60,16 @@ import shutil
 import tempfile
 
 from keras_transformer_runtime.export_format import FORMAT_VERSION, MANIFEST
-from keras_transformer_runtime.spec import alignment_layer
 
 from keras_transformer.export.beam_graph import build_beam_batch_search, build_beam_search
 from keras_transformer.export.encoder_graph import build_encoder
+from keras_transformer.export.forced_graph import FORCED_GRAPHS, build_teacher_forced
 from keras_transformer.export.greedy_graph import build_greedy_batch_search, build_greedy_search
 from keras_transformer.export.quantize import float16_graph, int8_graph
 from keras_transformer.export.step_graph import build_decoder_step, selection_top_k_limit
 from keras_transformer.export.weights import ExportError, drop_unused_initializers, share_weights
 
-GRAPHS = ("encoder", "decoder_step", "model")
+GRAPHS = ("encoder", "decoder_step", *FORCED_GRAPHS)
 # `format_version` in the manifest is the one the runtime reads: one number,
 # defined beside the reader. 2: the step graph's top_k input and outputs; 3:
 # the greedy_search graph; 4: the beam_search graph, and the weights of the
@@ -81,6 +83,7 @@ SHARED_WEIGHT_GRAPHS = (
     "greedy_batch_search",
     "beam_search",
     "beam_batch_search",
+    *FORCED_GRAPHS,
 )
 TOKENIZER_FILES = ("spm.model", "vocab.json", "vocab.txt")
 # The files beside Marian's vocab.json that its tokenizer reads too.
@@ -125,13 +128,6 @@ def export_onnx(
     out_dir = os.path.abspath(os.fspath(out_dir))
     _check_out_dir(out_dir, overwrite)
 
-    import keras
-
-    if keras.backend.backend() != "tensorflow":
-        raise ExportError(
-            "ONNX export converts TensorFlow graphs: run it with KERAS_BACKEND=tensorflow "
-            f"(the backend now is {keras.backend.backend()!r})."
-        )
     model, tokenizer_path = _load(model_or_run_dir, tokenizer_path)
     model = float32_copy(model)
 
@@ -232,55 +228,19 @@ def float32_copy(model):
 # --------------------------------------------------------------------------- graphs
 
 
-def graph_functions(model):
-    """The converted graphs as `(name, function, input_signature, output_names)`.
-
-    They call the model's own layers. The encoder and the decoder step are
-    built node by node (`keras_transformer.export.encoder_graph`, `.step_graph`).
-    """
-    import tensorflow as tf
-
-    from keras_transformer.model import transformer_parts
-
-    ids_spec = tf.TensorSpec([None, None], tf.int32)
-    parts = transformer_parts(model)
-    layer = alignment_layer(parts.config.num_decoder_layers)
-
-    def full_model(source_ids, target_ids):
-        # One pass gives the logits (scoring) and the alignment layer's cross-attention.
-        logits, weights = parts.logits_and_cross_attention(source_ids, target_ids)
-        return [logits, tf.reduce_mean(weights[layer], axis=1)]  # (B, T, S): mean over heads
-
-    return [
-        (
-            "model",
-            full_model,
-            [
-                tf.TensorSpec(ids_spec.shape, tf.int32, name="source_ids"),
-                tf.TensorSpec(ids_spec.shape, tf.int32, name="target_ids"),
-            ],
-            ["logits", "alignment_weights"],
-        ),
-    ]
-
-
 def _write_graphs(model, folder, opset, precision):
     import onnx
-    import tensorflow as tf
-    import tf2onnx
 
     from keras_transformer.model import transformer_parts
 
     parts = transformer_parts(model)
     config = parts.config
-    converted = {}
-    for name, fn, signature, output_names in graph_functions(model):
-        proto = _convert(tf2onnx, tf.function(fn, autograph=False), signature, opset)
-        _rename_outputs(proto, output_names)
-        _name_dynamic_axes(proto)
-        converted[name] = proto
-    converted["encoder"] = build_encoder(parts, opset)
-    converted["decoder_step"] = build_decoder_step(parts, opset)
+    converted = {
+        "encoder": build_encoder(parts, opset),
+        "decoder_step": build_decoder_step(parts, opset),
+    }
+    for name, output in FORCED_GRAPHS.items():
+        converted[name] = build_teacher_forced(parts, output, opset)
     graphs = {}
     for name in GRAPHS:
         proto = converted[name]
@@ -397,65 +357,6 @@ def _write_search(folder, step_files, name):
     return entry
 
 
-def _convert(tf2onnx, function, signature, opset):
-    """tf2onnx conversion; its optimizers run without a graph copy before each pass.
-
-    By default tf2onnx deep-copies the graph before every optimizer pass so
-    that a failing pass can be skipped; that copying is most of the export
-    time. Here a failing pass fails the export instead (the user's own
-    TF2ONNX_CATCH_ERRORS setting wins).
-    """
-    variable = "TF2ONNX_CATCH_ERRORS"
-    previous = os.environ.get(variable)
-    if previous is None:
-        os.environ[variable] = "FALSE"
-    try:
-        proto, _ = tf2onnx.convert.from_function(function, input_signature=signature, opset=opset)
-    finally:
-        if previous is None:
-            os.environ.pop(variable, None)
-    return proto
-
-
-def _rename_outputs(proto, names):
-    outputs = proto.graph.output
-    if len(outputs) != len(names):
-        raise ExportError(f"Expected {len(names)} graph outputs, tf2onnx gave {len(outputs)}.")
-    for output, new in zip(outputs, names, strict=True):
-        old = output.name
-        if old == new:
-            continue
-        for node in proto.graph.node:
-            for i, name in enumerate(node.output):
-                if name == old:
-                    node.output[i] = new
-            for i, name in enumerate(node.input):
-                if name == old:
-                    node.input[i] = new
-        output.name = new
-
-
-def _name_dynamic_axes(proto):
-    """Names the unknown axes: batch, source_len, target_len, past_len, total_len."""
-    for value in list(proto.graph.input) + list(proto.graph.output):
-        dims = value.type.tensor_type.shape.dim
-        for axis, dim in enumerate(dims):
-            if dim.HasField("dim_value"):
-                continue
-            if axis == 0:
-                dim.dim_param = "batch"
-            elif value.name in ("source_ids", "source_mask", "encoder_output") or (
-                value.name.startswith("cross_")
-            ):
-                dim.dim_param = "source_len"
-            elif value.name in ("target_ids", "logits") or (
-                value.name == "alignment_weights" and axis == 1
-            ):
-                dim.dim_param = "target_len"
-            elif value.name == "alignment_weights":
-                dim.dim_param = "source_len"
-
-
 def _describe(values):
     import onnx
 
@@ -474,7 +375,7 @@ def _versions():
     from importlib import metadata
 
     versions = {}
-    for package in ("keras-transformer", "keras", "tensorflow", "tf2onnx", "onnx", "onnxruntime"):
+    for package in ("keras-transformer", "keras", "tensorflow", "onnx", "onnxruntime"):
         for candidate in (package, package + "-gpu"):
             try:
                 versions[package] = metadata.version(candidate)

@@ -17,7 +17,7 @@ the Keras model to 1e-4.
 from __future__ import annotations
 
 import numpy as np
-from keras_transformer_runtime.spec import banned_ids
+from keras_transformer_runtime.spec import alignment_layer, banned_ids
 
 from keras_transformer.export.graph_builder import GraphBuilder
 from keras_transformer.ops.attention import MASKED_SCORE
@@ -163,6 +163,163 @@ def position_encoding(g, position, table, frequencies, layout="interleaved"):
     )
 
 
+def target_embedding(g, parts, tokens, position):
+    """The scaled target embeddings of `tokens` ((rows,) int) plus the sinusoids of
+    `position` ((T,) int64) as `(rows, d)` when T is 1; with T > 1 the caller adds
+    the `(T, d)` encodings (returned second) by position itself."""
+    embedding = parts.target_embedding
+    table = np.asarray(embedding._table, np.float32)
+    frequencies = np.asarray(embedding._frequencies, np.float32)
+    x = g.node("Gather", [g.const("embeddings", output_embeddings(parts)), tokens], axis=0)
+    x = g.node("Mul", [x, g.const("embedding_scale", np.float32(embedding._scale))])
+    encodings = position_encoding(g, position, table, frequencies, embedding.positional_layout)
+    return x, encodings
+
+
+def output_embeddings(parts):
+    """The target embedding matrix `(vocabulary, d)` as float32."""
+    return weight_array(parts.target_embedding._embeddings)
+
+
+def source_bias(g):
+    """The additive mask of the source padding, `(sentences, 1, source_len, 1)`, from
+    the `source_mask` input; shared by the layers' cross-attentions."""
+    mask = g.node("Unsqueeze", ["source_mask", g.const("axes_1_3", np.array([1, 3], np.int64))])
+    return g.node(
+        "Where",
+        [mask, g.const("zero", np.float32(0.0)), g.const("masked", np.float32(MASKED_SCORE))],
+    )
+
+
+def decoder_layers(g, parts, x, self_attention, opset, alignment=False):
+    """The decoder layers over the rows `x` `(rows, d)`; returns the final hidden rows
+    (after the final norm, if any), or with `alignment` the cross-attention weights of
+    `spec.alignment_layer` averaged over heads, `(sentences, rows per sentence,
+    source_len)`, computed no further than that.
+
+    `self_attention(y, layer, i)` gives a layer's self-attention output `(rows, d)`
+    (the cached step's, or the teacher-forced pass's causal one). The
+    cross-attention reads `source_mask` and `cross_key_i`, `cross_value_i`
+    `(sentences, heads, source_len, head_dim)`: the rows of a sentence (its beams,
+    or its target positions) are consecutive and share its keys and values, held
+    once per sentence, so a sentence's queries go in as the columns of one
+    product with its keys.
+    """
+    c = parts.config
+    activation = layers_activation(parts.decoder_layers, "decoder graph")
+    d, n = c.hidden_dim, c.num_heads
+    h = d // n
+    bias = source_bias(g)
+    merged_rows = g.const("shape_merged_rows", np.array([-1, d], np.int64))
+    # (sentences, rows per sentence, heads, head_dim) for the cross-attention queries.
+    grouped_heads = g.node(
+        "Concat",
+        [
+            g.node("Shape", ["source_mask"], start=0, end=1),
+            g.const("shape_group_heads", np.array([-1, n, h], np.int64)),
+        ],
+        axis=0,
+    )
+    last = alignment_layer(len(parts.decoder_layers))
+
+    def dense(y, kernel, bias_, prefix):
+        return gemm(g, y, kernel, bias_, prefix)
+
+    def residual(y, sublayer, norm_layer, prefix):
+        return residual_block(g, y, sublayer, norm_layer, prefix, c.normalize_first)
+
+    for i, layer in enumerate(parts.decoder_layers):
+        p = f"layer_{i}"
+        ca, ff = layer.cross_attention, layer.feed_forward
+        found = {}
+
+        def cross_attention(y, ca=ca, p=p, i=i, found=found):
+            q = dense(y, *scaled_query_weights(ca, d, h), f"{p}.cross_q")
+            q = g.node("Reshape", [q, grouped_heads])  # (S, G, N, H)
+            columns = g.node("Transpose", [q], perm=[0, 2, 3, 1])  # (S, N, H, G)
+            scores = g.node("MatMul", [f"cross_key_{i}", columns])  # (S, N, L, G)
+            weights = g.node("Softmax", [g.node("Add", [scores, bias])], axis=2)
+            weights = g.node("Transpose", [weights], perm=[0, 1, 3, 2])  # (S, N, G, L)
+            found["weights"] = weights
+            attended = g.node("MatMul", [weights, f"cross_value_{i}"])  # (S, N, G, H)
+            attended = g.node("Transpose", [attended], perm=[0, 2, 1, 3])  # (S, G, N, H)
+            attended = g.node("Reshape", [attended, merged_rows])
+            return dense(attended, *projection_weights(ca.output_dense, d), f"{p}.cross_out")
+
+        def feed_forward(y, ff=ff, p=p):
+            inner = dense(
+                y,
+                weight_array(ff.intermediate_dense.kernel),
+                weight_array(ff.intermediate_dense.bias),
+                f"{p}.ff_in",
+            )
+            inner = feed_forward_activation(g, inner, activation)
+            return dense(
+                inner,
+                weight_array(ff.output_dense.kernel),
+                weight_array(ff.output_dense.bias),
+                f"{p}.ff_out",
+            )
+
+        def own_attention(y, layer=layer, i=i):
+            return self_attention(y, layer, i)
+
+        x = residual(x, own_attention, layer.self_attention_norm, f"{p}.self_norm")
+        x = residual(x, cross_attention, layer.cross_attention_norm, f"{p}.cross_norm")
+        if alignment and i == last:
+            # The mean over heads (axis 1); the axes are an input from opset 18.
+            if opset >= 18:
+                return g.node("ReduceMean", [found["weights"], g.int64s([1])], keepdims=0)
+            return g.node("ReduceMean", [found["weights"]], axes=[1], keepdims=0)
+        x = residual(x, feed_forward, layer.feed_forward_norm, f"{p}.ff_norm")
+
+    if parts.decoder_final_norm is not None:
+        x = layer_norm(g, x, parts.decoder_final_norm, "final_norm")
+    return x
+
+
+def output_logits(g, parts, x):
+    """The logits `(rows, vocabulary)` of the hidden rows `x`: the tied embeddings
+    (plus the output bias where the model has one) or the output projection."""
+    if parts.output_projection is None:
+        kernel = np.ascontiguousarray(output_embeddings(parts).T)
+        logits = g.node("MatMul", [x, g.const("output_kernel", kernel)])
+        if parts.target_embedding.logits_bias is not None:
+            bias = weight_array(parts.target_embedding.logits_bias)
+            logits = g.node("Add", [logits, g.const("output_bias", bias)])
+        return logits
+    return gemm(
+        g,
+        x,
+        weight_array(parts.output_projection.kernel),
+        weight_array(parts.output_projection.bias),
+        "output_projection",
+    )
+
+
+def cache_value(g, name, length, parts, rows="batch"):
+    """The value info of a key or value cache `(rows, heads, length, head_dim)`."""
+    from onnx import TensorProto
+
+    c = parts.config
+    return g.value_info(
+        name, TensorProto.FLOAT, [rows, c.num_heads, length, c.hidden_dim // c.num_heads]
+    )
+
+
+def cross_cache_inputs(g, parts):
+    """The value infos of `source_mask` and every layer's cross keys and values."""
+    from onnx import TensorProto
+
+    inputs = [g.value_info("source_mask", TensorProto.BOOL, ["sentences", "source_len"])]
+    for i in range(parts.config.num_decoder_layers):
+        inputs += [
+            cache_value(g, f"cross_key_{i}", "source_len", parts, rows="sentences"),
+            cache_value(g, f"cross_value_{i}", "source_len", parts, rows="sentences"),
+        ]
+    return inputs
+
+
 def build_decoder_step(parts, opset=17):
     """Returns the decoder-step `onnx.ModelProto` for a float32 model's `TransformerParts`.
 
@@ -184,138 +341,42 @@ def build_decoder_step(parts, opset=17):
     if opset < 17:
         raise ValueError(f"The decoder step needs opset >= 17 (LayerNormalization). Got {opset}")
     c = parts.config
-    activation = layers_activation(parts.decoder_layers, "decoder step")
     d, n = c.hidden_dim, c.num_heads
     h = d // n
     g = GraphBuilder()
-    f32 = TensorProto.FLOAT
 
     # Embedding of the new token at position past_len (read off the first cache).
-    embeddings = weight_array(parts.target_embedding._embeddings)
-    table = np.asarray(parts.target_embedding._table, np.float32)
-    frequencies = np.asarray(parts.target_embedding._frequencies, np.float32)
     tokens = g.node("Reshape", ["token_ids", g.const("shape_flat", np.array([-1], np.int64))])
-    x = g.node("Gather", [g.const("embeddings", embeddings), tokens], axis=0)
-    x = g.node("Mul", [x, g.const("embedding_scale", np.float32(parts.target_embedding._scale))])
     position = g.node("Shape", ["self_key_0"], start=2, end=3)  # (1,) int64
-    layout = parts.target_embedding.positional_layout
-    x = g.node("Add", [x, position_encoding(g, position, table, frequencies, layout)])
-
-    # Additive mask of the source padding, (batch, 1, source_len, 1), shared by the layers.
-    mask = g.node("Unsqueeze", ["source_mask", g.const("axes_1_3", np.array([1, 3], np.int64))])
-    bias = g.node(
-        "Where",
-        [mask, g.const("zero", np.float32(0.0)), g.const("masked", np.float32(MASKED_SCORE))],
-    )
+    x, encoding = target_embedding(g, parts, tokens, position)
+    x = g.node("Add", [x, encoding])
 
     qkv_heads = g.const("shape_qkv_heads", np.array([0, 3 * n, 1, h], np.int64))
     three_parts = g.const("split_qkv", np.array([n, n, n], np.int64))
     merged = g.const("shape_merged", np.array([0, d], np.int64))
-    merged_rows = g.const("shape_merged_rows", np.array([-1, d], np.int64))
-    # (sentences, rows per sentence, heads, head_dim) for the cross-attention queries.
-    grouped_heads = g.node(
-        "Concat",
-        [
-            g.node("Shape", ["source_mask"], start=0, end=1),
-            g.const("shape_group_heads", np.array([-1, n, h], np.int64)),
-        ],
-        axis=0,
-    )
-
-    def norm(x, layer, prefix):
-        return layer_norm(g, x, layer, prefix)
-
-    def dense(x, kernel, bias_, prefix):
-        return gemm(g, x, kernel, bias_, prefix)
-
-    def query_weights(mha):
-        return scaled_query_weights(mha, d, h)
-
-    def residual(x, sublayer, norm_layer, prefix):
-        return residual_block(g, x, sublayer, norm_layer, prefix, c.normalize_first)
-
     outputs = []
-    for i, layer in enumerate(parts.decoder_layers):
-        p = f"layer_{i}"
-        sa, ca, ff = layer.self_attention, layer.cross_attention, layer.feed_forward
 
-        def self_attention(y, sa=sa, p=p, i=i):
-            kernel, bias_ = fused_qkv_weights(sa, d, h)
-            qkv = dense(y, kernel, bias_, f"{p}.self_qkv")
-            # (B, 3D) -> (B, 3N, 1, H): split on the heads axis, each part is
-            # already laid out as one new cache position (B, N, 1, H).
-            q, k, v = g.node(
-                "Split",
-                [g.node("Reshape", [qkv, qkv_heads]), three_parts],
-                outputs=[f"{p}.q", f"{p}.k", f"{p}.v"],
-                axis=1,
-            )
-            keys = g.node("Concat", [f"self_key_{i}", k], [f"new_self_key_{i}"], axis=2)
-            values = g.node("Concat", [f"self_value_{i}", v], [f"new_self_value_{i}"], axis=2)
-            outputs.extend([keys, values])
-            keys_t = g.node("Transpose", [keys], perm=[0, 1, 3, 2])  # fused into the product
-            weights = g.node("Softmax", [g.node("MatMul", [q, keys_t])], axis=-1)  # (B, N, 1, L)
-            attended = g.node("Reshape", [g.node("MatMul", [weights, values]), merged])
-            return dense(
-                attended,
-                *projection_weights(sa.output_dense, d),
-                f"{p}.self_out",
-            )
-
-        def cross_attention(y, ca=ca, p=p, i=i):
-            # The rows of a sentence (its beams) are consecutive and share its
-            # keys and values, which are held once per sentence: the queries
-            # of a sentence go in as the columns of one product with its keys.
-            wq, bq = query_weights(ca)
-            q = dense(y, wq, bq, f"{p}.cross_q")
-            q = g.node("Reshape", [q, grouped_heads])  # (S, G, N, H)
-            columns = g.node("Transpose", [q], perm=[0, 2, 3, 1])  # (S, N, H, G)
-            scores = g.node("MatMul", [f"cross_key_{i}", columns])  # (S, N, L, G)
-            weights = g.node("Softmax", [g.node("Add", [scores, bias])], axis=2)
-            weights = g.node("Transpose", [weights], perm=[0, 1, 3, 2])  # (S, N, G, L)
-            attended = g.node("MatMul", [weights, f"cross_value_{i}"])  # (S, N, G, H)
-            attended = g.node("Transpose", [attended], perm=[0, 2, 1, 3])  # (S, G, N, H)
-            attended = g.node("Reshape", [attended, merged_rows])
-            return dense(
-                attended,
-                *projection_weights(ca.output_dense, d),
-                f"{p}.cross_out",
-            )
-
-        def feed_forward(y, ff=ff, p=p):
-            inner = dense(
-                y,
-                weight_array(ff.intermediate_dense.kernel),
-                weight_array(ff.intermediate_dense.bias),
-                f"{p}.ff_in",
-            )
-            inner = feed_forward_activation(g, inner, activation)
-            return dense(
-                inner,
-                weight_array(ff.output_dense.kernel),
-                weight_array(ff.output_dense.bias),
-                f"{p}.ff_out",
-            )
-
-        x = residual(x, self_attention, layer.self_attention_norm, f"{p}.self_norm")
-        x = residual(x, cross_attention, layer.cross_attention_norm, f"{p}.cross_norm")
-        x = residual(x, feed_forward, layer.feed_forward_norm, f"{p}.ff_norm")
-
-    if parts.decoder_final_norm is not None:
-        x = norm(x, parts.decoder_final_norm, "final_norm")
-    if parts.output_projection is None:
-        logits = g.node("MatMul", [x, g.const("output_kernel", np.ascontiguousarray(embeddings.T))])
-        if parts.target_embedding.logits_bias is not None:
-            bias = weight_array(parts.target_embedding.logits_bias)
-            logits = g.node("Add", [logits, g.const("output_bias", bias)])
-    else:
-        logits = dense(
-            x,
-            weight_array(parts.output_projection.kernel),
-            weight_array(parts.output_projection.bias),
-            "output_projection",
+    def self_attention(y, layer, i):
+        sa, p = layer.self_attention, f"layer_{i}"
+        qkv = gemm(g, y, *fused_qkv_weights(sa, d, h), f"{p}.self_qkv")
+        # (B, 3D) -> (B, 3N, 1, H): split on the heads axis, each part is
+        # already laid out as one new cache position (B, N, 1, H).
+        q, k, v = g.node(
+            "Split",
+            [g.node("Reshape", [qkv, qkv_heads]), three_parts],
+            outputs=[f"{p}.q", f"{p}.k", f"{p}.v"],
+            axis=1,
         )
-    g.node("LogSoftmax", [logits], ["log_probs"], axis=-1)
+        keys = g.node("Concat", [f"self_key_{i}", k], [f"new_self_key_{i}"], axis=2)
+        values = g.node("Concat", [f"self_value_{i}", v], [f"new_self_value_{i}"], axis=2)
+        outputs.extend([keys, values])
+        keys_t = g.node("Transpose", [keys], perm=[0, 1, 3, 2])  # fused into the product
+        weights = g.node("Softmax", [g.node("MatMul", [q, keys_t])], axis=-1)  # (B, N, 1, L)
+        attended = g.node("Reshape", [g.node("MatMul", [weights, values]), merged])
+        return gemm(g, attended, *projection_weights(sa.output_dense, d), f"{p}.self_out")
+
+    x = decoder_layers(g, parts, x, self_attention, opset)
+    g.node("LogSoftmax", [output_logits(g, parts, x)], ["log_probs"], axis=-1)
     # The search loops' selection, in the graph: a row's `top_k` best tokens
     # cost less to find here than in numpy, and less to copy out than the row.
     never = np.zeros(c.vocabulary_size, np.float32)
@@ -323,26 +384,19 @@ def build_decoder_step(parts, opset=17):
     allowed = g.node("Add", ["log_probs", g.const("banned_ids_bias", never)])
     g.node("TopK", [allowed, "top_k"], ["top_log_probs", "top_ids"], axis=-1, largest=1, sorted=1)
 
-    def cache(name, length, rows="batch"):
-        return g.value_info(name, f32, [rows, n, length, h])
-
-    inputs = [
-        g.value_info("token_ids", TensorProto.INT32, ["batch", 1]),
-        g.value_info("source_mask", TensorProto.BOOL, ["sentences", "source_len"]),
-    ]
+    inputs = [g.value_info("token_ids", TensorProto.INT32, ["batch", 1])]
+    inputs += cross_cache_inputs(g, parts)
     for i in range(c.num_decoder_layers):
         inputs += [
-            cache(f"cross_key_{i}", "source_len", rows="sentences"),
-            cache(f"cross_value_{i}", "source_len", rows="sentences"),
+            cache_value(g, f"self_key_{i}", "past_len", parts),
+            cache_value(g, f"self_value_{i}", "past_len", parts),
         ]
-    for i in range(c.num_decoder_layers):
-        inputs += [cache(f"self_key_{i}", "past_len"), cache(f"self_value_{i}", "past_len")]
     inputs.append(g.value_info("top_k", TensorProto.INT64, [1]))
     graph_outputs = [
-        g.value_info("log_probs", f32, ["batch", c.vocabulary_size]),
-        g.value_info("top_log_probs", f32, ["batch", "top_k"]),
+        g.value_info("log_probs", TensorProto.FLOAT, ["batch", c.vocabulary_size]),
+        g.value_info("top_log_probs", TensorProto.FLOAT, ["batch", "top_k"]),
         g.value_info("top_ids", TensorProto.INT64, ["batch", "top_k"]),
-    ] + [cache(name, "past_len_plus_1") for name in outputs]
+    ] + [cache_value(g, name, "past_len_plus_1", parts) for name in outputs]
     return g.model("decoder_step", inputs, graph_outputs, opset=opset)
 
 

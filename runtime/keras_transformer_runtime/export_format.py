@@ -17,8 +17,9 @@ MANIFEST = "manifest.json"
 # cross keys and values once per sentence, the four search graphs, and one
 # weights file per precision; 6: `model.onnx` also returns the alignment
 # layer's cross-attention; 7: the beam search graphs also return the best
-# hypothesis's token scores.
-FORMAT_VERSION = 7
+# hypothesis's token scores; 8: the teacher-forced graphs `forced_scores`,
+# `alignment` and `teacher_forced` over the encoder's outputs replace `model.onnx`.
+FORMAT_VERSION = 8
 
 
 class ExportFileError(RuntimeError):

@@ -3,7 +3,8 @@
 `OnnxDecoder` runs `encoder.onnx` and the cached `decoder_step.onnx` for
 `search.search_loop`, the exported search graphs (`greedy_search`,
 `greedy_batch_search`, `beam_search`, `beam_batch_search`) as its fast
-paths for plain options, and `model.onnx` for forced scores and alignments.
+paths for plain options, and the teacher-forced graphs for forced scores and
+alignments.
 On a CPU with several threads it searches a large batch as one part per
 thread, the parts at once (`split_batches`).
 
@@ -181,7 +182,7 @@ class OnnxDecoder:
         self.provider = self.step_session.get_providers()[0]
 
     def session(self, name):
-        """The ONNX Runtime session of graph `name` ("encoder", "decoder_step", "model", ...)."""
+        """The ONNX Runtime session of graph `name` ("encoder", "decoder_step", "alignment", ...)."""
         if name not in self._sessions:
             if name not in self._graph_files:
                 raise ExportFileError(f"{MANIFEST} in {self.onnx_dir} lists no {name!r} graph.")
@@ -357,13 +358,23 @@ class OnnxDecoder:
         feeds.update(zip(self.cache_names("cross"), cross_caches, strict=True))
         return feeds
 
-    def logits(self, source_ids, target_ids):
-        """Teacher-forced logits from `model.onnx` (for parity checks)."""
-        feeds = {
-            "source_ids": check_ids("source_ids", source_ids),
-            "target_ids": check_ids("target_ids", target_ids),
-        }
-        return self.session("model").run(None, feeds)[0]
+    def teacher_forced(self, graph, source, target_inputs, **feeds):
+        """Runs the teacher-forced graph `graph` (`forced_scores`, `alignment` or
+        `teacher_forced`) on the encoded `source` and `target_inputs` (BOS first): its output."""
+        _, mask, cross = self.encode(source)
+        feeds = dict(
+            self.search_feeds(mask, cross),
+            target_ids=check_ids("target_ids", target_inputs),
+            **feeds,
+        )
+        return self.session(graph).run(None, feeds)[0]
+
+    def log_probs(self, source_ids, target_ids):
+        """The teacher-forced log-probabilities `(batch, target_len, vocabulary)`, float32
+        (`teacher_forced.onnx`: the search specification's view of the model)."""
+        return self.teacher_forced(
+            "teacher_forced", check_ids("source_ids", source_ids), target_ids
+        )
 
     # ----------------------------------------------------------------------- the interface
 
@@ -464,22 +475,20 @@ class OnnxDecoder:
         )
 
     def label_log_probs(self, source, target_inputs, labels):
-        """`model.onnx`'s logits as the log-probabilities of `labels`: the log-sum-exp
-        of each position in float32 (the logits' own precision), only the picked
-        entries in float64; no float64 copy of the whole `(batch, width, vocabulary)`."""
-        logits = self.logits(source, target_inputs)
-        top = logits.max(-1, keepdims=True)
-        picked = np.take_along_axis(logits, labels[..., None].astype(np.int64), -1)[..., 0]
-        np.subtract(logits, top, out=logits)
-        np.exp(logits, out=logits)
-        log_total = top[..., 0].astype(np.float64) + np.log(logits.sum(-1, dtype=np.float64))
-        return picked.astype(np.float64) - log_total
+        """The log-probabilities of `labels` `(batch, target_len)` in one pass of
+        `forced_scores.onnx` (a float32 log-softmax in the graph, one number per
+        label out); 0 where a label is padding."""
+        labels = check_ids("labels", labels)
+        found = np.zeros(labels.shape, np.float64)
+        # The graph scores only the labels that are not padding, in row order.
+        found[labels != PAD_ID] = self.teacher_forced(
+            "forced_scores", source, target_inputs, labels=labels
+        )
+        return found
 
     def alignment_weights(self, source, target_inputs):
-        """`model.onnx`'s `alignment_weights` (the export averages the heads)."""
-        feeds = {"source_ids": source, "target_ids": target_inputs}
-        (weights,) = self.session("model").run(["alignment_weights"], feeds)
-        return weights
+        """`alignment.onnx`'s weights: the alignment layer's cross-attention, heads averaged."""
+        return self.teacher_forced("alignment", source, target_inputs)
 
 
 class _OnnxState:

@@ -12,7 +12,8 @@ import onnx
 import pytest
 
 pytestmark = pytest.mark.skipif(
-    keras.backend.backend() != "tensorflow", reason="ONNX export converts TensorFlow graphs"
+    keras.backend.backend() != "tensorflow",
+    reason="the ONNX tests run once, in the TensorFlow tier (the export itself takes either backend: tests/test_model.py)",
 )
 
 from keras_transformer_runtime import OnnxTranslator, spec  # noqa: E402

@@ -13,7 +13,8 @@ import onnx
 import pytest
 
 pytestmark = pytest.mark.skipif(
-    keras.backend.backend() != "tensorflow", reason="ONNX export converts TensorFlow graphs"
+    keras.backend.backend() != "tensorflow",
+    reason="the ONNX tests run once, in the TensorFlow tier (the export itself takes either backend: tests/test_model.py)",
 )
 
 from keras_transformer_runtime import OnnxTranslator  # noqa: E402
@@ -43,11 +44,11 @@ from tests.onnx_helpers import (  # noqa: E402
 def test_export_folder_is_complete_and_valid(exported):
     model, _, translator, out = exported("float32")
     names = set(os.listdir(out))
-    assert names == {
-        "encoder.onnx", "decoder_step.onnx", "greedy_search.onnx", "greedy_batch_search.onnx",
-        "beam_search.onnx", "beam_batch_search.onnx", "model.onnx", "encoder_fp16.onnx",
-        "decoder_step_fp16.onnx", "greedy_search_fp16.onnx", "greedy_batch_search_fp16.onnx",
-        "beam_search_fp16.onnx", "beam_batch_search_fp16.onnx", "model_fp16.onnx",
+    graphs = {
+        "encoder", "decoder_step", "greedy_search", "greedy_batch_search", "beam_search",
+        "beam_batch_search", "forced_scores", "alignment", "teacher_forced",
+    }  # fmt: skip
+    assert names == {f"{g}{suffix}.onnx" for g in graphs for suffix in ("", "_fp16")} | {
         "manifest.json", "vocab.txt", "weights.bin", "weights_fp16.bin",
     }  # fmt: skip
     for name in {n for n in names if n.endswith(".onnx")}:
@@ -70,8 +71,15 @@ def test_export_folder_is_complete_and_valid(exported):
         "dtype": "float32",
         "shape": ["batch", config.vocabulary_size],
     }
-    assert manifest["graphs"]["model"]["inputs"]["target_ids"]["shape"] == ["batch", "target_len"]
-    assert manifest["graphs"]["model"]["outputs"]["alignment_weights"] == {
+    forced = manifest["graphs"]["forced_scores"]
+    assert forced["inputs"]["target_ids"]["shape"] == ["batch", "target_len"]
+    assert forced["inputs"]["labels"]["shape"] == ["batch", "target_len"]
+    # One score per label that is not padding, in row order.
+    assert forced["outputs"]["label_log_probs"] == {"dtype": "float32", "shape": ["positions"]}
+    assert manifest["graphs"]["teacher_forced"]["outputs"]["log_probs"]["shape"] == [
+        "batch", "target_len", config.vocabulary_size,
+    ]  # fmt: skip
+    assert manifest["graphs"]["alignment"]["outputs"]["alignment_weights"] == {
         "dtype": "float32",
         "shape": ["batch", "target_len", "source_len"],
     }
@@ -89,7 +97,7 @@ def test_export_folder_is_complete_and_valid(exported):
             "dtype": "float64",
             "shape": ["sentences", "steps"],
         }
-    assert manifest["format_version"] == 7
+    assert manifest["format_version"] == 8
     # The graphs that translate hold no weights of their own: one file per
     # precision holds them, each tensor once (the decoder's are in three graphs).
     assert manifest["weights"] == {"float32": "weights.bin", "float16": "weights_fp16.bin"}
@@ -133,7 +141,7 @@ def test_export_folder_is_complete_and_valid(exported):
             blob[o : o + n] for o, n in set().union(*(set(s.values()) for s in spans.values()))
         ]
         assert len(set(stored)) == len(stored)  # no tensor stored twice
-    assert {"tensorflow", "tf2onnx", "onnx", "onnxruntime", "keras"} <= set(manifest["versions"])
+    assert {"tensorflow", "onnx", "onnxruntime", "keras"} <= set(manifest["versions"])
     assert translator.provider == "CPUExecutionProvider" or "CUDA" in translator.provider
 
 
@@ -206,13 +214,25 @@ def test_encoder_teacher_forced_and_step_outputs_match_keras(kind, exported):
         np.testing.assert_allclose(cache, keras_cache, atol=1e-4)
 
     logits = keras.ops.convert_to_numpy(model({"source_ids": source, "target_ids": target}))
-    np.testing.assert_allclose(translator.decoder.logits(source, target), logits, atol=1e-4)
+    log_probs = keras.ops.convert_to_numpy(keras.ops.log_softmax(logits, axis=-1))
+    real = target != 0
+    # The teacher-forced graphs: every position's distribution, and the labels' entries.
+    forced = translator.decoder.log_probs(source, target)
+    np.testing.assert_allclose(forced[real], log_probs[real], atol=1e-4)
+    # Any label at a real position (padding's own id included), none past the target.
+    labels = np.random.default_rng(5).integers(0, parts.config.vocabulary_size, target.shape)
+    labels[:, 0] = 0
+    labels = np.where(real, labels, 0)
+    picked = translator.decoder.label_log_probs(source, target, labels)
+    assert picked.dtype == np.float64 and picked.shape == target.shape
+    expected = np.take_along_axis(log_probs, labels[..., None], -1)[..., 0]
+    scored = labels != 0
+    assert scored.sum() < real.sum() and (picked[~scored] == 0).all()
+    np.testing.assert_allclose(picked[scored], expected[scored], atol=1e-4)
 
     # The cached step, fed the targets one token at a time, gives the
     # teacher-forced log-probabilities at every real position.
-    log_probs = keras.ops.convert_to_numpy(keras.ops.log_softmax(logits, axis=-1))
     caches = translator.decoder.empty_self_caches(len(source))
-    real = target != 0
     for t in range(target.shape[1]):
         feeds = translator.decoder.search_feeds(mask, cross)
         feeds["token_ids"] = target[:, t : t + 1]
@@ -303,6 +323,10 @@ def test_other_model_shapes_graphs_match_keras(shape, tmp_path):
         # spends no node on that case.
         rows = (target[:, t] != 0) & mask.any(axis=1)
         np.testing.assert_allclose(step[rows], log_probs[rows, t], atol=1e-4)
+    # The teacher-forced pass (all positions at once) as well.
+    forced = translator.decoder.log_probs(source, target)
+    rows = (target != 0) & mask.any(axis=1)[:, None]
+    np.testing.assert_allclose(forced[rows], log_probs[rows], atol=1e-4)
 
 
 def test_step_rows_of_a_sentence_share_its_cross_caches(exported):
@@ -383,12 +407,8 @@ def test_int8_graphs_are_smaller_and_translate_no_worse_than_float32(toy_run, tm
     assert BATCH_STEPS_PER_ITERATION["int8"] == 2
     assert products("greedy_batch_search") == 2 * products("decoder_step") > 0
     assert products("greedy_search") == products("decoder_step")
-    for full_file, int8_file in (
-        ("model.onnx", "model_int8.onnx"),
-        ("weights.bin", "weights_int8.bin"),
-    ):
-        full_size = os.path.getsize(os.path.join(out, full_file))
-        assert os.path.getsize(os.path.join(out, int8_file)) < 0.6 * full_size
+    full_size = os.path.getsize(os.path.join(out, "weights.bin"))
+    assert os.path.getsize(os.path.join(out, "weights_int8.bin")) < 0.6 * full_size
     full, quantized = OnnxTranslator(out), OnnxTranslator(out, precision="int8")
     lines = held_out_lines(200, seed=59)
     references = [toy_run[1].translate(line) for line in lines]

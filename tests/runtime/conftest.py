@@ -20,7 +20,9 @@ def tiny_export(tmp_path_factory):
     from keras_transformer.model import build_transformer
 
     if keras.backend.backend() != "tensorflow":
-        pytest.skip("ONNX export converts TensorFlow graphs")
+        pytest.skip(
+            "the ONNX tests run once, in the TensorFlow tier (the export itself takes either backend: tests/test_model.py)"
+        )
     root = tmp_path_factory.mktemp("tiny_export")
     corpus = generate_toy_corpus(num_train=200, num_valid=1, num_test=1, max_words=8, seed=0)
     vocabulary = WordVocabulary.from_corpus(corpus)
