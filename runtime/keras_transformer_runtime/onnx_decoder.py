@@ -175,6 +175,7 @@ class OnnxDecoder:
         self._split_workers = []  # one one-thread decoder per part of a split search
         self._split_pool = None  # runs the parts after the first
         self._split_lock = threading.Lock()
+        self._last_encoded = None  # (the source batch, what `encode` gave for it)
         self._self_names = self.cache_names("self")
         self._new_self_names = ["new_" + name for name in self._self_names]
         self.encoder_session = self.session("encoder")
@@ -272,11 +273,20 @@ class OnnxDecoder:
     def encode(self, source_ids):
         """Runs `encoder.onnx`: returns `(encoder_output, source_mask, cross_caches)`.
 
+        The last batch's outputs are kept and returned again for the same ids.
+
         `cross_caches` is `[cross_key_0, cross_value_0, cross_key_1, ...]`,
         each `(batch, heads, source_len, head_dim)`.
         """
         source_ids = check_ids("source_ids", source_ids)
+        key = (source_ids.shape, source_ids.tobytes())
+        last = self._last_encoded
+        if last is not None and last[0] == key:
+            return last[1]
         encoded, mask, *cross = self.encoder_session.run(None, {"source_ids": source_ids})
+        # Kept for the teacher-forced pass that follows a search of the same
+        # batch (alignments): it then does not encode the batch again.
+        self._last_encoded = (key, (encoded, mask, cross))
         return encoded, mask, cross
 
     def cache_names(self, kind):
