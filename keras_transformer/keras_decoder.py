@@ -222,7 +222,7 @@ class KerasDecoder:
             token_scores.append(step_scores[i, :taken].tolist())
         return outputs, token_scores
 
-    def beam(self, source, limits, beam_size, length_penalty):
+    def beam(self, source, limits, beam_size, length_penalty, n_best=1):
         """None: beam search runs the one loop over the compiled step."""
         return None
 

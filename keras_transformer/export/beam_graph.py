@@ -21,13 +21,14 @@ step runs one row per sentence, its beams all starting from BOS):
   finishes its beam; the first `k` other candidates are the new beams;
 - at a sentence's length limit the new beams finish as they are;
 - a finished hypothesis is scored by its summed log-probability over
-  the length penalty `((5 + length) / 6) ** alpha`, and only the best
-  one is kept (the first found among equals, as `max` does), with the
-  count of those finished;
-- a sentence is done when no live beam can beat its best finished
-  hypothesis even at its maximum length, or when `k` have finished and
-  no live beam beats the best at its current length; the loop stops when
-  every sentence is done.
+  the length penalty `((5 + length) / 6) ** alpha`, and the `n_best`
+  best are kept, best first (the first found among equals, as a stable
+  sort does), with the count of those finished;
+- a sentence is done when no live beam can beat its `n_best`-th best
+  finished hypothesis even at its maximum length, or when `k` have
+  finished and no live beam beats it at its current length (with
+  `n_best` 1: `spec.beam`'s rule; above: `spec.SentenceSearch`'s); the
+  loop stops when every sentence is done.
 
 In `beam_search`, finished sentences stay in the state until the loop ends
 (their rows are computed and ignored), which suits small batches;
@@ -40,12 +41,14 @@ values from encoder.onnx (one row per sentence), `limits (sentences,)
 int64` (each sentence's maximum output length, EOS included; 0 for an
 empty source), `beam_size ()` int64 (2 * beam_size at most the vocabulary
 less padding and BOS) and `length_penalty ()` double (alpha; 0 turns it
-off). Outputs: `tokens (sentences, steps) int64` and `lengths (sentences,)
-int64` (a sentence's output is its first `lengths` tokens, EOS excluded),
-`scores (sentences,) double`, the length-penalized score, and
-`token_scores (sentences, steps) double`, the best hypothesis's step
-log-probabilities (its first `lengths` tokens and, where it ended with EOS,
-EOS's; format version 7).
+off) and `n_best ()` int64 (at most `beam_size`). Outputs, per sentence its
+`n_best` best hypotheses, best first: `tokens (sentences, n_best, steps)
+int64` and `lengths (sentences, n_best) int64` (a hypothesis is its first
+`lengths` tokens, EOS excluded), `scores (sentences, n_best) double`, the
+length-penalized score (-inf where fewer finished), and `token_scores
+(sentences, n_best, steps) double`, the step log-probabilities (the first
+`lengths` tokens' and, where it ended with EOS, EOS's; format version 7;
+`n_best`: format version 8).
 """
 
 from __future__ import annotations
@@ -119,11 +122,23 @@ def _first_state(o, heads, head_dim, cache_type):
     empty_shape = o.node("Concat", [sentences_1d, o.int64s([0])], "empty_shape", axis=0)
     o.filled(empty_shape, 0, np.int64, "no_tokens")  # (S, 0)
     o.filled(empty_shape, 0.0, np.float64, "no_steps")  # (S, 0)
+    # The n best finished hypotheses of each sentence, best first: (S, n, ...).
+    n_1d = o.reshape("n_best", [1], "n_best_1d")
+    best_shape = o.node("Concat", [sentences_1d, n_1d], "best_shape", axis=0)  # (S, n)
+    best_empty = o.node("Concat", [best_shape, o.int64s([0])], "best_empty_shape", axis=0)
+    o.filled(best_empty, 0, np.int64, "no_best_tokens")  # (S, n, 0)
+    o.filled(best_empty, 0.0, np.float64, "no_best_steps")  # (S, n, 0)
+    best_column = o.node("Concat", [best_shape, o.int64s([1])], "best_column_shape", axis=0)
+    o.filled(best_column, -1, np.int64, "best_pad_column")  # (S, n, 1)
+    o.filled(best_column, 0.0, np.float64, "best_pad_step_column")  # (S, n, 1)
+    o.filled(best_shape, 0, np.int64, "best_zeros")  # (S, n)
+    o.node("Sub", ["n_best", one], "last_best")  # the n-th best's index
     first_done = o.node("Equal", ["limits", zero], "first_done")  # an empty source
-    o.node("Where", [first_done, zero_d, neg_inf], "first_best_scores")
+    # An empty source's one hypothesis (empty, score 0) is found at once.
+    first_entry = o.unsqueeze(o.node("Equal", [o.node("Range", [zero, "n_best", one]), zero]), [0])
+    first_found = o.node("And", [o.unsqueeze(first_done, [1]), first_entry], "first_found")
+    o.node("Where", [first_found, zero_d, neg_inf], "first_best_scores")  # (S, n)
     o.filled(sentences_1d, 0, np.int64, "zeros")  # (S,)
-    o.filled(o.name("token_shape"), -1, np.int64, "pad_column")  # (S, 1)
-    o.filled(o.name("token_shape"), 0.0, np.float64, "pad_step_column")  # (S, 1)
     empty_cache(o, sentences_1d, heads, head_dim, cache_type)  # (S, N, 0, H)
     o.node("ReduceMax", ["limits"], "max_steps", keepdims=0)
 
@@ -192,51 +207,55 @@ def _beam_step_rules(b, self_names):
     limit_normalized = b.node(
         "Where", [limit_finishes, slot_normalized, neg_inf], "limit_normalized"
     )
-    finish_scores = b.node("Concat", [eos_normalized, limit_normalized], "finish_scores", axis=1)
-    step_best = b.node("ReduceMax", [finish_scores], "step_best", axes=[1], keepdims=0)
-    step_best_at = b.node("ArgMax", [finish_scores], "step_best_at", axis=1, keepdims=1)
     live = b.node("Not", [v("done")], "live")
-    update = b.node("And", [live, b.node("Greater", [step_best, v("best_score")])], "update")
-    best_score_next = b.node("Where", [update, step_best, v("best_score")], "best_score_next")
+    finish_scores = b.node("Concat", [eos_normalized, limit_normalized], axis=1)  # (S, 3k)
+    finish_scores = b.node(
+        "Where", [b.unsqueeze(live, [1]), finish_scores, neg_inf], "finish_scores"
+    )
     finishes = b.node(
         "Concat", [b.cast(eos_finishes, INT64), b.cast(limit_finishes, INT64)], axis=1
     )  # (S, 2k + k)
     finished_now = b.node("ReduceSum", [finishes, axis1], "finished_now", keepdims=0)
     finished_counted = b.node("Where", [live, finished_now, zero], "finished_counted")
     count_next = b.node("Add", [v("count"), finished_counted], "count_next")
-    # The tokens of the step's best finished hypothesis: its beam's tokens,
-    # plus the new token when it finished at the limit (EOS is not kept).
+    # The n best of the kept ones and this step's, best first; among equal
+    # scores the first found (the kept ones, then this step's in order).
+    merged = b.node("Concat", [v("best_score"), finish_scores], "merged_scores", axis=1)
+    n_best_1d = v("n_best_1d")
+    best_score_next, chosen = b.node(
+        "TopK", [merged, n_best_1d], ["best_score_next", "chosen"], axis=1
+    )  # (S, n)
+    chosen_3d = b.unsqueeze(chosen, [2], "chosen_3d")
+    # A finished hypothesis's tokens: its beam's, plus the new token when it
+    # finished at the limit (EOS is not kept); its steps, the last one's too.
     no_token = b.filled(b.node("Shape", [ranked_token]), -1, np.int64, "no_token")
     finish_beams = b.node("Concat", [ranked_beam, slot_beam], "finish_beams", axis=1)
-    finish_tokens = b.node("Concat", [no_token, slot_token], "finish_tokens", axis=1)
-    best_beam = b.node("GatherElements", [finish_beams, step_best_at], "best_beam_2d", axis=1)
-    best_beam = b.squeeze(best_beam, [1], "best_beam")  # (S,)
-    best_last = b.node("GatherElements", [finish_tokens, step_best_at], "best_last", axis=1)
+    finish_last = b.node("Concat", [no_token, slot_token], "finish_last", axis=1)  # (S, 3k)
     first_rows = b.node("Mul", [v("sentence_index"), n], "first_rows")  # (S,)
-    best_row = b.node("Add", [first_rows, best_beam], "best_row")
-    best_prefix = b.node("Gather", [v("alive_tokens"), best_row], "best_prefix", axis=0)
-    finished_tokens = b.node("Concat", [best_prefix, best_last], "finished_tokens", axis=1)
-    grown = b.node("Concat", [v("best_tokens"), v("pad_column")], "best_tokens_grown", axis=1)
-    b.node("Where", [b.unsqueeze(update, [1]), finished_tokens, grown], "best_tokens_next")
-    # Its step scores: its beam's, plus the last step's (EOS's, or the new token's).
+    finish_rows = b.node("Add", [b.unsqueeze(first_rows, [1]), finish_beams], "finish_rows")
     finish_steps = b.node("Concat", [ranked_step, slot_step], "finish_steps", axis=1)
-    best_last_step = b.node(
-        "GatherElements", [finish_steps, step_best_at], "best_last_step", axis=1
-    )
-    best_prefix_steps = b.node("Gather", [v("alive_steps"), best_row], "best_prefix_steps", axis=0)
-    finished_steps = b.node("Concat", [best_prefix_steps, best_last_step], axis=1)
-    grown_steps = b.node("Concat", [v("best_steps"), v("pad_step_column")], axis=1)
-    b.node("Where", [b.unsqueeze(update, [1]), finished_steps, grown_steps], "best_steps_next")
-    appended = b.node("GreaterOrEqual", [b.squeeze(best_last, [1]), zero], "appended")
-    finished_length = b.node("Add", [v("iteration"), b.cast(appended, INT64)], "finished_length")
-    b.node("Where", [update, finished_length, v("best_length")], "best_length_next")
+    for kind, last, pad in (
+        ("tokens", finish_last, "best_pad_column"),
+        ("steps", finish_steps, "best_pad_step_column"),
+    ):
+        prefixes = b.node("Gather", [v(f"alive_{kind}"), finish_rows], axis=0)  # (S, 3k, t)
+        new = b.node("Concat", [prefixes, b.unsqueeze(last, [2])], axis=2)  # (S, 3k, t + 1)
+        kept = b.node("Concat", [v(f"best_{kind}"), v(pad)], axis=2)  # (S, n, t + 1)
+        candidates = b.node("Concat", [kept, new], axis=1)
+        b.node("GatherND", [candidates, chosen_3d], f"best_{kind}_next", batch_dims=1)
+    appended = b.node("GreaterOrEqual", [finish_last, zero], "appended")
+    finish_length = b.node("Add", [v("iteration"), b.cast(appended, INT64)], "finish_length")
+    lengths = b.node("Concat", [v("best_length"), finish_length], "merged_lengths", axis=1)
+    b.node("GatherElements", [lengths, chosen], "best_length_next", axis=1)
+    # The bar a live beam must beat: the n-th best finished score.
+    bar = b.node("Gather", [best_score_next, v("last_best")], "bar", axis=1)  # (S,)
     # Done: no live beam can win, or k finished and none wins at this length.
     top_slot = b.squeeze(b.node("Slice", [slot_score, axis0, axis1, axis1]), [1], "top_slot")
     top_live = b.node("Where", [at_limit, neg_inf, top_slot], "top_live")  # (S,)
     top_bound = b.node("Div", [top_live, v("limit_penalty")], "top_bound")
-    hopeless = b.node("Not", [b.node("Greater", [top_bound, best_score_next])], "hopeless")
+    hopeless = b.node("Not", [b.node("Greater", [top_bound, bar])], "hopeless")
     top_now = b.node("Div", [top_live, penalty], "top_now")
-    none_better = b.node("LessOrEqual", [top_now, best_score_next], "none_better")
+    none_better = b.node("LessOrEqual", [top_now, bar], "none_better")
     enough = b.node("GreaterOrEqual", [count_next, "beam_size"], "enough")
     settled = b.node("And", [enough, none_better], "settled")
     stops = b.node("Or", [settled, hopeless], "stops")
@@ -269,11 +288,11 @@ def _carried_state(self_names, cache_type):
         ("alive_tokens", "alive_tokens_next", INT64, "no_tokens"),
         ("done", "done_next", TensorProto.BOOL, "first_done"),
         ("best_score", "best_score_next", DOUBLE, "first_best_scores"),
-        ("best_tokens", "best_tokens_next", INT64, "no_tokens"),
-        ("best_length", "best_length_next", INT64, "zeros"),
+        ("best_tokens", "best_tokens_next", INT64, "no_best_tokens"),
+        ("best_length", "best_length_next", INT64, "best_zeros"),
         ("count", "count_next", INT64, "zeros"),
         ("alive_steps", "alive_steps_next", DOUBLE, "no_steps"),
-        ("best_steps", "best_steps_next", DOUBLE, "no_steps"),
+        ("best_steps", "best_steps_next", DOUBLE, "no_best_steps"),
     ]
     return carried + [(name, f"next_{name}", cache_type, "empty_cache") for name in self_names]
 
@@ -297,8 +316,8 @@ def _compacted(o, b, step_nodes, carried, sentence_inputs, input_types):
             v("sentences_1d"): v("live_count_1d"),
             v("sentence_index"): v("live_index"),
             v("limit_penalty"): v("live_limit_penalty"),
-            v("pad_column"): v("live_pad_column"),
-            v("pad_step_column"): v("live_pad_step_column"),
+            v("best_pad_column"): v("live_best_pad_column"),
+            v("best_pad_step_column"): v("live_best_pad_step_column"),
         }
     )
     step_nodes = copied_nodes(step_nodes, names=live_name)
@@ -309,25 +328,21 @@ def _compacted(o, b, step_nodes, carried, sentence_inputs, input_types):
     live_count_1d = b.node("Shape", [sentence_ids], "live_count_1d")  # (1,): S'
     live_count = b.squeeze(live_count_1d, [0], "live_count")
     b.node("Range", [b.int64s(0), live_count, b.int64s(1)], "live_index")
-    column_shape = b.node("Concat", [live_count_1d, b.int64s([1])], "live_column_shape", axis=0)
-    b.filled(column_shape, -1, np.int64, "live_pad_column")  # (S', 1)
-    b.filled(column_shape, 0.0, np.float64, "live_pad_step_column")  # (S', 1)
+    column_shape = b.node(
+        "Concat", [live_count_1d, v("n_best_1d"), b.int64s([1])], "live_column_shape", axis=0
+    )
+    b.filled(column_shape, -1, np.int64, "live_best_pad_column")  # (S', n, 1)
+    b.filled(column_shape, 0.0, np.float64, "live_best_pad_step_column")  # (S', n, 1)
     b.extend(rules)
     # Each step writes its sentences' best hypotheses into the outputs.
+    at = b.unsqueeze(sentence_ids, [1], "live_at")  # (S', 1)
     for kind in ("score", "length"):
         b.node(
-            "ScatterElements",
-            [v(f"result_{kind}"), sentence_ids, v(f"best_{kind}_next")],
-            f"result_{kind}_next",
-            axis=0,
+            "ScatterND", [v(f"result_{kind}"), at, v(f"best_{kind}_next")], f"result_{kind}_next"
         )
-    for kind, pad in (("tokens", "pad_column"), ("steps", "pad_step_column")):
-        grown = b.node("Concat", [v(f"result_{kind}"), v(pad)], axis=1)
-        b.node(
-            "ScatterND",
-            [grown, b.unsqueeze(sentence_ids, [1]), v(f"best_{kind}_next")],
-            f"result_{kind}_next",
-        )
+    for kind, pad in (("tokens", "best_pad_column"), ("steps", "best_pad_step_column")):
+        grown = b.node("Concat", [v(f"result_{kind}"), v(pad)], axis=2)
+        b.node("ScatterND", [grown, at, v(f"best_{kind}_next")], f"result_{kind}_next")
     # Then the sentences done at this step leave the state, with their beams.
     keep = b.node("Not", [v("done_next")], "keep")  # (S',)
     beams_shape = b.node("Concat", [live_count_1d, v("k_1d")], "live_beams_shape", axis=0)
@@ -361,9 +376,9 @@ def _compacted(o, b, step_nodes, carried, sentence_inputs, input_types):
     ]
     carried += [
         ("result_score", "result_score_next", DOUBLE, "first_best_scores"),
-        ("result_tokens", "result_tokens_next", INT64, "no_tokens"),
-        ("result_length", "result_length_next", INT64, "zeros"),
-        ("result_steps", "result_steps_next", DOUBLE, "no_steps"),
+        ("result_tokens", "result_tokens_next", INT64, "no_best_tokens"),
+        ("result_length", "result_length_next", INT64, "best_zeros"),
+        ("result_steps", "result_steps_next", DOUBLE, "no_best_steps"),
     ]
     outputs = {"tokens": "result_tokens", "lengths": "result_length", "scores": "result_score"}
     outputs["token_scores"] = "result_steps"
@@ -417,11 +432,12 @@ def _build(step, compact, blocked):
         value("limits", INT64, ["sentences"]),
         value("beam_size", INT64, []),
         value("length_penalty", DOUBLE, []),
+        value("n_best", INT64, []),
     ]
     outer_outputs = [
-        value("tokens", INT64, ["sentences", "steps"]),
-        value("lengths", INT64, ["sentences"]),
-        value("scores", DOUBLE, ["sentences"]),
-        value("token_scores", DOUBLE, ["sentences", "steps"]),
+        value("tokens", INT64, ["sentences", "n_best", "steps"]),
+        value("lengths", INT64, ["sentences", "n_best"]),
+        value("scores", DOUBLE, ["sentences", "n_best"]),
+        value("token_scores", DOUBLE, ["sentences", "n_best", "steps"]),
     ]
     return o.model("beam_search", outer_inputs, outer_outputs, like=step)

@@ -303,10 +303,12 @@ def _write_graphs(model, folder, opset, precision):
             "The whole beam search, the decoder step inside an ONNX Loop: feed source_mask "
             "and the cross keys and values from encoder.onnx, limits (sentences,) int64 "
             "(each sentence's maximum output length, EOS included; 0 for an empty source), "
-            "beam_size () int64 (twice it at most the vocabulary size) and length_penalty () "
-            "double (alpha of ((5 + length) / 6) ** alpha; 0: none). Returns tokens "
-            "(sentences, steps) and lengths (sentences,): a sentence's output is its first "
-            "lengths tokens; and scores (sentences,) double, the length-penalized score."
+            "beam_size () int64 (twice it at most the vocabulary size), length_penalty () "
+            "double (alpha of ((5 + length) / 6) ** alpha; 0: none) and n_best () int64 (at "
+            "most beam_size). Returns, per sentence its n_best best hypotheses, best first: "
+            "tokens (sentences, n_best, steps) and lengths (sentences, n_best): a hypothesis "
+            "is its first lengths tokens; scores (sentences, n_best) double, the "
+            "length-penalized score (-inf where fewer finished); and token_scores."
         ),
         "beam_batch_search": (
             "beam_search's inputs, outputs and results; its loop drops each sentence when "

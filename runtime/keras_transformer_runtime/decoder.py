@@ -70,11 +70,17 @@ class Decoder(Protocol):
         `search.search_loop`)."""
 
     def beam(
-        self, source: np.ndarray, limits: np.ndarray, beam_size: int, length_penalty: float
+        self,
+        source: np.ndarray,
+        limits: np.ndarray,
+        beam_size: int,
+        length_penalty: float,
+        n_best: int = 1,
     ) -> tuple | None:
         """Plain beam search on a fast path: `(tokens, scores, token_scores)`, per
-        sentence its tokens and score as `spec.beam` gives them and its step
-        log-probabilities (EOS included when it ended with one); or None."""
+        sentence a list of its `n_best` best hypotheses' (best first; the first as
+        `spec.beam` gives it, all as `spec.SentenceSearch` with `n_best`): tokens,
+        score and step log-probabilities (EOS included when it ended with one); or None."""
 
     def label_log_probs(
         self, source: np.ndarray, target_inputs: np.ndarray, labels: np.ndarray

@@ -18,7 +18,8 @@ MANIFEST = "manifest.json"
 # weights file per precision; 6: `model.onnx` also returns the alignment
 # layer's cross-attention; 7: the beam search graphs also return the best
 # hypothesis's token scores; 8: the teacher-forced graphs `forced_scores`,
-# `alignment` and `teacher_forced` over the encoder's outputs replace `model.onnx`.
+# `alignment` and `teacher_forced` over the encoder's outputs replace `model.onnx`,
+# and the beam search graphs return each sentence's `n_best` best hypotheses.
 FORMAT_VERSION = 8
 
 

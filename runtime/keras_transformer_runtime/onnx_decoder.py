@@ -448,9 +448,10 @@ class OnnxDecoder:
                 return name
         return None
 
-    def beam(self, source, limits, beam_size, length_penalty):
-        """Beam search as one call of a search graph: `(tokens, scores, token_scores)`;
-        None where no graph takes the beam."""
+    def beam(self, source, limits, beam_size, length_penalty, n_best=1):
+        """Beam search as one call of a search graph: `(tokens, scores, token_scores)`,
+        each per sentence a list of its `n_best` best hypotheses' (best first); None
+        where no graph takes the beam."""
         graph = self._beam_graph(len(source), beam_size)
         if graph is None:
             return None
@@ -460,13 +461,18 @@ class OnnxDecoder:
                 source,
                 limits,
                 parts,
-                lambda worker, part, lims: worker.beam(part, lims, beam_size, length_penalty),
+                lambda worker, part, lims: worker.beam(
+                    part, lims, beam_size, length_penalty, n_best
+                ),
             )
-        return self.run_beam_graph(source, limits, beam_size, length_penalty, graph)
+        return self.run_beam_graph(source, limits, beam_size, length_penalty, graph, n_best)
 
-    def run_beam_graph(self, source, limits, beam_size, length_penalty, graph="beam_search"):
+    def run_beam_graph(
+        self, source, limits, beam_size, length_penalty, graph="beam_search", n_best=1
+    ):
         """Beam search as one call of the search graph `graph`: `(tokens, scores,
-        token_scores)`.
+        token_scores)`, per sentence its `n_best` best hypotheses' (fewer where fewer
+        finished), best first.
 
         Each sentence is encoded once; the graph gives its beams its row.
         """
@@ -475,14 +481,18 @@ class OnnxDecoder:
         feeds["limits"] = np.asarray(limits, np.int64)
         feeds["beam_size"] = np.array(beam_size, np.int64)
         feeds["length_penalty"] = np.array(length_penalty, np.float64)
+        feeds["n_best"] = np.array(n_best, np.int64)
         tokens, lengths, scores, steps = self.session(graph).run(None, feeds)
-        # Its step scores: its tokens', and EOS's where it ended with one (under its limit).
-        taken = lengths + (lengths < np.asarray(limits))
-        return (
-            [tokens[i, : lengths[i]].tolist() for i in range(len(limits))],
-            scores.tolist(),
-            [steps[i, : taken[i]].tolist() for i in range(len(limits))],
-        )
+        # A hypothesis's step scores: its tokens', and EOS's where it ended with
+        # one (under its limit). A score of -inf: fewer finished than n_best.
+        taken = lengths + (lengths < np.asarray(limits)[:, None])
+        found = ([], [], [])
+        for i in range(len(limits)):
+            kept = [j for j in range(n_best) if scores[i, j] > -np.inf]
+            found[0].append([tokens[i, j, : lengths[i, j]].tolist() for j in kept])
+            found[1].append([float(scores[i, j]) for j in kept])
+            found[2].append([steps[i, j, : taken[i, j]].tolist() for j in kept])
+        return found
 
     def label_log_probs(self, source, target_inputs, labels):
         """The log-probabilities of `labels` `(batch, target_len)` in one pass of

@@ -118,25 +118,31 @@ def search_loop(
     return [search.results() for search in searches]
 
 
-def plain_hypotheses(tokens, scores, limits, options, token_scores=None):
-    """The fast searches' `(tokens, scores)` as `spec.Hypothesis` lists (one each),
-    with their `token_scores` where `options.token_scores` asks for them.
+def plain_hypotheses(tokens, scores, token_scores, limits, options):
+    """The fast searches' results (per sentence, lists of its hypotheses' tokens,
+    scores and step scores, best first) as `spec.Hypothesis` lists, with their
+    `token_scores` where `options.token_scores` asks for them.
 
     A beam search's summed log-probability is its score times the length
     penalty of its length: EOS included when the output is shorter than its
     limit (an output that reached it ended without EOS).
     """
     found = []
-    for i, (row, score, limit) in enumerate(zip(tokens, scores, limits, strict=True)):
-        log_prob = float(score)
-        if options.beam_size > 1 and limit:
-            length = len(row) + (len(row) < limit)
-            factor = length_penalty_factor(
-                length, options.length_penalty, options.length_penalty_form
-            )
-            log_prob = float(score * factor)
-        steps = list(token_scores[i]) if options.token_scores else None
-        found.append([Hypothesis(list(row), float(score), log_prob, steps)])
+    for rows, row_scores, row_steps, limit in zip(
+        tokens, scores, token_scores, limits, strict=True
+    ):
+        hypotheses = []
+        for row, score, steps in zip(rows, row_scores, row_steps, strict=True):
+            log_prob = float(score)
+            if options.beam_size > 1 and limit:
+                length = len(row) + (len(row) < limit)
+                factor = length_penalty_factor(
+                    length, options.length_penalty, options.length_penalty_form
+                )
+                log_prob = float(score * factor)
+            steps = list(steps) if options.token_scores else None
+            hypotheses.append(Hypothesis(list(row), float(score), log_prob, steps))
+        found.append(hypotheses)
     return found
 
 

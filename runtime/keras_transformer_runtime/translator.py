@@ -108,7 +108,7 @@ class Translator:
         """
         source, limits = self._prepare(source_ids, max_length)
         tokens, scores, _ = self._plain(source, limits, 1, ignore_eos=ignore_eos)
-        return tokens, scores
+        return [row[0] for row in tokens], np.array([row[0] for row in scores], np.float64)
 
     def beam_search(
         self, source_ids, beam_size=4, length_penalty=0.6, max_length=None, ignore_eos=False
@@ -131,29 +131,37 @@ class Translator:
         check_beam_arguments(beam_size, length_penalty)
         source, limits = self._prepare(source_ids, max_length)
         tokens, scores, _ = self._plain(source, limits, beam_size, length_penalty, ignore_eos)
-        return tokens, scores
+        return [row[0] for row in tokens], np.array([row[0] for row in scores], np.float64)
 
-    def _plain(self, source, limits, beam_size, length_penalty=0.6, ignore_eos=False):
+    def _plain(self, source, limits, beam_size, length_penalty=0.6, ignore_eos=False, n_best=1):
         """The plain search of a prepared batch: `(tokens, scores, token_scores)`, per
-        sentence (token scores: each step's, EOS included when produced). The
-        decoder's graph-resident search where it has one; else the one loop."""
+        sentence a list of its `n_best` best hypotheses' (token scores: each step's,
+        EOS included when produced). The decoder's graph-resident search where it
+        has one; else the one loop."""
         if not limits.any():
-            return [[] for _ in limits], np.zeros(len(limits)), [[] for _ in limits]
+            return [[[]] for _ in limits], [[0.0] for _ in limits], [[[]] for _ in limits]
         if beam_size == 1:
             found = self.decoder.greedy(source, limits, banned_ids(ignore_eos))
             if found is not None:
                 tokens, steps = found
-                return tokens, np.array([sum(row) for row in steps], np.float64), steps
+                return (
+                    [[row] for row in tokens],
+                    [[sum(row)] for row in steps],
+                    [[row] for row in steps],
+                )
         elif not ignore_eos:
-            found = self.decoder.beam(source, limits, beam_size, length_penalty)
+            found = self.decoder.beam(source, limits, beam_size, length_penalty, n_best)
             if found is not None:
-                return found[0], np.asarray(found[1], np.float64), found[2]
-        options = SearchOptions(beam_size, length_penalty, token_scores=True)
+                return found
+        options = SearchOptions(beam_size, length_penalty, n_best=n_best, token_scores=True)
         if ignore_eos:  # EOS suppressed: every output runs to its limit
             options = dataclasses.replace(options, suppress_sequences=((EOS_ID,),))
         found = self._loop(source, limits, options)
-        scores = np.array([h[0].score for h in found], np.float64)
-        return [h[0].tokens for h in found], scores, [h[0].token_scores for h in found]
+        return (
+            [[h.tokens for h in row] for row in found],
+            [[h.score for h in row] for row in found],
+            [[h.token_scores for h in row] for row in found],
+        )
 
     def _loop(self, source, limits, options, prefixes=None, indices=None, constraints=None):
         """`search.search_loop` over the decoder's cached step: the hypotheses of each source."""
@@ -210,11 +218,15 @@ class Translator:
     def _search(self, sources, options, prefixes, indices, constraints):
         """`search` once its arguments are checked (no alignments)."""
         source, limits = self._prepare(sources, options.max_length)
-        # The fast searches return each step's score: token scores cost nothing.
+        # The fast searches return each step's score and the n best hypotheses:
+        # token scores and n-best lists cost nothing.
         plain = not any(prefixes or ()) and not any(map(len, constraints or ()))
-        if plain and dataclasses.replace(options, token_scores=False).is_plain():
-            found = self._plain(source, limits, options.beam_size, options.length_penalty)
-            return plain_hypotheses(*found[:2], limits, options, found[2])
+        fast = dataclasses.replace(options, token_scores=False, n_best=1)
+        if plain and fast.is_plain():
+            found = self._plain(
+                source, limits, options.beam_size, options.length_penalty, n_best=options.n_best
+            )
+            return plain_hypotheses(*found, limits, options)
         limits = prefixed_limits(limits, prefixes, options.max_length)
         return self._loop(source, limits, options, prefixes, indices, constraints)
 

@@ -292,6 +292,7 @@ def test_the_search_graphs_with_blocked_selection_find_what_the_full_topk_finds(
         for beam in (1, 4, 20):
             beam_feeds = dict(feeds, beam_size=np.array(beam, np.int64))
             beam_feeds["length_penalty"] = np.array(0.6, np.float64)
+            beam_feeds["n_best"] = np.array(min(beam, 2), np.int64)
             expected, found = full.run(None, beam_feeds), blocked.run(None, beam_feeds)
             np.testing.assert_array_equal(found[0], expected[0])
             np.testing.assert_array_equal(found[1], expected[1])
@@ -327,9 +328,9 @@ def test_the_beam_graphs_follow_the_search_specification(precision, exported, mo
 
     def in_graph(batch, graph, beam_size, length_penalty=0.6, max_length=None):
         source, limits = translator._prepare(batch, max_length)
-        tokens, scores, steps = translator.decoder.run_beam_graph(
-            source, limits, beam_size, length_penalty, graph
-        )
+        found = translator.decoder.run_beam_graph(source, limits, beam_size, length_penalty, graph)
+        assert all(len(rows) == 1 for part in found for rows in part)  # n_best 1
+        tokens, scores, steps = ([rows[0] for rows in part] for part in found)
         # The step scores are the best hypothesis's: its score is their sum, penalized.
         for row, score, step, limit in zip(tokens, scores, steps, limits, strict=True):
             assert len(step) == (len(row) + (len(row) < limit) if limit else 0)
@@ -393,6 +394,52 @@ def test_the_beam_graphs_follow_the_search_specification(precision, exported, mo
         assert tokens == step_tokens
         np.testing.assert_allclose(scores, step_scores, **tolerance)
         assert tokens[1] == [] and scores[1] == 0
+
+
+def test_the_beam_graphs_give_the_n_best_lists_of_the_one_loop(exported, monkeypatch):
+    """With `n_best`, beam_search.onnx and beam_batch_search.onnx keep each
+    sentence's n best finished hypotheses and stop when no live beam can beat
+    the n-th: the same lists (tokens, scores, step scores, best first) as the
+    one Python loop (`search.search_loop`), and as the search specification
+    (`spec.SentenceSearch`) over the export's teacher-forced pass."""
+    from keras_transformer_runtime.options import SearchOptions
+    from keras_transformer_runtime.spec import SentenceSearch
+
+    _, tokenizer, reference, out = exported("float32")
+    translator = OnnxTranslator(out, split_batches=False)
+    calls = _graph_calls(translator, "run_beam_graph", monkeypatch)
+    sources = source_ids(tokenizer, held_out_lines(12, seed=83))
+    settings = [
+        SearchOptions(beam_size=4, n_best=4, token_scores=True),
+        SearchOptions(beam_size=3, n_best=2, length_penalty=1.5, max_length=4, token_scores=True),
+        SearchOptions(beam_size=2, n_best=2, length_penalty=0.0, token_scores=True),
+    ]
+    for batch, graph in ((sources[:1], "beam_search"), (sources + [[]], "beam_batch_search")):
+        for options in settings:
+            calls.clear()
+            found = translator.search(batch, options)
+            assert calls == [graph]
+            source, limits = translator._prepare(batch, options.max_length)
+            loop = translator._loop(source, limits, options)
+            assert [[h.tokens for h in row] for row in found] == [
+                [h.tokens for h in row] for row in loop
+            ], (graph, options)
+            assert any(len(row) > 1 for row in found)
+            for row, loop_row in zip(found, loop, strict=True):
+                for h, expected in zip(row, loop_row, strict=True):
+                    assert h.score == pytest.approx(expected.score, abs=1e-5)
+                    assert h.log_prob == pytest.approx(expected.log_prob, abs=1e-5)
+                    np.testing.assert_allclose(h.token_scores, expected.token_scores, atol=1e-5)
+            for s, limit, row in list(zip(batch, limits, found, strict=True))[:3]:
+                expected = SentenceSearch(limit, options).run(spec_view(reference, s))
+                assert [h.tokens for h in row] == [h.tokens for h in expected], options
+                np.testing.assert_allclose(
+                    [h.score for h in row],
+                    [h.score for h in expected],
+                    rtol=0,
+                    atol=SPEC_SCORE_TOLERANCE,
+                )
+    assert [h.tokens for h in found[-1]] == [[]]  # the empty source: one empty output
 
 
 def test_a_beam_too_wide_for_the_blocked_graphs_searches_in_python(exported, monkeypatch):

@@ -292,15 +292,30 @@ def test_parallel_batches_translate_as_one_batch_at_a_time(exported):
     assert len(encoders) == 3  # no session shared between two beam searches
     assert decoder.parallel(3, beam_size=2) == copies  # kept, not made again
     assert decoder.parallel(3, beam_size=1) == [decoder] * 3
-    # With any option set, batches still run at once, each on its own decoder.
-    options = SearchOptions(beam_size=3, n_best=2, token_scores=True)
-    used = []
-    for copy in copies:
-        start = copy.start
-        copy.start = lambda *a, _start=start, _copy=copy: used.append(_copy) or _start(*a)
-    found = one_thread.translate_hypotheses(lines, options, batch_size=8, parallel_batches=3)
-    assert found == translator.translate_hypotheses(lines, options, batch_size=8)
-    assert len({id(d) for d in used}) >= 2
+    # With any option set, batches still run at once, each on its own decoder:
+    # n-best lists in the beam graphs, a minimum length in the step loop.
+    for options, method in (
+        (SearchOptions(beam_size=3, n_best=2, token_scores=True), "run_beam_graph"),
+        (SearchOptions(beam_size=3, n_best=2, min_length=2, token_scores=True), "start"),
+    ):
+        used = []
+        for copy in copies:
+            run = getattr(copy, method)
+            setattr(copy, method, lambda *a, _run=run, _copy=copy: used.append(_copy) or _run(*a))
+        found = one_thread.translate_hypotheses(lines, options, batch_size=8, parallel_batches=3)
+        for copy in copies:
+            delattr(copy, method)
+        assert len({id(d) for d in used}) >= 2, method
+        # The same hypotheses as one batch at a time on two threads (whose batches
+        # split into parts by length: the scores agree to float32 round-off).
+        expected = translator.translate_hypotheses(lines, options, batch_size=8)
+        assert [[h["text"] for h in row] for row in found] == [
+            [h["text"] for h in row] for row in expected
+        ]
+        for row, expected_row in zip(found, expected, strict=True):
+            for h, e in zip(row, expected_row, strict=True):
+                assert h["score"] == pytest.approx(e["score"], abs=1e-5)
+                np.testing.assert_allclose(h["token_scores"], e["token_scores"], atol=1e-5)
     with pytest.raises(ValueError, match="parallel_batches must be a positive integer"):
         translator.translate(lines, parallel_batches=0)
 

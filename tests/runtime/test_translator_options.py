@@ -133,12 +133,17 @@ def test_plain_options_take_the_search_graphs(toy, monkeypatch):
         raise AssertionError("plain options must not run the step-by-step loop")
 
     monkeypatch.setattr(translator_module, "search_loop", refuse)
+    # n-best lists and token scores come out of the beam graphs too.
     for options, tokens in zip(
-        (SearchOptions(beam_size=3), SearchOptions(beam_size=1)), expected, strict=True
+        (SearchOptions(beam_size=3, n_best=3, token_scores=True), SearchOptions(beam_size=1)),
+        expected,
+        strict=True,
     ):
-        assert [hs[0].tokens for hs in translator.search(sources, options)] == tokens
+        found = translator.search(sources, options)
+        assert [hs[0].tokens for hs in found] == tokens
+        assert all(len(hs) == options.n_best for hs in found)
     with pytest.raises(AssertionError, match="step-by-step"):
-        translator.search(sources, SearchOptions(n_best=2))
+        translator.search(sources, SearchOptions(n_best=2, min_length=1))
 
 
 def test_texts_prefixes_sampling_and_scoring(toy):
