@@ -301,7 +301,11 @@ def test_parallel_batches_translate_as_one_batch_at_a_time(exported):
         used = []
         for copy in copies:
             run = getattr(copy, method)
-            setattr(copy, method, lambda *a, _run=run, _copy=copy: used.append(_copy) or _run(*a))
+            setattr(
+                copy,
+                method,
+                lambda *a, _run=run, _copy=copy, _used=used: _used.append(_copy) or _run(*a),
+            )
         found = one_thread.translate_hypotheses(lines, options, batch_size=8, parallel_batches=3)
         for copy in copies:
             delattr(copy, method)
