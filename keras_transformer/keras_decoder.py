@@ -20,7 +20,8 @@ import logging
 import keras
 import numpy as np
 from keras import ops
-from keras_transformer_runtime.spec import alignment_layer
+from keras_transformer_runtime.options import NO_MASKS
+from keras_transformer_runtime.spec import alignment_layer, banned_ids
 from keras_transformer_runtime.specials import BOS_ID, EOS_ID
 
 from keras_transformer.model import TransformerParts, transformer_parts
@@ -197,15 +198,16 @@ class KerasDecoder:
             return _CachedState(self.steps, tiled, _cache_length(steps))
         return _FullState(self.steps, tiled)
 
-    def greedy(self, source, limits, banned):
-        """The compiled greedy loop: `(tokens, token_scores)` (None with `use_cache=False`:
-        the reference runs the search loop)."""
-        if not self.use_cache:
+    def greedy(self, source, limits, masks=NO_MASKS):
+        """The compiled greedy loop: `(tokens, token_scores)`, its mask the padding, BOS
+        and `masks.suppressed` (None with `use_cache=False`, the reference, or a
+        minimum length: the search loop runs those)."""
+        if not self.use_cache or masks.min_length:
             return None
         steps = self.steps
         _, source_mask, cross_caches = steps.encode(ops.convert_to_tensor(source))
         mask = np.zeros(self.vocabulary_size, np.float32)
-        mask[list(banned)] = -np.inf
+        mask[banned_ids() + list(masks.suppressed)] = -np.inf
         ids, step_scores = steps.greedy(
             source_mask,
             cross_caches,
@@ -222,7 +224,7 @@ class KerasDecoder:
             token_scores.append(step_scores[i, :taken].tolist())
         return outputs, token_scores
 
-    def beam(self, source, limits, beam_size, length_penalty, n_best=1):
+    def beam(self, source, limits, beam_size, length_penalty, n_best=1, masks=NO_MASKS):
         """None: beam search runs the one loop over the compiled step."""
         return None
 

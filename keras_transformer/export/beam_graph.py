@@ -57,7 +57,14 @@ import numpy as np
 from keras_transformer_runtime.specials import EOS_ID
 
 from keras_transformer.export.graph_builder import GraphBuilder, copied_nodes
-from keras_transformer.export.greedy_graph import empty_cache, first_token_ids, step_interface
+from keras_transformer.export.greedy_graph import (
+    empty_cache,
+    first_token_ids,
+    mask_input_values,
+    mask_inputs,
+    masked_top,
+    step_interface,
+)
 from keras_transformer.export.step_graph import blocked_selection
 
 PREFIX = "beam."
@@ -106,8 +113,10 @@ def _first_state(o, heads, head_dim, cache_type):
     sentences = o.squeeze(sentences_1d, [0], "sentences")
     o.node("Range", [zero, sentences, one], "sentence_index")  # 0 .. S - 1
     two_k = o.node("Mul", ["beam_size", o.int64s(2)], "two_k")
-    # The step graph's own `top_k` input: each row's 2k best tokens.
-    o.output("Reshape", [two_k, o.int64s([1])], "top_k")
+    # The step graph's own `top_k` input: each row's 2k best allowed tokens,
+    # and one more per token the stateless masks may drop (`masked_top`).
+    o.reshape(two_k, [1], "two_k_1d")
+    o.output("Identity", [mask_inputs(o, o.name("two_k_1d"))], "top_k")
     k_1d = o.reshape("beam_size", [1], "k_1d")
     positions = o.node("Range", [zero, two_k, one], "positions")  # ranks 0 .. 2k - 1
     o.node("Add", [positions, two_k], "positions_after")
@@ -143,7 +152,7 @@ def _first_state(o, heads, head_dim, cache_type):
     o.node("ReduceMax", ["limits"], "max_steps", keepdims=0)
 
 
-def _beam_step_rules(b, self_names):
+def _beam_step_rules(b, self_names, float_type):
     """`spec.beam`'s rules after one decoder step, in the loop body `b`.
 
     Reads the step's `top_ids` and `top_log_probs` ((rows, 2k), rows = S * n:
@@ -159,18 +168,22 @@ def _beam_step_rules(b, self_names):
 
     rows = b.node("Gather", [b.node("Shape", ["token_ids"]), zero], "rows")
     n = b.node("Div", [rows, v("sentences")], "n")  # rows per sentence: 1, then k
-    w = b.node("Gather", [b.node("Shape", ["top_ids"]), one], "w")  # 2k
+    # The step's best 2k tokens once the stateless masks drop theirs.
+    top_ids, top_log_probs = masked_top(
+        b, "top_ids", "top_log_probs", v("two_k_1d"), v("iteration"), float_type
+    )
+    w = b.node("Gather", [b.node("Shape", [top_ids]), one], "w")  # 2k
     n_1d, w_1d = b.reshape(n, [1], "n_1d"), b.reshape(w, [1], "w_1d")
     nw_1d = b.reshape(b.node("Mul", [n, w]), [1], "nw_1d")
     s_n_w = b.node("Concat", [v("sentences_1d"), n_1d, w_1d], "s_n_w", axis=0)
     s_nw = b.node("Concat", [v("sentences_1d"), nw_1d], "s_nw", axis=0)
     # Candidates: live beam scores plus each row's best tokens, in double.
-    step_scores = b.reshape(b.cast("top_log_probs", DOUBLE), s_n_w)  # (S, n, 2k)
+    step_scores = b.reshape(b.cast(top_log_probs, DOUBLE), s_n_w)  # (S, n, 2k)
     row_scores = b.node("Slice", [v("alive_scores"), axis0, n_1d, axis1], "row_scores")  # (S, n)
     candidates = b.node("Add", [b.unsqueeze(row_scores, [2]), step_scores])
     candidates = b.reshape(candidates, s_nw, "candidates")  # (S, n * 2k)
-    candidate_ids = b.reshape("top_ids", s_nw, "candidate_ids")
-    ranked, ranked_at = b.node("TopK", [candidates, "top_k"], ["ranked", "ranked_at"], axis=1)
+    candidate_ids = b.reshape(top_ids, s_nw, "candidate_ids")
+    ranked, ranked_at = b.node("TopK", [candidates, v("two_k_1d")], ["ranked", "ranked_at"], axis=1)
     # Each ranked candidate's own step score (its token's log-probability).
     ranked_step = b.node(
         "GatherElements", [b.reshape(step_scores, s_nw), ranked_at], "ranked_step", axis=1
@@ -396,7 +409,8 @@ def _build(step, compact, blocked):
     o = GraphBuilder(PREFIX)
     _first_state(o, heads, head_dim, cache_type)
     b = o.body()
-    _beam_step_rules(b, self_names)
+    outputs = {value.name: value for value in graph.output}
+    _beam_step_rules(b, self_names, outputs["top_log_probs"].type.tensor_type.elem_type)
     step_nodes = list(graph.node)
     carried = _carried_state(self_names, cache_type)
     outputs = {"tokens": "best_tokens", "lengths": "best_length", "scores": "best_score"}
@@ -433,6 +447,7 @@ def _build(step, compact, blocked):
         value("beam_size", INT64, []),
         value("length_penalty", DOUBLE, []),
         value("n_best", INT64, []),
+        *mask_input_values(o),
     ]
     outer_outputs = [
         value("tokens", INT64, ["sentences", "n_best", "steps"]),

@@ -67,11 +67,62 @@ def empty_cache(g, rows, heads, head_dim, cache_type):
     return g.filled(shape, 0, helper.tensor_dtype_to_np_dtype(cache_type), "empty_cache")
 
 
-def fixed_top_k(b, k):
-    """The step graph's `top_k` input as a constant of the loop body."""
-    from onnx import numpy_helper
+def mask_inputs(g, width):
+    """The outer graph's values for the stateless masks (`masked_top`), from the inputs
+    `suppressed (suppressed,) int64` (ids never generated: `disable_unk`'s UNK,
+    single-token `suppress_sequences`; default none) and `min_length () int64`
+    (EOS is not allowed before that many tokens; default 0): `banned_ids`, the suppressed ids and -1 (so
+    that the list is never empty), and `wide_top_k (1,)`, `width` (a (1,) int64
+    value) plus one per id that may be dropped: each step selects that many
+    tokens, so that `width` allowed ones remain."""
+    from onnx import TensorProto, numpy_helper
 
-    return b.output("Constant", [], "top_k", value=numpy_helper.from_array(np.array([k], np.int64)))
+    # Their defaults (an input with an initializer of its name): no mask, so
+    # that a caller of the plain search feeds neither.
+    g.initializers += [
+        numpy_helper.from_array(np.zeros(0, np.int64), "suppressed"),
+        numpy_helper.from_array(np.array(0, np.int64), "min_length"),
+    ]
+    g.node("Concat", ["suppressed", g.int64s([-1])], "banned_ids", axis=0)
+    early = g.cast(g.node("Greater", ["min_length", g.int64s(0)]), TensorProto.INT64)
+    extra = g.node("Add", [g.node("Size", ["suppressed"]), early], "mask_extra")
+    return g.node("Add", [width, g.reshape(extra, [1])], "wide_top_k")
+
+
+def mask_input_values(g):
+    """The value infos of the stateless masks' inputs (`mask_inputs`)."""
+    from onnx import TensorProto
+
+    return [
+        g.value_info("suppressed", TensorProto.INT64, ["suppressed"]),
+        g.value_info("min_length", TensorProto.INT64, []),
+    ]
+
+
+def masked_top(b, top_ids, top_log_probs, width, made, float_type, prefix=""):
+    """The best `width` of a step's `wide_top_k` selected tokens `(rows, wide)` once
+    the stateless masks are applied, as `spec.step_scores` applies them: a
+    suppressed id, and EOS while fewer than `min_length` tokens are made (`made`,
+    a scalar), take -inf; the order is kept (best first, ties to the lower id).
+    Returns `(ids, log_probs)`, `(rows, width)` each."""
+    from onnx import TensorProto, helper
+
+    v = b.name
+    each = b.node("Equal", [b.unsqueeze(top_ids, [2]), v("banned_ids")])  # (R, W', m + 1)
+    suppressed = b.node(
+        "ReduceMax", [b.cast(each, TensorProto.INT32)], prefix + "suppressed", axes=[2], keepdims=0
+    )
+    early = b.node("Less", [made, "min_length"], prefix + "early")
+    is_eos = b.node("Equal", [top_ids, b.int64s(EOS_ID)], prefix + "is_eos_top")
+    dropped = b.node(
+        "Or",
+        [b.cast(suppressed, TensorProto.BOOL), b.node("And", [is_eos, early])],
+        prefix + "dropped",
+    )
+    never = b.const(f"masked_{float_type}", -np.inf, helper.tensor_dtype_to_np_dtype(float_type))
+    allowed = b.node("Where", [dropped, never, top_log_probs], prefix + "allowed")
+    values, at = b.node("TopK", [allowed, width], [prefix + "masked_log_probs", prefix + "at"])
+    return b.node("GatherElements", [top_ids, at], prefix + "masked_ids", axis=1), values
 
 
 def _greedy_choice(b, top_ids, top_log_probs, steps_made, limits, prefix=""):
@@ -98,13 +149,14 @@ def build_greedy_search(step):
 
     # ---- the loop body: the step, then spec.greedy's rules
     b = g.body()
-    fixed_top_k(b, 1)
+    b.output("Identity", [g.name("wide_top_k")], "top_k")
     b.extend(step.graph.node)
     done = b.name("done")  # (B,) bool: a row that ended, fed EOS since
     steps_made = b.node("Add", [b.name("iteration"), b.int64s(1)], "steps_made")
-    next_id, chosen, ended, at_limit = _greedy_choice(
-        b, "top_ids", "top_log_probs", steps_made, "limits"
+    ids, log_probs = masked_top(
+        b, "top_ids", "top_log_probs", g.int64s([1]), b.name("iteration"), float_type
     )
+    next_id, chosen, ended, at_limit = _greedy_choice(b, ids, log_probs, steps_made, "limits")
     live = b.node("Not", [done], "live")
     zero_score = b.const("zero_score", 0.0, helper.tensor_dtype_to_np_dtype(float_type))
     b.node("Where", [live, chosen, zero_score], "step_score")
@@ -133,6 +185,7 @@ def build_greedy_search(step):
     body = b.graph("greedy_step", body_inputs, body_outputs, step.graph.initializer)
 
     # ---- the outer graph: the first state, the loop, nothing else
+    mask_inputs(g, g.int64s([1]))
     rows = g.node("Shape", ["limits"], "rows")  # (1,): the sentences
     first_done = g.node("Equal", ["limits", g.int64s(0)], "first_done")
     max_steps = g.node("ReduceMax", ["limits"], "max_steps", keepdims=0)
@@ -148,6 +201,7 @@ def build_greedy_search(step):
     )
     outer_inputs = [inputs["source_mask"]] + [inputs[name] for name in cross_names]
     outer_inputs.append(value("limits", TensorProto.INT64, ["sentences"]))
+    outer_inputs += mask_input_values(g)
     outer_outputs = [
         value("tokens", TensorProto.INT64, ["steps", "sentences"]),
         value("scores", float_type, ["steps", "sentences"]),
@@ -193,7 +247,7 @@ def build_greedy_batch_search(step, steps_per_iteration=1, blocked=True):
     # ---- the loop body: the steps, each followed by spec.greedy's rules,
     # then one compaction
     b = g.body()
-    fixed_top_k(b, 1)
+    b.output("Identity", [g.name("wide_top_k")], "top_k")
     rows = b.name("rows")  # (R,): the sentence of each row
     steps_before = b.node("Mul", [b.name("iteration"), per_step], "steps_before")
     row_limits = b.node("Gather", ["limits", rows], "row_limits", axis=0)
@@ -211,8 +265,12 @@ def build_greedy_batch_search(step, steps_per_iteration=1, blocked=True):
             b.extend(copied_nodes(graph.node, prefix, names, shared))
             made = {name: prefix + name for name in made}
         steps_made = b.node("Add", [steps_before, b.int64s(j + 1)], x + "steps_made")
+        made_before = b.node("Add", [steps_before, b.int64s(j)], x + "made_before")
+        ids, log_probs = masked_top(
+            b, made["top_ids"], made["top_log_probs"], g.int64s([1]), made_before, float_type, x
+        )
         next_id, chosen, ended, at_limit = _greedy_choice(
-            b, made["top_ids"], made["top_log_probs"], steps_made, row_limits, x
+            b, ids, log_probs, steps_made, row_limits, x
         )
         finished = b.node("Or", [ended, at_limit], x + "finished")
         not_finished = b.node("Not", [finished], x + "not_finished")
@@ -260,6 +318,7 @@ def build_greedy_batch_search(step, steps_per_iteration=1, blocked=True):
     body = b.graph("greedy_step", body_inputs, body_outputs, graph.initializer)
 
     # ---- the outer graph: the sentences with room for a token, the loop
+    mask_inputs(g, g.int64s([1]))
     sentences = g.node("Shape", ["limits"], "sentences")  # (1,)
     count = g.squeeze(sentences, [0], "sentence_count")
     index = g.node("Range", [g.int64s(0), count, g.int64s(1)], "sentence_index")
@@ -299,6 +358,7 @@ def build_greedy_batch_search(step, steps_per_iteration=1, blocked=True):
 
     outer_inputs = [inputs["source_mask"]] + [inputs[name] for name in cross_names]
     outer_inputs.append(value("limits", INT64, ["sentences"]))
+    outer_inputs += mask_input_values(g)
     outer_outputs = [
         value("tokens", INT64, ["steps", "sentences"]),
         value("scores", float_type, ["steps", "sentences"]),

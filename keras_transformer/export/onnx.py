@@ -290,7 +290,9 @@ def _write_graphs(model, folder, opset, precision):
         "greedy_search": (
             "The whole greedy search, the decoder step inside an ONNX Loop: feed source_mask "
             "and the cross keys and values from encoder.onnx and limits (sentences,) int64, "
-            "each sentence's maximum output length (EOS included). Returns tokens and scores "
+            "each sentence's maximum output length (EOS included); optionally suppressed "
+            "(suppressed,) int64, ids never generated, and min_length () int64, EOS not before "
+            "that many tokens (the beam graphs take them too). Returns tokens and scores "
             "(steps, sentences): a sentence's output is its tokens up to the first EOS or -1, "
             "its score the sum of its scores."
         ),
@@ -351,10 +353,10 @@ def _write_search(folder, step_files, name):
         onnx.save(search, os.path.join(folder, entry[precision]))
     entry["inputs"] = _describe(search.graph.input)
     entry["outputs"] = _describe(search.graph.output)
-    if name.startswith("beam"):
+    if name != "greedy_search":  # the graphs that select block by block
         vocabulary = {v.name: v for v in step.graph.output}["log_probs"]
         limit = selection_top_k_limit(vocabulary.type.tensor_type.shape.dim[1].dim_value)
-        if limit is not None:  # 2 * beam_size at most this (`blocked_selection`)
+        if limit is not None:  # a step's top_k at most this (`blocked_selection`)
             entry["max_top_k"] = limit
     return entry
 

@@ -20,6 +20,8 @@ from typing import Protocol
 
 import numpy as np
 
+from keras_transformer_runtime.options import NO_MASKS, Masks
+
 
 class DecoderState(Protocol):
     """The running state of one batch search: `rows` hypotheses per sentence.
@@ -62,12 +64,14 @@ class Decoder(Protocol):
         """Encodes `source` and returns a state of `rows` hypotheses per sentence, for
         a search of at most `steps` steps."""
 
-    def greedy(self, source: np.ndarray, limits: np.ndarray, banned: list) -> tuple | None:
-        """Plain greedy search on a graph-resident fast path, `banned` ids never
-        generated: `(tokens, token_scores)`, per sentence its tokens as `spec.greedy`
-        gives them and its step log-probabilities (EOS included when produced); or
-        None where the decoder has no such path (the translator then runs
-        `search.search_loop`)."""
+    def greedy(
+        self, source: np.ndarray, limits: np.ndarray, masks: Masks = NO_MASKS
+    ) -> tuple | None:
+        """Greedy search on a graph-resident fast path under the stateless `masks`:
+        `(tokens, token_scores)`, per sentence its tokens as `spec.greedy` gives
+        them (as `spec.SentenceSearch` with masks) and its step log-probabilities
+        (EOS included when produced); or None where the decoder has no such path
+        (the translator then runs `search.search_loop`)."""
 
     def beam(
         self,
@@ -76,11 +80,13 @@ class Decoder(Protocol):
         beam_size: int,
         length_penalty: float,
         n_best: int = 1,
+        masks: Masks = NO_MASKS,
     ) -> tuple | None:
-        """Plain beam search on a fast path: `(tokens, scores, token_scores)`, per
-        sentence a list of its `n_best` best hypotheses' (best first; the first as
-        `spec.beam` gives it, all as `spec.SentenceSearch` with `n_best`): tokens,
-        score and step log-probabilities (EOS included when it ended with one); or None."""
+        """Beam search on a fast path under the stateless `masks`: `(tokens, scores,
+        token_scores)`, per sentence a list of its `n_best` best hypotheses' (best
+        first; the first as `spec.beam` gives it, all as `spec.SentenceSearch`
+        with `n_best` and the masks): tokens, score and step log-probabilities
+        (EOS included when it ended with one); or None."""
 
     def label_log_probs(
         self, source: np.ndarray, target_inputs: np.ndarray, labels: np.ndarray

@@ -33,7 +33,7 @@ from keras_transformer_runtime.onnx_sessions import (
     make_session,
     spins,
 )
-from keras_transformer_runtime.spec import banned_ids
+from keras_transformer_runtime.options import NO_MASKS
 from keras_transformer_runtime.specials import EOS_ID, PAD_ID
 
 # Greedy batches of at most this many sentences run as one call of the
@@ -393,27 +393,47 @@ class OnnxDecoder:
         (its caches grow step by step: `steps` is not needed)."""
         return _OnnxState(self, source, rows)
 
-    def greedy(self, source, limits, banned):
-        """Greedy search as one call of a search graph (`greedy_search` for up to
-        `GRAPH_LOOP_MAX_SENTENCES` sentences, `greedy_batch_search` above); None for
-        other `banned` ids than the plain search's (the graphs ban those)."""
-        if list(banned) != banned_ids():
+    def greedy(self, source, limits, masks=NO_MASKS):
+        """Greedy search under the stateless `masks` as one call of a search graph
+        (`greedy_search` for up to `GRAPH_LOOP_MAX_SENTENCES` sentences,
+        `greedy_batch_search` above); None where the masks drop more tokens than
+        the graph's selection takes."""
+        graph = (
+            "greedy_search" if len(source) <= GRAPH_LOOP_MAX_SENTENCES else "greedy_batch_search"
+        )
+        if not self._takes(graph, 1, masks):
             return None
         parts = self.split_parts(len(source))
         if parts > 1:
             return self._split_search(
-                source, limits, parts, lambda worker, part, lims: worker.greedy(part, lims, banned)
+                source, limits, parts, lambda worker, part, lims: worker.greedy(part, lims, masks)
             )
-        graph = (
-            "greedy_search" if len(source) <= GRAPH_LOOP_MAX_SENTENCES else "greedy_batch_search"
-        )
-        return self.run_greedy_graph(source, limits, graph)
+        return self.run_greedy_graph(source, limits, graph, masks)
 
-    def run_greedy_graph(self, source, limits, graph="greedy_search"):
+    def _takes(self, graph, width, masks):
+        """Whether `graph` selects `width` tokens a step under `masks`: it selects one
+        more per token the masks may drop, up to its manifest's `max_top_k` (the
+        blocks of a blocked selection) and the vocabulary."""
+        if graph not in self._graph_files:
+            return False
+        wide = width + len(masks.suppressed) + (masks.min_length > 0)
+        limit = self.manifest["graphs"][graph].get("max_top_k", self.vocabulary_size)
+        return wide <= min(limit, self.vocabulary_size)
+
+    @staticmethod
+    def mask_feeds(masks):
+        """The search graphs' `suppressed` and `min_length` inputs for `masks`."""
+        return {
+            "suppressed": np.asarray(masks.suppressed, np.int64).reshape(-1),
+            "min_length": np.array(masks.min_length, np.int64),
+        }
+
+    def run_greedy_graph(self, source, limits, graph="greedy_search", masks=NO_MASKS):
         """Greedy search as one call of the search graph `graph`: `(tokens, token_scores)`,
         each sentence's step scores (EOS included when produced)."""
         _, mask, cross = self.encode(source)
         feeds = self.search_feeds(mask, cross)
+        feeds.update(self.mask_feeds(masks))
         feeds["limits"] = np.asarray(limits, np.int64)
         tokens, step_scores = self.session(graph).run(None, feeds)
         # A sentence's output stops at its first EOS (ended) or -1 (done before).
@@ -429,30 +449,23 @@ class OnnxDecoder:
             step_scores[: steps[i], i].astype(np.float64).tolist() for i in range(len(limits))
         ]
 
-    def _beam_graph(self, sentences, beam_size):
-        """The beam graph that searches `sentences` at `beam_size`, or None.
+    def _beam_graph(self, sentences, beam_size, masks=NO_MASKS):
+        """The beam graph that searches `sentences` at `beam_size` under `masks`, or None.
 
-        A graph selects block by block, so it takes `2 * beam_size` up to its
-        number of blocks (the manifest's `max_top_k`); wider beams run the loop.
+        A graph selects block by block, so it takes `2 * beam_size` (and one
+        more per token the masks may drop) up to its number of blocks (the
+        manifest's `max_top_k`); wider beams run the loop.
         """
-        if 2 * beam_size > self.vocabulary_size:
-            return None
         names = ["beam_batch_search"]
         if sentences <= BEAM_GRAPH_MAX_SENTENCES:
             names.insert(0, "beam_search")
-        for name in names:
-            entry = self.manifest["graphs"].get(name, {})
-            if name in self._graph_files and 2 * beam_size <= entry.get(
-                "max_top_k", self.vocabulary_size
-            ):
-                return name
-        return None
+        return next((name for name in names if self._takes(name, 2 * beam_size, masks)), None)
 
-    def beam(self, source, limits, beam_size, length_penalty, n_best=1):
+    def beam(self, source, limits, beam_size, length_penalty, n_best=1, masks=NO_MASKS):
         """Beam search as one call of a search graph: `(tokens, scores, token_scores)`,
         each per sentence a list of its `n_best` best hypotheses' (best first); None
         where no graph takes the beam."""
-        graph = self._beam_graph(len(source), beam_size)
+        graph = self._beam_graph(len(source), beam_size, masks)
         if graph is None:
             return None
         parts = self.split_parts(len(source), beam_size)
@@ -462,13 +475,20 @@ class OnnxDecoder:
                 limits,
                 parts,
                 lambda worker, part, lims: worker.beam(
-                    part, lims, beam_size, length_penalty, n_best
+                    part, lims, beam_size, length_penalty, n_best, masks
                 ),
             )
-        return self.run_beam_graph(source, limits, beam_size, length_penalty, graph, n_best)
+        return self.run_beam_graph(source, limits, beam_size, length_penalty, graph, n_best, masks)
 
     def run_beam_graph(
-        self, source, limits, beam_size, length_penalty, graph="beam_search", n_best=1
+        self,
+        source,
+        limits,
+        beam_size,
+        length_penalty,
+        graph="beam_search",
+        n_best=1,
+        masks=NO_MASKS,
     ):
         """Beam search as one call of the search graph `graph`: `(tokens, scores,
         token_scores)`, per sentence its `n_best` best hypotheses' (fewer where fewer
@@ -482,6 +502,7 @@ class OnnxDecoder:
         feeds["beam_size"] = np.array(beam_size, np.int64)
         feeds["length_penalty"] = np.array(length_penalty, np.float64)
         feeds["n_best"] = np.array(n_best, np.int64)
+        feeds.update(self.mask_feeds(masks))
         tokens, lengths, scores, steps = self.session(graph).run(None, feeds)
         # A hypothesis's step scores: its tokens', and EOS's where it ended with
         # one (under its limit). A score of -inf: fewer finished than n_best.

@@ -39,12 +39,28 @@ def _option(default, help, flag=None, output=False, front_end=True):
 
 
 @dataclasses.dataclass(frozen=True)
+class Masks:
+    """The stateless masks of a search: ids never generated (beyond padding and BOS,
+    which no search generates) and EOS before `min_length` tokens. They depend on
+    no hypothesis's tokens but their count, so the search graphs take them as
+    inputs (`SearchOptions.graph_masks`)."""
+
+    suppressed: tuple = ()
+    min_length: int = 0
+
+
+NO_MASKS = Masks()
+
+
+@dataclasses.dataclass(frozen=True)
 class SearchOptions:
     """Every decoding option, checked when made; one meaning in every decoder.
 
     The defaults are the plain search above (`is_plain`), which the fast
-    paths (the ONNX search graphs, the Keras compiled greedy loop) run; any
-    other value goes through `SentenceSearch`'s rules (`step_scores`). What
+    paths (the ONNX search graphs, the Keras compiled greedy loop) run; the
+    ONNX graphs also take n-best lists, token scores and the stateless masks
+    (`graph_masks`); any other value goes through `SentenceSearch`'s rules
+    (`step_scores`) in the step-by-step loop. What
     each option does, beside CTranslate2's `translate_batch`, is in
     docs/decoding.md.
 
@@ -181,6 +197,30 @@ class SearchOptions:
             alignment=self.alignment,
         )
         return self == plain
+
+    def graph_masks(self):
+        """The `Masks` under which the search graphs run this search, or None when it
+        needs the step-by-step loop.
+
+        Beside the plain options, the graphs take n-best lists, token scores and
+        the stateless masks: `disable_unk`, `min_length` and one-token
+        `suppress_sequences`. Sampling, the repetition penalty, no-repeat
+        n-grams, longer suppressed sequences and the average length form
+        depend on each hypothesis's tokens, or stop otherwise: the loop runs those.
+        """
+        single = [s[0] for s in self.suppress_sequences if len(s) == 1]
+        rest = dataclasses.replace(
+            self,
+            n_best=1,
+            token_scores=False,
+            disable_unk=False,
+            min_length=0,
+            suppress_sequences=tuple(s for s in self.suppress_sequences if len(s) > 1),
+        )
+        if not rest.is_plain():
+            return None
+        suppressed = set(single) | ({UNK_ID} if self.disable_unk else set())
+        return Masks(tuple(sorted(int(i) for i in suppressed)), int(self.min_length))
 
     def check_ids(self, vocabulary_size, prefixes=()):
         """Refuses suppressed ids and prefix ids outside the vocabulary, naming them."""

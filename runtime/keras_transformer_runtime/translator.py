@@ -24,7 +24,7 @@ import numpy as np
 
 from keras_transformer_runtime.constraints import sentence_constraints, word_continuations
 from keras_transformer_runtime.export_format import ExportFileError
-from keras_transformer_runtime.options import SearchOptions
+from keras_transformer_runtime.options import NO_MASKS, SearchOptions
 from keras_transformer_runtime.search import (
     add_alignments,
     hypothesis_records,
@@ -43,7 +43,6 @@ from keras_transformer_runtime.sources import (
 )
 from keras_transformer_runtime.spec import (
     alignments,
-    banned_ids,
     truncate_source,
 )
 from keras_transformer_runtime.specials import EOS_ID
@@ -133,15 +132,27 @@ class Translator:
         tokens, scores, _ = self._plain(source, limits, beam_size, length_penalty, ignore_eos)
         return [row[0] for row in tokens], np.array([row[0] for row in scores], np.float64)
 
-    def _plain(self, source, limits, beam_size, length_penalty=0.6, ignore_eos=False, n_best=1):
-        """The plain search of a prepared batch: `(tokens, scores, token_scores)`, per
-        sentence a list of its `n_best` best hypotheses' (token scores: each step's,
-        EOS included when produced). The decoder's graph-resident search where it
-        has one; else the one loop."""
+    def _plain(
+        self,
+        source,
+        limits,
+        beam_size,
+        length_penalty=0.6,
+        ignore_eos=False,
+        n_best=1,
+        masks=NO_MASKS,
+    ):
+        """The plain search of a prepared batch under the stateless `masks`:
+        `(tokens, scores, token_scores)`, per sentence a list of its `n_best` best
+        hypotheses' (token scores: each step's, EOS included when produced). The
+        decoder's graph-resident search where it has one; else the one loop.
+        `ignore_eos` suppresses EOS: every output runs to its limit."""
         if not limits.any():
             return [[[]] for _ in limits], [[0.0] for _ in limits], [[[]] for _ in limits]
+        if ignore_eos:
+            masks = dataclasses.replace(masks, suppressed=(*masks.suppressed, EOS_ID))
         if beam_size == 1:
-            found = self.decoder.greedy(source, limits, banned_ids(ignore_eos))
+            found = self.decoder.greedy(source, limits, masks)
             if found is not None:
                 tokens, steps = found
                 return (
@@ -150,12 +161,17 @@ class Translator:
                     [[row] for row in steps],
                 )
         elif not ignore_eos:
-            found = self.decoder.beam(source, limits, beam_size, length_penalty, n_best)
+            found = self.decoder.beam(source, limits, beam_size, length_penalty, n_best, masks)
             if found is not None:
                 return found
-        options = SearchOptions(beam_size, length_penalty, n_best=n_best, token_scores=True)
-        if ignore_eos:  # EOS suppressed: every output runs to its limit
-            options = dataclasses.replace(options, suppress_sequences=((EOS_ID,),))
+        options = SearchOptions(
+            beam_size,
+            length_penalty,
+            n_best=n_best,
+            token_scores=True,
+            suppress_sequences=tuple((i,) for i in masks.suppressed),
+            min_length=masks.min_length,
+        )
         found = self._loop(source, limits, options)
         return (
             [[h.tokens for h in row] for row in found],
@@ -218,13 +234,18 @@ class Translator:
     def _search(self, sources, options, prefixes, indices, constraints):
         """`search` once its arguments are checked (no alignments)."""
         source, limits = self._prepare(sources, options.max_length)
-        # The fast searches return each step's score and the n best hypotheses:
-        # token scores and n-best lists cost nothing.
+        # The fast searches return each step's score and the n best hypotheses,
+        # and take the stateless masks: those options cost nothing.
         plain = not any(prefixes or ()) and not any(map(len, constraints or ()))
-        fast = dataclasses.replace(options, token_scores=False, n_best=1)
-        if plain and fast.is_plain():
+        masks = options.graph_masks()
+        if plain and masks is not None:
             found = self._plain(
-                source, limits, options.beam_size, options.length_penalty, n_best=options.n_best
+                source,
+                limits,
+                options.beam_size,
+                options.length_penalty,
+                n_best=options.n_best,
+                masks=masks,
             )
             return plain_hypotheses(*found, limits, options)
         limits = prefixed_limits(limits, prefixes, options.max_length)

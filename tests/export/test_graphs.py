@@ -442,6 +442,67 @@ def test_the_beam_graphs_give_the_n_best_lists_of_the_one_loop(exported, monkeyp
     assert [h.tokens for h in found[-1]] == [[]]  # the empty source: one empty output
 
 
+def test_the_search_graphs_take_the_stateless_masks(exported, monkeypatch):
+    """`disable_unk`, `min_length` and one-token `suppress_sequences` are inputs of
+    the four search graphs (`suppressed`, `min_length`): each step selects one
+    more token per id they may drop, then the best allowed ones. The results are
+    the one Python loop's (`search.search_loop`), with the masks applied as
+    `spec.step_scores` applies them, and the specification's; a search needing
+    more than the blocked selection takes runs the loop."""
+    from keras_transformer_runtime.options import SearchOptions
+    from keras_transformer_runtime.spec import SentenceSearch
+    from keras_transformer_runtime.specials import EOS_ID, UNK_ID
+
+    _, tokenizer, reference, out = exported("float32")
+    translator = OnnxTranslator(out, split_batches=False)
+    greedy_calls = _graph_calls(translator, "run_greedy_graph", monkeypatch)
+    beam_calls = _graph_calls(translator, "run_beam_graph", monkeypatch)
+    sources = source_ids(tokenizer, held_out_lines(12, seed=89))
+    plain = translator.search(sources, SearchOptions(beam_size=1))
+    # The tokens the plain outputs use most: suppressing them changes the outputs.
+    counts = np.bincount([t for hs in plain for t in hs[0].tokens], minlength=4)
+    common = tuple(int(i) for i in np.argsort(-counts)[:2])
+    settings = [
+        SearchOptions(beam_size=1, min_length=9, token_scores=True),
+        SearchOptions(beam_size=1, suppress_sequences=tuple((i,) for i in common)),
+        SearchOptions(beam_size=4, n_best=2, disable_unk=True, min_length=6, token_scores=True),
+        SearchOptions(beam_size=3, suppress_sequences=((common[0],), (EOS_ID,)), max_length=7),
+    ]
+    for batch in (sources[:2], sources):
+        for options in settings:
+            greedy_calls.clear()
+            beam_calls.clear()
+            found = translator.search(batch, options)
+            assert len(greedy_calls if options.beam_size == 1 else beam_calls) == 1, options
+            source, limits = translator._prepare(batch, options.max_length)
+            loop = translator._loop(source, limits, options)
+            assert [[h.tokens for h in row] for row in found] == [
+                [h.tokens for h in row] for row in loop
+            ], options
+            for row, loop_row in zip(found, loop, strict=True):
+                for h, expected in zip(row, loop_row, strict=True):
+                    assert h.score == pytest.approx(expected.score, abs=1e-5)
+            for tokens in (h.tokens for row in found for h in row):
+                assert len(tokens) >= min(options.min_length, options.max_length or 99)
+                assert UNK_ID not in tokens or not options.disable_unk
+                assert not {s[0] for s in options.suppress_sequences} & set(tokens)
+            for s, limit, row in list(zip(batch, limits, found, strict=True))[:2]:
+                expected = SentenceSearch(limit, options).run(spec_view(reference, s))
+                assert [h.tokens for h in row] == [h.tokens for h in expected], options
+    assert [hs[0].tokens for hs in found] != [hs[0].tokens for hs in plain]
+    # More tokens a step than a blocked selection takes (here 5): the Python loop.
+    for graph in ("beam_search", "beam_batch_search"):
+        translator.manifest["graphs"][graph]["max_top_k"] = 5
+    for suppressed, graph_calls in (((4,), 1), ((4, 5), 0)):  # 2 x 2 + 1 = 5; 2 x 2 + 2 = 6
+        beam_calls.clear()
+        options = SearchOptions(beam_size=2, suppress_sequences=tuple((i,) for i in suppressed))
+        found = translator.search(sources, options)
+        assert len(beam_calls) == graph_calls
+        source, limits = translator._prepare(sources, None)
+        loop = translator._loop(source, limits, options)
+        assert [hs[0].tokens for hs in found] == [hs[0].tokens for hs in loop]
+
+
 def test_a_beam_too_wide_for_the_blocked_graphs_searches_in_python(exported, monkeypatch):
     """Beam graphs that select block by block take `2 * beam_size` up to their
     manifest's `max_top_k`; a wider beam runs the Python loop over the decoder

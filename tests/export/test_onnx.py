@@ -83,20 +83,25 @@ def test_export_folder_is_complete_and_valid(exported):
         "dtype": "float32",
         "shape": ["batch", "target_len", "source_len"],
     }
+    masks = {
+        "suppressed": {"dtype": "int64", "shape": ["suppressed"]},
+        "min_length": {"dtype": "int64", "shape": []},
+    }
     for name in ("greedy_search", "greedy_batch_search"):
         search = manifest["graphs"][name]
         assert search["inputs"]["limits"] == {"dtype": "int64", "shape": ["sentences"]}
+        assert {k: search["inputs"][k] for k in masks} == masks
         assert search["outputs"]["tokens"] == {"dtype": "int64", "shape": ["steps", "sentences"]}
     for name in ("beam_search", "beam_batch_search"):
         beam = manifest["graphs"][name]
         assert beam["inputs"]["beam_size"] == {"dtype": "int64", "shape": []}
         assert beam["inputs"]["length_penalty"] == {"dtype": "float64", "shape": []}
-        assert beam["outputs"]["tokens"] == {"dtype": "int64", "shape": ["sentences", "steps"]}
-        assert beam["outputs"]["scores"] == {"dtype": "float64", "shape": ["sentences"]}
-        assert beam["outputs"]["token_scores"] == {
-            "dtype": "float64",
-            "shape": ["sentences", "steps"],
-        }
+        assert beam["inputs"]["n_best"] == {"dtype": "int64", "shape": []}
+        assert {k: beam["inputs"][k] for k in masks} == masks
+        hypotheses = ["sentences", "n_best", "steps"]
+        assert beam["outputs"]["tokens"] == {"dtype": "int64", "shape": hypotheses}
+        assert beam["outputs"]["scores"] == {"dtype": "float64", "shape": hypotheses[:2]}
+        assert beam["outputs"]["token_scores"] == {"dtype": "float64", "shape": hypotheses}
     assert manifest["format_version"] == 8
     # The graphs that translate hold no weights of their own: one file per
     # precision holds them, each tensor once (the decoder's are in three graphs).

@@ -293,10 +293,10 @@ def test_parallel_batches_translate_as_one_batch_at_a_time(exported):
     assert decoder.parallel(3, beam_size=2) == copies  # kept, not made again
     assert decoder.parallel(3, beam_size=1) == [decoder] * 3
     # With any option set, batches still run at once, each on its own decoder:
-    # n-best lists in the beam graphs, a minimum length in the step loop.
+    # n-best lists in the beam graphs, a repetition penalty in the step loop.
     for options, method in (
         (SearchOptions(beam_size=3, n_best=2, token_scores=True), "run_beam_graph"),
-        (SearchOptions(beam_size=3, n_best=2, min_length=2, token_scores=True), "start"),
+        (SearchOptions(beam_size=3, n_best=2, repetition_penalty=1.2, token_scores=True), "start"),
     ):
         used = []
         for copy in copies:

@@ -143,7 +143,7 @@ def test_plain_options_take_the_search_graphs(toy, monkeypatch):
         assert [hs[0].tokens for hs in found] == tokens
         assert all(len(hs) == options.n_best for hs in found)
     with pytest.raises(AssertionError, match="step-by-step"):
-        translator.search(sources, SearchOptions(n_best=2, min_length=1))
+        translator.search(sources, SearchOptions(n_best=2, repetition_penalty=1.5))
 
 
 def test_texts_prefixes_sampling_and_scoring(toy):
