@@ -104,7 +104,7 @@ def _gnmt_penalty(g, length, name):
     return g.node("Pow", [ratio, "length_penalty"], name)
 
 
-def _first_state(o, heads, head_dim, cache_type):
+def _first_state(o, step, heads, head_dim, cache_type):
     """The outer graph before the loop: sizes, the ranks' constants and the
     first state (one row per sentence fed BOS; beam 0 alone is live)."""
     zero, one = o.int64s(0), o.int64s(1)
@@ -116,7 +116,7 @@ def _first_state(o, heads, head_dim, cache_type):
     # The step graph's own `top_k` input: each row's 2k best allowed tokens,
     # and one more per token the stateless masks may drop (`masked_top`).
     o.reshape(two_k, [1], "two_k_1d")
-    o.output("Identity", [mask_inputs(o, o.name("two_k_1d"))], "top_k")
+    o.output("Identity", [mask_inputs(o, o.name("two_k_1d"), step)], "top_k")
     k_1d = o.reshape("beam_size", [1], "k_1d")
     positions = o.node("Range", [zero, two_k, one], "positions")  # ranks 0 .. 2k - 1
     o.node("Add", [positions, two_k], "positions_after")
@@ -152,7 +152,7 @@ def _first_state(o, heads, head_dim, cache_type):
     o.node("ReduceMax", ["limits"], "max_steps", keepdims=0)
 
 
-def _beam_step_rules(b, self_names, float_type):
+def _beam_step_rules(b, self_names):
     """`spec.beam`'s rules after one decoder step, in the loop body `b`.
 
     Reads the step's `top_ids` and `top_log_probs` ((rows, 2k), rows = S * n:
@@ -170,7 +170,7 @@ def _beam_step_rules(b, self_names, float_type):
     n = b.node("Div", [rows, v("sentences")], "n")  # rows per sentence: 1, then k
     # The step's best 2k tokens once the stateless masks drop theirs.
     top_ids, top_log_probs = masked_top(
-        b, "top_ids", "top_log_probs", v("two_k_1d"), v("iteration"), float_type
+        b, "top_ids", "top_log_probs", v("two_k_1d"), v("iteration")
     )
     w = b.node("Gather", [b.node("Shape", [top_ids]), one], "w")  # 2k
     n_1d, w_1d = b.reshape(n, [1], "n_1d"), b.reshape(w, [1], "w_1d")
@@ -407,10 +407,9 @@ def _build(step, compact, blocked):
     inputs, self_names, cross_names, heads, head_dim, cache_type = step_interface(step)
     DOUBLE, INT64 = TensorProto.DOUBLE, TensorProto.INT64
     o = GraphBuilder(PREFIX)
-    _first_state(o, heads, head_dim, cache_type)
+    _first_state(o, step, heads, head_dim, cache_type)
     b = o.body()
-    outputs = {value.name: value for value in graph.output}
-    _beam_step_rules(b, self_names, outputs["top_log_probs"].type.tensor_type.elem_type)
+    _beam_step_rules(b, self_names)
     step_nodes = list(graph.node)
     carried = _carried_state(self_names, cache_type)
     outputs = {"tokens": "best_tokens", "lengths": "best_length", "scores": "best_score"}

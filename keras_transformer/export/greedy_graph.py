@@ -67,23 +67,32 @@ def empty_cache(g, rows, heads, head_dim, cache_type):
     return g.filled(shape, 0, helper.tensor_dtype_to_np_dtype(cache_type), "empty_cache")
 
 
-def mask_inputs(g, width):
+def mask_inputs(g, width, step):
     """The outer graph's values for the stateless masks (`masked_top`), from the inputs
     `suppressed (suppressed,) int64` (ids never generated: `disable_unk`'s UNK,
-    single-token `suppress_sequences`; default none) and `min_length () int64`
-    (EOS is not allowed before that many tokens; default 0): `banned_ids`, the suppressed ids and -1 (so
-    that the list is never empty), and `wide_top_k (1,)`, `width` (a (1,) int64
-    value) plus one per id that may be dropped: each step selects that many
-    tokens, so that `width` allowed ones remain."""
-    from onnx import TensorProto, numpy_helper
+    single-token `suppress_sequences`; empty for none) and `min_length () int64`
+    (EOS is not allowed before that many tokens; 0 for none), for the
+    decoder-step graph `step`: `mask_late` and `mask_early`, `(vocabulary,)`
+    biases of the step's precision, -inf at the suppressed ids (and, early, at
+    EOS), 0 elsewhere; and `wide_top_k (1,)`, `width` (a (1,) int64 value)
+    plus one per id that may be dropped: each step selects that many tokens, so
+    that `width` allowed ones remain."""
+    from onnx import TensorProto, helper
 
-    # Their defaults (an input with an initializer of its name): no mask, so
-    # that a caller of the plain search feeds neither.
-    g.initializers += [
-        numpy_helper.from_array(np.zeros(0, np.int64), "suppressed"),
-        numpy_helper.from_array(np.array(0, np.int64), "min_length"),
-    ]
-    g.node("Concat", ["suppressed", g.int64s([-1])], "banned_ids", axis=0)
+    outputs = {value.name: value for value in step.graph.output}
+    float_type = outputs["top_log_probs"].type.tensor_type.elem_type
+    dtype = helper.tensor_dtype_to_np_dtype(float_type)
+    vocabulary = outputs["log_probs"].type.tensor_type.shape.dim[1].dim_value
+    # Required inputs: ONNX Runtime warns at every load of a graph whose
+    # inputs have defaults (initializers of their names).
+    ids = g.const("vocabulary_ids", np.arange(vocabulary, dtype=np.int64)[:, None])
+    banned = g.node("Concat", ["suppressed", g.int64s([-1])], axis=0)  # never empty
+    hits = g.node("Equal", [ids, g.unsqueeze(banned, [0])])  # (vocabulary, m + 1)
+    hit = g.node("ReduceMax", [g.cast(hits, TensorProto.INT32)], axes=[1], keepdims=0)
+    never, zero = g.const("mask_never", -np.inf, dtype), g.const("mask_zero", 0, dtype)
+    late = g.node("Where", [g.cast(hit, TensorProto.BOOL), never, zero], "mask_late")
+    is_eos = g.const("vocabulary_eos", np.arange(vocabulary) == EOS_ID)
+    g.node("Where", [is_eos, never, late], "mask_early")
     early = g.cast(g.node("Greater", ["min_length", g.int64s(0)]), TensorProto.INT64)
     extra = g.node("Add", [g.node("Size", ["suppressed"]), early], "mask_extra")
     return g.node("Add", [width, g.reshape(extra, [1])], "wide_top_k")
@@ -99,28 +108,17 @@ def mask_input_values(g):
     ]
 
 
-def masked_top(b, top_ids, top_log_probs, width, made, float_type, prefix=""):
+def masked_top(b, top_ids, top_log_probs, width, made, prefix=""):
     """The best `width` of a step's `wide_top_k` selected tokens `(rows, wide)` once
     the stateless masks are applied, as `spec.step_scores` applies them: a
     suppressed id, and EOS while fewer than `min_length` tokens are made (`made`,
-    a scalar), take -inf; the order is kept (best first, ties to the lower id).
-    Returns `(ids, log_probs)`, `(rows, width)` each."""
-    from onnx import TensorProto, helper
-
+    a scalar), take -inf (`mask_inputs`' biases); the order is kept (best first,
+    ties to the lower id). Returns `(ids, log_probs)`, `(rows, width)` each."""
     v = b.name
-    each = b.node("Equal", [b.unsqueeze(top_ids, [2]), v("banned_ids")])  # (R, W', m + 1)
-    suppressed = b.node(
-        "ReduceMax", [b.cast(each, TensorProto.INT32)], prefix + "suppressed", axes=[2], keepdims=0
-    )
     early = b.node("Less", [made, "min_length"], prefix + "early")
-    is_eos = b.node("Equal", [top_ids, b.int64s(EOS_ID)], prefix + "is_eos_top")
-    dropped = b.node(
-        "Or",
-        [b.cast(suppressed, TensorProto.BOOL), b.node("And", [is_eos, early])],
-        prefix + "dropped",
-    )
-    never = b.const(f"masked_{float_type}", -np.inf, helper.tensor_dtype_to_np_dtype(float_type))
-    allowed = b.node("Where", [dropped, never, top_log_probs], prefix + "allowed")
+    bias = b.node("Where", [early, v("mask_early"), v("mask_late")], prefix + "mask_bias")
+    picked = b.node("Gather", [bias, top_ids], prefix + "picked_bias", axis=0)
+    allowed = b.node("Add", [top_log_probs, picked], prefix + "allowed")
     values, at = b.node("TopK", [allowed, width], [prefix + "masked_log_probs", prefix + "at"])
     return b.node("GatherElements", [top_ids, at], prefix + "masked_ids", axis=1), values
 
@@ -153,9 +151,7 @@ def build_greedy_search(step):
     b.extend(step.graph.node)
     done = b.name("done")  # (B,) bool: a row that ended, fed EOS since
     steps_made = b.node("Add", [b.name("iteration"), b.int64s(1)], "steps_made")
-    ids, log_probs = masked_top(
-        b, "top_ids", "top_log_probs", g.int64s([1]), b.name("iteration"), float_type
-    )
+    ids, log_probs = masked_top(b, "top_ids", "top_log_probs", g.int64s([1]), b.name("iteration"))
     next_id, chosen, ended, at_limit = _greedy_choice(b, ids, log_probs, steps_made, "limits")
     live = b.node("Not", [done], "live")
     zero_score = b.const("zero_score", 0.0, helper.tensor_dtype_to_np_dtype(float_type))
@@ -185,7 +181,7 @@ def build_greedy_search(step):
     body = b.graph("greedy_step", body_inputs, body_outputs, step.graph.initializer)
 
     # ---- the outer graph: the first state, the loop, nothing else
-    mask_inputs(g, g.int64s([1]))
+    mask_inputs(g, g.int64s([1]), step)
     rows = g.node("Shape", ["limits"], "rows")  # (1,): the sentences
     first_done = g.node("Equal", ["limits", g.int64s(0)], "first_done")
     max_steps = g.node("ReduceMax", ["limits"], "max_steps", keepdims=0)
@@ -267,7 +263,7 @@ def build_greedy_batch_search(step, steps_per_iteration=1, blocked=True):
         steps_made = b.node("Add", [steps_before, b.int64s(j + 1)], x + "steps_made")
         made_before = b.node("Add", [steps_before, b.int64s(j)], x + "made_before")
         ids, log_probs = masked_top(
-            b, made["top_ids"], made["top_log_probs"], g.int64s([1]), made_before, float_type, x
+            b, made["top_ids"], made["top_log_probs"], g.int64s([1]), made_before, x
         )
         next_id, chosen, ended, at_limit = _greedy_choice(
             b, ids, log_probs, steps_made, row_limits, x
@@ -318,7 +314,7 @@ def build_greedy_batch_search(step, steps_per_iteration=1, blocked=True):
     body = b.graph("greedy_step", body_inputs, body_outputs, graph.initializer)
 
     # ---- the outer graph: the sentences with room for a token, the loop
-    mask_inputs(g, g.int64s([1]))
+    mask_inputs(g, g.int64s([1]), step)
     sentences = g.node("Shape", ["limits"], "sentences")  # (1,)
     count = g.squeeze(sentences, [0], "sentence_count")
     index = g.node("Range", [g.int64s(0), count, g.int64s(1)], "sentence_index")

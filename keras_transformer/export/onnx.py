@@ -290,9 +290,10 @@ def _write_graphs(model, folder, opset, precision):
         "greedy_search": (
             "The whole greedy search, the decoder step inside an ONNX Loop: feed source_mask "
             "and the cross keys and values from encoder.onnx and limits (sentences,) int64, "
-            "each sentence's maximum output length (EOS included); optionally suppressed "
-            "(suppressed,) int64, ids never generated, and min_length () int64, EOS not before "
-            "that many tokens (the beam graphs take them too). Returns tokens and scores "
+            "each sentence's maximum output length (EOS included); suppressed (suppressed,) "
+            "int64, ids never generated (empty for none), and min_length () int64, EOS not "
+            "before that many tokens (0 for none; the beam graphs take both too). Returns "
+            "tokens and scores "
             "(steps, sentences): a sentence's output is its tokens up to the first EOS or -1, "
             "its score the sum of its scores."
         ),

@@ -18,6 +18,7 @@ pytestmark = pytest.mark.skipif(
 
 from keras_transformer_runtime import OnnxTranslator, spec  # noqa: E402
 from keras_transformer_runtime.onnx_decoder import OnnxDecoder  # noqa: E402
+from keras_transformer_runtime.options import NO_MASKS  # noqa: E402
 from keras_transformer_runtime.specials import BOS_ID, PAD_ID  # noqa: E402
 
 from keras_transformer.decoding import beam_search, greedy_search  # noqa: E402
@@ -132,6 +133,7 @@ def test_the_greedy_batch_graph_finds_the_same_at_any_steps_per_iteration(export
         _, mask, cross = translator.decoder.encode(source)
         feeds = translator.decoder.search_feeds(mask, cross)
         feeds["limits"] = np.asarray(limits, np.int64)
+        feeds.update(OnnxDecoder.mask_feeds(NO_MASKS))
         tokens, scores = sessions["exported"].run(None, feeds)
         # As many steps as the longest output, EOS included.
         assert len(tokens) == max(int((column >= 0).sum()) for column in tokens.T)
@@ -277,6 +279,7 @@ def test_the_search_graphs_with_blocked_selection_find_what_the_full_topk_finds(
     feeds = {"source_mask": mask}
     feeds.update({v.name: c for v, c in zip(encoder.get_outputs()[2:], cross, strict=True)})
     feeds["limits"] = (lengths + 6).astype(np.int64)
+    feeds.update(OnnxDecoder.mask_feeds(NO_MASKS))
     tokens, scores = session(build_greedy_search(step)).run(None, feeds)
     for k in (1, 2):
         graph = build_greedy_batch_search(step, k)
