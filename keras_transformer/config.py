@@ -34,6 +34,32 @@ PRESETS: dict[str, dict[str, Any]] = {
         vocabulary_size=8000,
         max_length=128,
     ),
+    # Students for fast CPU decoding: `small`'s width with a deep encoder and a
+    # shallow decoder, as the WMT efficiency tasks' winners and Bergamot's
+    # students are built (the decoder runs once per output token, the encoder
+    # once per sentence).
+    "student-6-1": dict(
+        num_layers=6,
+        num_encoder_layers=6,
+        num_decoder_layers=1,
+        hidden_dim=256,
+        intermediate_dim=1024,
+        num_heads=4,
+        dropout=0.1,
+        vocabulary_size=8000,
+        max_length=128,
+    ),
+    "student-6-2": dict(
+        num_layers=6,
+        num_encoder_layers=6,
+        num_decoder_layers=2,
+        hidden_dim=256,
+        intermediate_dim=1024,
+        num_heads=4,
+        dropout=0.1,
+        vocabulary_size=8000,
+        max_length=128,
+    ),
     # Unit tests and the built-in demo.
     "tiny": dict(
         num_layers=2,
@@ -48,7 +74,14 @@ PRESETS: dict[str, dict[str, Any]] = {
 
 
 # The shape fields a run may override on its preset (`preset_config`).
-SHAPE_FIELDS = ("num_layers", "hidden_dim", "intermediate_dim", "num_heads")
+SHAPE_FIELDS = (
+    "num_layers",
+    "num_encoder_layers",
+    "num_decoder_layers",
+    "hidden_dim",
+    "intermediate_dim",
+    "num_heads",
+)
 
 
 @dataclasses.dataclass
@@ -178,11 +211,16 @@ def preset_config(
 ):
     """The `TransformerConfig` of a run: the preset with the run's vocabulary and overrides.
 
-    `shape` takes `SHAPE_FIELDS`; a None value keeps the preset's.
+    `shape` takes `SHAPE_FIELDS`; a None value keeps the preset's. `num_layers`
+    sets both depths, unless `num_encoder_layers` or `num_decoder_layers` sets one.
     """
     unknown = set(shape) - set(SHAPE_FIELDS)
     if unknown:
         raise ValueError(f"Unknown shape fields: {', '.join(sorted(unknown))}")
+    if shape.get("num_layers") is not None:
+        for depth in ("num_encoder_layers", "num_decoder_layers"):
+            if shape.get(depth) is None:
+                shape[depth] = shape["num_layers"]
     overrides = {"vocabulary_size": vocabulary_size}
     for name, value in (
         ("dropout", dropout),

@@ -40,3 +40,26 @@ def test_round_trip():
 def test_bad_values(call, message):
     with pytest.raises(ValueError, match=message):
         call()
+
+
+def test_student_presets_and_depth_overrides():
+    from keras_transformer.config import preset_config
+
+    for name, decoder in (("student-6-1", 1), ("student-6-2", 2)):
+        student = TransformerConfig.from_preset(name)
+        small = TransformerConfig.from_preset("small")
+        assert (student.num_encoder_layers, student.num_decoder_layers) == (6, decoder)
+        assert (student.hidden_dim, student.intermediate_dim, student.num_heads) == (
+            small.hidden_dim,
+            small.intermediate_dim,
+            small.num_heads,
+        )
+    # num_layers sets both depths, unless one is given; a given depth wins.
+    config = preset_config("student-6-1", 100, num_layers=4)
+    assert (config.num_encoder_layers, config.num_decoder_layers) == (4, 4)
+    config = preset_config("small", 100, num_layers=4, num_decoder_layers=1)
+    assert (config.num_encoder_layers, config.num_decoder_layers) == (4, 1)
+    config = preset_config("student-6-2", 100, num_encoder_layers=3)
+    assert (config.num_encoder_layers, config.num_decoder_layers) == (3, 2)
+    with pytest.raises(ValueError, match="num_decoder_layers=0"):
+        preset_config("small", 100, num_decoder_layers=0)

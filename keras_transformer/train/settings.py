@@ -167,6 +167,15 @@ class TrainSettings:
     num_layers: int | None = option(
         None, group="model", help="encoder layers, and as many decoder layers"
     )
+    num_encoder_layers: int | None = option(
+        None, group="model", help="encoder layers (default: --num-layers, or the preset's)"
+    )
+    num_decoder_layers: int | None = option(
+        None,
+        group="model",
+        help="decoder layers (default: --num-layers, or the preset's); a shallow decoder "
+        "translates faster: the decoder runs once per output token",
+    )
     hidden_dim: int | None = option(None, group="model", help="d_model")
     intermediate_dim: int | None = option(
         None, group="model", help="d_ff, the feed-forward inner width"

@@ -125,18 +125,22 @@ def test_a_different_configuration_is_refused(trained_run, corpus_files):
 def test_shape_flags_override_the_preset_and_bind_the_run(corpus_files, tmp_path):
     _, paths = corpus_files
     out = tmp_path / "run"
-    shape = ["--num-layers", "1", "--hidden-dim", "32", "--intermediate-dim", "48"]
+    shape = ["--num-layers", "2", "--num-decoder-layers", "1", "--hidden-dim", "32"]
+    shape += ["--intermediate-dim", "48"]
     assert cli.main(_train_args(paths, out, "--max-steps", "2", *shape, "--num-heads", "2")) == 0
     config = TransformerConfig.from_dict(json.loads((out / "config.json").read_text()))
-    assert (config.num_layers, config.hidden_dim, config.intermediate_dim, config.num_heads) == (
-        1,
-        32,
-        48,
-        2,
-    )
+    assert (
+        config.num_encoder_layers,
+        config.num_decoder_layers,
+        config.hidden_dim,
+        config.intermediate_dim,
+        config.num_heads,
+    ) == (2, 1, 32, 48, 2)
     assert config.max_length == TransformerConfig.from_preset("tiny").max_length  # the rest: tiny's
     model = keras.saving.load_model(str(out / "model.keras"))
     assert model.get_layer("decoder_layer_0").output.shape[-1] == 32
+    names = {layer.name for layer in model.layers}
+    assert {"encoder_layer_1", "decoder_layer_0"} <= names and "decoder_layer_1" not in names
     # Another shape on the same run directory is another run.
     with pytest.raises(SystemExit, match="different configuration.*num_heads: 2 there, 4 now"):
         cli.main(_train_args(paths, out, "--max-steps", "3", *shape, "--num-heads", "4"))
