@@ -13,6 +13,16 @@ from keras_transformer.checks import (
     check_rate,
 )
 
+_SMALL = dict(
+    num_layers=3,
+    hidden_dim=256,
+    intermediate_dim=1024,
+    num_heads=4,
+    dropout=0.1,
+    vocabulary_size=8000,
+    max_length=128,
+)
+
 PRESETS: dict[str, dict[str, Any]] = {
     # Table 3 of the paper, "base" row.
     "paper-base": dict(
@@ -25,41 +35,13 @@ PRESETS: dict[str, dict[str, Any]] = {
     # Sized for Multi30k (~30k sentence pairs) on a small CPU machine; dropout
     # 0.1 as in the Multi30k recipe (benchmarks/results/multi30k/), which a
     # 10-epoch budget leaves under- rather than over-fitted.
-    "small": dict(
-        num_layers=3,
-        hidden_dim=256,
-        intermediate_dim=1024,
-        num_heads=4,
-        dropout=0.1,
-        vocabulary_size=8000,
-        max_length=128,
-    ),
+    "small": _SMALL,
     # Students for fast CPU decoding: `small`'s width with a deep encoder and a
     # shallow decoder, as the WMT efficiency tasks' winners and Bergamot's
     # students are built (the decoder runs once per output token, the encoder
     # once per sentence).
-    "student-6-1": dict(
-        num_layers=6,
-        num_encoder_layers=6,
-        num_decoder_layers=1,
-        hidden_dim=256,
-        intermediate_dim=1024,
-        num_heads=4,
-        dropout=0.1,
-        vocabulary_size=8000,
-        max_length=128,
-    ),
-    "student-6-2": dict(
-        num_layers=6,
-        num_encoder_layers=6,
-        num_decoder_layers=2,
-        hidden_dim=256,
-        intermediate_dim=1024,
-        num_heads=4,
-        dropout=0.1,
-        vocabulary_size=8000,
-        max_length=128,
-    ),
+    "student-6-1": {**_SMALL, "num_layers": 6, "num_decoder_layers": 1},
+    "student-6-2": {**_SMALL, "num_layers": 6, "num_decoder_layers": 2},
     # Unit tests and the built-in demo.
     "tiny": dict(
         num_layers=2,
