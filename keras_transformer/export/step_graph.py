@@ -191,7 +191,7 @@ def source_bias(g):
     )
 
 
-def decoder_layers(g, parts, x, self_attention, opset, alignment=False):
+def decoder_layers(g, parts, x, self_attention, opset, alignment=False, spread=None, pack=None):
     """The decoder layers over the rows `x` `(rows, d)`; returns the final hidden rows
     (after the final norm, if any), or with `alignment` the cross-attention weights of
     `spec.alignment_layer` averaged over heads, `(sentences, rows per sentence,
@@ -204,6 +204,11 @@ def decoder_layers(g, parts, x, self_attention, opset, alignment=False):
     or its target positions) are consecutive and share its keys and values, held
     once per sentence, so a sentence's queries go in as the columns of one
     product with its keys.
+
+    With `spread` and `pack`, `x` holds only some rows of that layout (the
+    teacher-forced pass's real target positions): `spread(v)` lays such rows
+    out in full (zeros elsewhere) for the cross-attention, `pack(v)` takes
+    them back; every row-wise product runs on the packed rows only.
     """
     c = parts.config
     activation = layers_activation(parts.decoder_layers, "decoder graph")
@@ -235,6 +240,8 @@ def decoder_layers(g, parts, x, self_attention, opset, alignment=False):
 
         def cross_attention(y, ca=ca, p=p, i=i, found=found):
             q = dense(y, *scaled_query_weights(ca, d, h), f"{p}.cross_q")
+            if spread is not None:
+                q = spread(q)
             q = g.node("Reshape", [q, grouped_heads])  # (S, G, N, H)
             columns = g.node("Transpose", [q], perm=[0, 2, 3, 1])  # (S, N, H, G)
             scores = g.node("MatMul", [f"cross_key_{i}", columns])  # (S, N, L, G)
@@ -244,6 +251,8 @@ def decoder_layers(g, parts, x, self_attention, opset, alignment=False):
             attended = g.node("MatMul", [weights, f"cross_value_{i}"])  # (S, N, G, H)
             attended = g.node("Transpose", [attended], perm=[0, 2, 1, 3])  # (S, G, N, H)
             attended = g.node("Reshape", [attended, merged_rows])
+            if pack is not None:
+                attended = pack(attended)
             return dense(attended, *projection_weights(ca.output_dense, d), f"{p}.cross_out")
 
         def feed_forward(y, ff=ff, p=p):

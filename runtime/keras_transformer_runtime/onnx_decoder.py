@@ -518,11 +518,12 @@ class OnnxDecoder:
     def label_log_probs(self, source, target_inputs, labels):
         """The log-probabilities of `labels` `(batch, target_len)` in one pass of
         `forced_scores.onnx` (a float32 log-softmax in the graph, one number per
-        label out); 0 where a label is padding."""
+        label out); 0 where the input is padding."""
         labels = check_ids("labels", labels)
+        target_inputs = check_ids("target_ids", target_inputs)
         found = np.zeros(labels.shape, np.float64)
-        # The graph scores only the labels that are not padding, in row order.
-        found[labels != PAD_ID] = self.teacher_forced(
+        # The graph scores the labels of the positions whose input is not padding.
+        found[target_inputs != PAD_ID] = self.teacher_forced(
             "forced_scores", source, target_inputs, labels=labels
         )
         return found

@@ -224,16 +224,15 @@ def test_encoder_teacher_forced_and_step_outputs_match_keras(kind, exported):
     # The teacher-forced graphs: every position's distribution, and the labels' entries.
     forced = translator.decoder.log_probs(source, target)
     np.testing.assert_allclose(forced[real], log_probs[real], atol=1e-4)
-    # Any label at a real position (padding's own id included), none past the target.
+    # Any label at a real position (padding's own id included): each is scored;
+    # positions whose input is padding are not (0).
     labels = np.random.default_rng(5).integers(0, parts.config.vocabulary_size, target.shape)
     labels[:, 0] = 0
-    labels = np.where(real, labels, 0)
     picked = translator.decoder.label_log_probs(source, target, labels)
     assert picked.dtype == np.float64 and picked.shape == target.shape
     expected = np.take_along_axis(log_probs, labels[..., None], -1)[..., 0]
-    scored = labels != 0
-    assert scored.sum() < real.sum() and (picked[~scored] == 0).all()
-    np.testing.assert_allclose(picked[scored], expected[scored], atol=1e-4)
+    assert (picked[~real] == 0).all() and (picked[real] < 0).all()
+    np.testing.assert_allclose(picked[real], expected[real], atol=1e-4)
 
     # The cached step, fed the targets one token at a time, gives the
     # teacher-forced log-probabilities at every real position.
