@@ -50,9 +50,9 @@ import numpy as np
 from keras_transformer_runtime.specials import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 
 
-def banned_ids(ignore_eos=False):
-    """Ids never generated: padding and BOS (and EOS with `ignore_eos`)."""
-    return [PAD_ID, BOS_ID] + ([EOS_ID] if ignore_eos else [])
+def banned_ids():
+    """Ids never generated: padding and BOS."""
+    return [PAD_ID, BOS_ID]
 
 
 def length_penalty_factor(length, alpha=0.6, form="gnmt"):

@@ -160,7 +160,7 @@ class Translator:
                     [[sum(row)] for row in steps],
                     [[row] for row in steps],
                 )
-        elif not ignore_eos:
+        else:
             found = self.decoder.beam(source, limits, beam_size, length_penalty, n_best, masks)
             if found is not None:
                 return found
