@@ -15,7 +15,7 @@ from keras_transformer_runtime.search_flags import (
     read_constraints,
     read_lines_file,
 )
-from keras_transformer_runtime.text import read_input_lines, warn
+from keras_transformer_runtime.text import read_input, warn
 
 from keras_transformer.settings_parser import add_settings_arguments, settings_values
 
@@ -120,7 +120,7 @@ def _translate(args):
     beam = _beam_size(args)
     _length_penalty(args)  # refused before the model loads
     model, tokenizer = _load(args.run_dir)
-    lines = read_input_lines(sys.stdin, warn)
+    lines = read_input(sys.stdin, warn, whole=args.input_format != "text")
     options = options_from_args(args, tokenizer, beam_size=beam)
     progress = not sys.stdin.isatty() and len(lines) > args.batch_size
     try:
@@ -210,7 +210,12 @@ def _export(args):
     out = args.out or os.path.join(args.run_dir, "onnx")
     try:
         manifest = export_onnx(
-            args.run_dir, out, opset=args.opset, precision=args.precision, overwrite=args.overwrite
+            args.run_dir,
+            out,
+            opset=args.opset,
+            precision=args.precision,
+            overwrite=args.overwrite,
+            source_language=args.source_language,
         )
     except (ExportError, FileNotFoundError, ValueError) as error:
         raise SystemExit(f"error: {error}") from None
@@ -356,6 +361,12 @@ def build_parser() -> argparse.ArgumentParser:
         "Hugging Face MarianMT directory, for models imported with `import marian`",
     )
     export.add_argument("--opset", type=int, default=17, help="ONNX opset (default 17)")
+    export.add_argument(
+        "--source-language",
+        metavar="CODE",
+        help="the source language's code (de, en, ...), kept in the manifest: the "
+        "translate commands split documents into sentences by its rules",
+    )
     export.add_argument(
         "--overwrite", action="store_true", help="replace an earlier export in --out"
     )

@@ -25,6 +25,20 @@ def test_translate_reads_stdin_and_keeps_order(toy_run, monkeypatch, capsys):
     assert out[3] == ""
 
 
+def test_translate_takes_a_document_of_paragraphs(toy_run, monkeypatch, capsys):
+    from keras_transformer.decoding import translator
+
+    model, corpus, vocabulary, metrics = toy_run
+    sentences = [s + " ." for s, _ in corpus.test[:5]]
+    document = " ".join(sentences[:3]) + "\r\n\n  " + " ".join(sentences[3:]) + "\n"
+    monkeypatch.setattr("sys.stdin", io.StringIO(document))
+    flags = ["--greedy", "--input-format", "paragraphs", "--source-language", "en"]
+    assert main(["translate", metrics["run_dir"], *flags]) == 0
+    out = capsys.readouterr().out
+    found = translator(model, vocabulary).translate(sentences, beam_size=1)
+    assert out == " ".join(found[:3]) + "\r\n\n  " + " ".join(found[3:]) + "\n"
+
+
 def test_evaluate_writes_hypotheses_and_scores(toy_run, tmp_path, capsys):
     _, corpus, _, metrics = toy_run
     src, ref = tmp_path / "test.src", tmp_path / "test.tgt"

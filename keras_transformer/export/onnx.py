@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 
@@ -100,6 +101,7 @@ def export_onnx(
     precision="float32",
     tokenizer_path=None,
     overwrite=False,
+    source_language=None,
 ):
     """Converts a model (or a run directory's `model.keras`) to ONNX graphs in `out_dir`.
 
@@ -113,6 +115,8 @@ def export_onnx(
         precision: "float32"; "float16" or "int8" to also write graphs of
             that precision.
         tokenizer_path: the tokenizer file to copy when a model object is given.
+        source_language: the source language's code ("de"), recorded in the
+            manifest: the runtime splits documents into sentences by its rules.
 
     Returns:
         The manifest (a dict), also written to `out_dir/manifest.json`.
@@ -124,6 +128,13 @@ def export_onnx(
     if isinstance(opset, bool) or not isinstance(opset, int) or opset < 17:
         raise ValueError(
             f"opset must be an integer >= 17 (for LayerNormalization). Received: opset={opset!r}"
+        )
+    if source_language is not None and not re.fullmatch(
+        r"[A-Za-z]{2,3}([-_][A-Za-z0-9]+)*", source_language
+    ):
+        raise ValueError(
+            "source_language must be a language code such as 'de' or 'pt-BR'. "
+            f"Received: {source_language!r}"
         )
     out_dir = os.path.abspath(os.fspath(out_dir))
     _check_out_dir(out_dir, overwrite)
@@ -143,6 +154,8 @@ def export_onnx(
             name = os.path.basename(tokenizer_path)
             shutil.copyfile(tokenizer_path, os.path.join(staging, name))
             manifest["tokenizer"] = name
+        if source_language is not None:
+            manifest["source_language"] = source_language
             if name == "vocab.json":
                 folder = os.path.dirname(tokenizer_path)
                 for companion in MARIAN_TOKENIZER_FILES:

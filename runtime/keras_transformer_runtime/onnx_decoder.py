@@ -163,6 +163,8 @@ class OnnxDecoder:
                 f"{os.path.join(self.onnx_dir, MANIFEST)} is not a valid export manifest: "
                 f"{error!r} is missing or malformed."
             ) from error
+        # The language the translate commands split documents by (None: not recorded).
+        self.source_language = self.manifest.get("source_language")
         tokenizer = self.manifest.get("tokenizer")
         self.tokenizer = (
             load_tokenizer(os.path.join(self.onnx_dir, tokenizer)) if tokenizer else None

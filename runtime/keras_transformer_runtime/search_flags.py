@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 
+from keras_transformer_runtime.documents import INPUT_FORMATS
 from keras_transformer_runtime.options import SearchOptions, option_fields
 
 FORMATS = ("text", "tsv", "jsonl")
@@ -44,6 +45,20 @@ def add_search_flags(parser, outputs=True):
             help=field.help + default,
         )
     if outputs:
+        add(
+            "--input-format",
+            choices=INPUT_FORMATS,
+            default="text",
+            help="text: one input line, one translation (default); paragraphs: the input is "
+            "a document whose lines are split into sentences, translated, and put back in "
+            "place with every line break and space kept (docs/documents.md)",
+        )
+        add(
+            "--source-language",
+            metavar="CODE",
+            help="the language whose rules split --input-format paragraphs into sentences "
+            "(default: the export's source_language, else en)",
+        )
         add("--scores", action="store_true", help="text format: each line is 'score<TAB>text'")
         add("--format", choices=FORMATS, default="text", help="output format (default text)")
         add(
@@ -136,7 +151,10 @@ def command_output(args, lines, options, translator, progress, warn, parallel_ba
     """What both translate commands write for `lines`: the translations (or, with
     --score, the scores) in --format, from `translator` (a `translator.Translator`,
     over ONNX Runtime or Keras) under `options`, reading --prefix and
-    --constraints."""
+    --constraints. With --input-format other than text, `lines` is the whole input,
+    one document, and the translated document is written."""
+    if getattr(args, "input_format", "text") != "text":
+        return _document_output(args, lines, options, translator, progress, warn, parallel_batches)
     if is_plain_run(args, options):
         outputs = translator.translate(
             lines,
@@ -157,6 +175,38 @@ def command_output(args, lines, options, translator, progress, warn, parallel_ba
         lines, options, prefixes, args.batch_size, progress, warn, constraints, parallel_batches
     )
     return "".join(format_hypotheses(i, hs, args) for i, hs in enumerate(found))
+
+
+def _document_output(args, text, options, translator, progress, warn, parallel_batches):
+    """The translation of `text`, one document in --input-format."""
+    per_line = (
+        ("--score", args.score),
+        ("--prefix", args.prefix),
+        ("--constraints", args.constraints),
+        ("--scores", args.scores),
+        (f"--format {args.format}", args.format != "text"),
+        ("--plot-attention", getattr(args, "plot_attention", False)),
+    )
+    for flag, given in per_line:
+        if given:
+            raise ValueError(
+                f"{flag} is for --input-format text; --input-format {args.input_format} "
+                "translates a document to a document."
+            )
+    try:
+        (found,) = translator.translate_documents(
+            [text],
+            args.input_format,
+            options,
+            args.source_language,
+            args.batch_size,
+            progress,
+            warn,
+            parallel_batches,
+        )
+    except ValueError as error:
+        raise ValueError(_as_flag(str(error))) from None
+    return found
 
 
 def read_constraints(path, count):

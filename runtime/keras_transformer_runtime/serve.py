@@ -45,9 +45,10 @@ from keras_transformer_runtime.serve_requests import (
 from keras_transformer_runtime.serve_settings import build_parser, check_settings
 from keras_transformer_runtime.text_batches import encode_prefixes
 
-# Tokenizing a request of more texts than this runs on a thread, so that a
-# request of thousands of lines does not hold up the event loop.
+# Tokenizing a request of more texts (splitting documents of more characters)
+# than this runs on a thread, so that a big request does not hold up the event loop.
 TOKENIZE_INLINE_TEXTS = 64
+TOKENIZE_INLINE_CHARS = 20000
 MAX_WARNINGS = 10
 
 
@@ -63,6 +64,13 @@ def _error(status, message, headers=None):
 
 
 # --------------------------------------------------------------------------- app
+
+
+async def _maybe_threaded(threaded, function, *args):
+    """`function(*args)`, on a worker thread if `threaded`."""
+    if threaded:
+        return await asyncio.to_thread(function, *args)
+    return function(*args)
 
 
 def create_app(engine, settings):
@@ -127,7 +135,7 @@ def create_app(engine, settings):
             raise Refusal(400, f"the body is not valid JSON: {error}") from None
         except RecursionError:
             raise Refusal(400, "the body is not valid JSON: nested too deeply") from None
-        texts, prefixes, constraints, options, return_scores = parse_request(
+        texts, prefixes, constraints, options, return_scores, document = parse_request(
             data, settings, engine.tokenizer
         )
         warnings = [warning] if warning else []
@@ -137,6 +145,21 @@ def create_app(engine, settings):
                 "some texts held lone surrogates (escapes such as \\ud800, not Unicode text); "
                 "they read as U+FFFD"
             )
+        docs, where = None, "texts[{}]".format
+        if document[0] != "text":
+            # Documents: their sentences go on as the texts, and come back as documents.
+            docs = await _maybe_threaded(
+                sum(map(len, texts)) > TOKENIZE_INLINE_CHARS,
+                engine.documents,
+                texts,
+                *document,
+                options.max_input_length,
+            )
+            places = [(d, k) for d, doc in enumerate(docs) for k in range(len(doc.spans))]
+            texts = [sentence for doc in docs for sentence in doc.sentences]
+
+            def where(i):
+                return f"texts[{places[i][0]}] (its sentence {places[i][1] + 1})"
 
         def prepare():
             encoded = [engine.encode(t, options.max_input_length) for t in texts]
@@ -167,7 +190,7 @@ def create_app(engine, settings):
             options.check_ids(engine.vocabulary_size, prefix_ids)
         except ValueError as error:
             # The translator's messages count lines from 1: name the texts as sent.
-            message = re.sub(r"\bline (\d+)", lambda m: f"texts[{int(m[1]) - 1}]", str(error))
+            message = re.sub(r"\bline (\d+)", lambda m: where(int(m[1]) - 1), str(error))
             raise Refusal(400, message) from None
         sources = [ids for ids, _ in encoded]
         too_long = [i for i, ids in enumerate(sources) if len(ids) > settings.max_text_tokens]
@@ -175,7 +198,7 @@ def create_app(engine, settings):
             i = too_long[0]
             raise Refusal(
                 413,
-                f"texts[{i}] has {len(sources[i])} tokens; this server takes at most "
+                f"{where(i)} has {len(sources[i])} tokens; this server takes at most "
                 f"{settings.max_text_tokens} per text (--max-text-tokens): split it, or set "
                 "max_input_length to truncate it",
             )
@@ -192,7 +215,7 @@ def create_app(engine, settings):
             ),
         ):
             if rows:
-                shown = ", ".join(f"texts[{i}]" for i in rows[:MAX_WARNINGS])
+                shown = ", ".join(where(i) for i in rows[:MAX_WARNINGS])
                 more = ", ..." if len(rows) > MAX_WARNINGS else ""
                 warnings.append(f"{shown}{more}: more tokens than {what}; {reason}")
         wanted = [i for i, s in enumerate(sources) if s]
@@ -215,7 +238,11 @@ def create_app(engine, settings):
             results = await wait_for_ticket(request, batcher, ticket, len(wanted))
             for i, result in zip(wanted, results, strict=True):
                 outputs[i] = result
-        payload = {"translations": [hypotheses[0]["text"] for hypotheses in outputs]}
+        translations = [hypotheses[0]["text"] for hypotheses in outputs]
+        if docs is not None:
+            found = iter(translations)
+            translations = [doc.rebuild([next(found) for _ in doc.spans]) for doc in docs]
+        payload = {"translations": translations}
         if return_scores:
             payload["scores"] = [hypotheses[0]["score"] for hypotheses in outputs]
         if options.n_best > 1 or options.token_scores or options.alignment:

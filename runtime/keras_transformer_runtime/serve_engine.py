@@ -34,6 +34,10 @@ class Engine:
         self.vocabulary_size = first.vocabulary_size
         self.provider = first.provider
 
+    def documents(self, texts, input_format, language, max_input_length):
+        """The `documents.Document`s of `texts` (`Translator.documents`)."""
+        return self.translators[0].documents(texts, input_format, language, max_input_length)
+
     def encode(self, text, max_input_length=None):
         """Token ids of `text` with EOS (none for an empty or whitespace-only text), and
         whether they were cut to `max_input_length`."""

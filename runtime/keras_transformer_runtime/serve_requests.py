@@ -12,6 +12,7 @@ from typing import Annotated
 
 import msgspec
 
+from keras_transformer_runtime.documents import INPUT_FORMATS
 from keras_transformer_runtime.options import SearchOptions, option_fields
 
 
@@ -43,6 +44,19 @@ _TEXT_FIELDS = (
         "one entry per text: target phrases its translation must hold "
         "(docs/constraints.md), or null or [] for none",
     ),
+    (
+        "format",
+        str,
+        "text: each text is one input (default); paragraphs: each text is a document, "
+        "split into sentences whose translations take their places, every line break "
+        "and space kept (docs/documents.md)",
+    ),
+    (
+        "source_language",
+        str | None,
+        "the language whose rules split documents into sentences (default: the "
+        "export's source_language, else en)",
+    ),
     ("suppress", list[str] | None, "words or phrases never generated (their tokens in a row)"),
     (
         "return_scores",
@@ -63,6 +77,8 @@ def _request_model():
         annotated = Annotated[kind, msgspec.Meta(description=help)]
         if name == "texts":
             fields.append((name, annotated))
+        elif name == "format":
+            fields.append((name, annotated, "text"))
         else:
             fields.append((name, annotated, False if kind is bool else None))
     for name, field in OPTION_FIELDS.items():
@@ -120,7 +136,7 @@ def _refusal(error):
 
 def parse_request(data, settings, tokenizer):
     """The checked fields of a decoded JSON body:
-    `(texts, prefixes, constraints, options, return_scores)`.
+    `(texts, prefixes, constraints, options, return_scores, (format, source_language))`.
 
     The types are `TranslateRequest`'s (msgspec); then the counts, sizes and
     values. `options` is a `options.SearchOptions`; `prefixes` is None or one
@@ -149,6 +165,27 @@ def parse_request(data, settings, tokenizer):
             '"constraints" must be a list with one entry per text: a list of target '
             "phrases, or null or [] for none",
         )
+    if request.format not in INPUT_FORMATS:
+        raise Refusal(
+            400,
+            f'"format" must be one of {", ".join(INPUT_FORMATS)}. Received: {request.format!r}',
+        )
+    if request.format != "text":
+        sentence_fields = (
+            ("prefixes", prefixes is not None),
+            ("constraints", constraints is not None),
+            ("return_scores", request.return_scores),
+            ("n_best", (request.n_best or 1) > 1),
+            ("token_scores", request.token_scores),
+            ("alignment", request.alignment),
+        )
+        for name, given in sentence_fields:
+            if given:
+                raise Refusal(
+                    400,
+                    f'"{name}" is for sentences ("format": "text"); "format": '
+                    f'"{request.format}" translates each text as a document',
+                )
     suppress = request.suppress or []
     phrases = [p for entry in constraints or () for p in entry or ()]
     chars = sum(map(len, texts)) + sum(map(len, prefixes or ())) + sum(map(len, suppress))
@@ -197,7 +234,8 @@ def parse_request(data, settings, tokenizer):
         options = SearchOptions(suppress_sequences=sequences, **values)
     except ValueError as error:
         raise Refusal(400, str(error)) from None
-    return texts, prefixes, constraints, options, request.return_scores
+    document = (request.format, request.source_language)
+    return texts, prefixes, constraints, options, request.return_scores, document
 
 
 def decode_body(body):
@@ -250,6 +288,7 @@ def openapi_schema(settings):
             described[name]["default"] = field.default
     described["beam_size"]["maximum"] = settings.max_beam_size
     described["max_length"]["maximum"] = settings.max_decoding_length
+    described["format"]["enum"] = list(INPUT_FORMATS)
     response = {
         "type": "object",
         "required": ["translations"],

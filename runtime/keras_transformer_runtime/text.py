@@ -53,8 +53,9 @@ def describe_undecodable(undecodable: list[int], total: int) -> str:
     return f"{len(undecodable)} of {total} lines (line {shown})"
 
 
-def read_input_lines(stream, warn) -> list[str]:
-    """The lines of `stream` (standard input) to translate, one output line each.
+def read_input(stream, warn, whole=False):
+    """The lines of `stream` (standard input) to translate, one output line each; or,
+    with `whole`, its whole text as one string, line ends included (a document).
 
     Reads the bytes beneath a text stream, so that a byte that is not UTF-8
     never reaches the tokenizer as a lone surrogate: `warn` names the lines
@@ -69,4 +70,4 @@ def read_input_lines(stream, warn) -> list[str]:
             f"input: {describe_undecodable(undecodable, len(lines))} not valid UTF-8; "
             "their undecodable bytes read as U+FFFD."
         )
-    return lines
+    return data.decode("utf-8", errors="replace") if whole else lines

@@ -19,7 +19,7 @@ from keras_transformer_runtime.search_flags import (
     command_output,
     options_from_args,
 )
-from keras_transformer_runtime.text import read_input_lines, warn
+from keras_transformer_runtime.text import read_input, warn
 
 
 def build_parser():
@@ -80,7 +80,7 @@ def main(argv=None):
             precision=args.precision,
             split_batches=False if args.whole_batches else None,
         )
-        lines = read_input_lines(sys.stdin, warn)
+        lines = read_input(sys.stdin, warn, whole=args.input_format != "text")
         options = options_from_args(args, translator.tokenizer)
         progress = not sys.stdin.isatty() and len(lines) > args.batch_size
         text = command_output(

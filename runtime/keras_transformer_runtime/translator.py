@@ -19,10 +19,12 @@ from __future__ import annotations
 
 import dataclasses
 import queue
+import re
 
 import numpy as np
 
 from keras_transformer_runtime.constraints import sentence_constraints, word_continuations
+from keras_transformer_runtime.documents import check_input_format, parse_document
 from keras_transformer_runtime.export_format import ExportFileError
 from keras_transformer_runtime.options import NO_MASKS, SearchOptions
 from keras_transformer_runtime.search import (
@@ -60,6 +62,24 @@ def _check_pairs(what, given, sources):
             f"{len(given)} {what} for {len(sources)} sentences: give one per sentence "
             "(an empty one for none)."
         )
+
+
+def _sentence_warnings(warn, docs):
+    """`warn` for the sentences of `docs`: "line N" of the sentence list becomes the
+    sentence's line in its text (and its text's number, if there are several)."""
+    places = []
+    for number, document in enumerate(docs, 1):
+        for start, _ in document.spans:
+            line = document.text.count("\n", 0, start) + 1
+            places.append(f"text {number}, line {line}" if len(docs) > 1 else f"line {line}")
+
+    def located(message):
+        message = re.sub(
+            r"\bline (\d+)", lambda m: f"the sentence at {places[int(m[1]) - 1]}", message
+        )
+        warn(re.sub(r"\b(\d+) of (\d+) lines\b", r"\1 of \2 sentences", message))
+
+    return located
 
 
 class Translator:
@@ -421,6 +441,61 @@ class Translator:
             sentences, options, prefixes, batch_size, progress, warn, constraints, parallel_batches
         )
         return [hypotheses[0]["text"] for hypotheses in found]
+
+    def documents(self, texts, input_format="paragraphs", language=None, max_input_length=None):
+        """The `documents.Document` of each text in `input_format`, its sentences
+        split by the rules of `language` (default the export's source language,
+        else "en"), those longer than `max_input_length` tokens (EOS included)
+        cut at spaces into pieces that fit."""
+        texts = self._checked_texts(texts, "texts")
+        language = language or getattr(self.decoder, "source_language", None) or "en"
+        found = [parse_document(text, input_format, language) for text in texts]
+        if max_input_length is not None and input_format != "text":
+            encode = self.tokenizer.encode
+
+            def count(text):
+                return len(encode(text)) + 1
+
+            found = [document.split_long(count, max_input_length) for document in found]
+        return found
+
+    def translate_documents(
+        self,
+        texts,
+        input_format="paragraphs",
+        options=None,
+        language=None,
+        batch_size=32,
+        progress=False,
+        warn=None,
+        parallel_batches=1,
+    ):
+        """Translates whole texts in `input_format` (`documents.INPUT_FORMATS`), one
+        translated text each: every sentence is translated under `options` (its
+        sentences share batches with the other texts'), and the text is rebuilt
+        around them (docs/documents.md). n-best lists, token scores and
+        alignments belong to sentences, not documents: ask `translate_hypotheses`."""
+        options = options if options is not None else SearchOptions()
+        for name, given in (
+            ("n_best", options.n_best > 1),
+            ("token_scores", options.token_scores),
+            ("alignment", options.alignment),
+        ):
+            if given:
+                raise ValueError(
+                    f"{name}={getattr(options, name)} is for sentences (input format text): "
+                    "a document translates to one text."
+                )
+        check_input_format(input_format)
+        docs = self.documents(texts, input_format, language, options.max_input_length)
+        sentences = [sentence for document in docs for sentence in document.sentences]
+        if warn is not None:
+            warn = _sentence_warnings(warn, docs)
+        found = self.translate_hypotheses(
+            sentences, options, None, batch_size, progress, warn, None, parallel_batches
+        )
+        translations = iter(hypotheses[0]["text"] for hypotheses in found)
+        return [document.rebuild([next(translations) for _ in document.spans]) for document in docs]
 
     def score(self, sources, targets, batch_size=32, progress=False, warn=None):
         """Forced decoding of texts: per pair a dict of `log_prob` (summed, EOS included)

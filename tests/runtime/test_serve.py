@@ -252,7 +252,34 @@ REFUSALS = [
     ({"texts": ["ok", "ka " * 70]}, 413, "texts[1] has 71 tokens; this server takes at most 64"),
     (b"[" * 20_000 + b"]" * 20_000, 400, "the body is not valid JSON: nested too deeply"),
     ({"texts": ["abcd " * 401]}, 413, "2005 characters in one request"),
+    ({"texts": ["a"], "format": "pdf"}, 400, '"format" must be one of text, paragraphs'),
+    ({"texts": ["a"], "format": 1}, 400, '"format" must be a string, not an integer'),
+    (
+        {"texts": ["a. b."], "format": "paragraphs", "beam_size": 2, "n_best": 2},
+        400,
+        '"n_best" is for sentences ("format": "text")',
+    ),
+    ({"texts": ["a"], "format": "paragraphs", "prefixes": ["ko"]}, 400, '"prefixes" is for'),
+    ({"texts": ["ka. " * 501], "format": "paragraphs"}, 413, "2004 characters in one request"),
+    (
+        {"texts": ["ok.", "ok? " + "ka " * 70], "format": "paragraphs"},
+        413,
+        "texts[1] (its sentence 2) has 71 tokens; this server takes at most 64",
+    ),
 ]
+
+
+def test_documents_answer_as_the_translators(server, translator):
+    texts = ["ka ko. li lo!\n\n  mina tel?\r\n", "", "  \n", "tel ka li. lo"]
+    request = {"texts": texts, "format": "paragraphs", "beam_size": 2, "max_length": 10}
+    status, answer, _ = post(server.port, {**request, "source_language": "de"})
+    assert status == 200, answer
+    options = SearchOptions(beam_size=2, max_length=10)
+    expected = translator.translate_documents(texts, "paragraphs", options, language="de")
+    assert answer["translations"] == expected
+    assert answer["translations"][2] == "  \n" and "\n\n  " in answer["translations"][0]
+    status, answer, _ = post(server.port, {**request, "format": "text"})
+    assert answer["translations"] == translator.translate(texts, options=options)
 
 
 @pytest.mark.parametrize(("payload", "status", "message"), REFUSALS)
