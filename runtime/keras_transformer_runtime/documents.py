@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-INPUT_FORMATS = ("text", "paragraphs")
+INPUT_FORMATS = ("text", "paragraphs", "html")
 _WORD = re.compile(r"\S+")
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
@@ -96,7 +96,17 @@ class Document:
     def sentences(self):
         return [self.text[start:end] for start, end in self.spans]
 
-    def rebuild(self, translations):
+    @property
+    def starts(self):
+        """Where each sentence starts in the text."""
+        return [start for start, _ in self.spans]
+
+    @property
+    def tagged(self):
+        """Per sentence, whether its translation needs alignments (never, in plain text)."""
+        return [False] * len(self.spans)
+
+    def rebuild(self, translations, alignments=None):
         """The text with each sentence replaced by its translation, everything else kept."""
         if len(translations) != len(self.spans):
             raise ValueError(f"{len(translations)} translations for {len(self.spans)} sentences.")
@@ -160,4 +170,8 @@ def parse_document(text, input_format, language="en"):
     check_input_format(input_format)
     if input_format == "text":  # one input, translated as `translate` does it
         return Document(text, [(0, len(text))])
+    if input_format == "html":
+        from keras_transformer_runtime.markup import html_document
+
+        return html_document(text, language)
     return Document(text, sentence_spans(text, language))

@@ -51,12 +51,14 @@ def add_search_flags(parser, outputs=True):
             default="text",
             help="text: one input line, one translation (default); paragraphs: the input is "
             "a document whose lines are split into sentences, translated, and put back in "
-            "place with every line break and space kept (docs/documents.md)",
+            "place with every line break and space kept; html: a page whose text is "
+            "translated in context, its inline tags put back around the aligned words, "
+            "everything else kept as written (docs/documents.md)",
         )
         add(
             "--source-language",
             metavar="CODE",
-            help="the language whose rules split --input-format paragraphs into sentences "
+            help="the language whose rules split documents into sentences "
             "(default: the export's source_language, else en)",
         )
         add("--scores", action="store_true", help="text format: each line is 'score<TAB>text'")

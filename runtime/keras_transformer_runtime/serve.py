@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import re
 import signal
@@ -155,7 +156,7 @@ def create_app(engine, settings):
                 *document,
                 options.max_input_length,
             )
-            places = [(d, k) for d, doc in enumerate(docs) for k in range(len(doc.spans))]
+            places = [(d, k) for d, doc in enumerate(docs) for k in range(len(doc.sentences))]
             texts = [sentence for doc in docs for sentence in doc.sentences]
 
             def where(i):
@@ -225,28 +226,47 @@ def create_app(engine, settings):
             for i, source in enumerate(sources):
                 if not source:
                     outputs[i] = empty
-        if wanted:
+        # In HTML, the sentences with inline tags need their alignments (markup.place_tags).
+        tagged = [f for doc in docs for f in doc.tagged] if docs else [False] * len(texts)
+        groups = (
+            (options, [i for i in wanted if not tagged[i]]),
+            (dataclasses.replace(options, alignment=True), [i for i in wanted if tagged[i]]),
+        )
+        for group_options, rows in groups:
+            if not rows:
+                continue
             batcher = state["batcher"]
             sentences = [
                 (sources[i], prefix_ids[i] if prefix_ids else [], i, phrases[i] if phrases else [])
-                for i in wanted
+                for i in rows
             ]
             try:
-                ticket = batcher.submit(options, [len(sources[i]) for i in wanted], sentences)
+                ticket = batcher.submit(group_options, [len(sources[i]) for i in rows], sentences)
             except QueueFull as error:
                 raise Refusal(503, str(error), {"Retry-After": str(error.retry_after)}) from None
-            results = await wait_for_ticket(request, batcher, ticket, len(wanted))
-            for i, result in zip(wanted, results, strict=True):
+            results = await wait_for_ticket(request, batcher, ticket, len(rows))
+            for i, result in zip(rows, results, strict=True):
                 outputs[i] = result
         translations = [hypotheses[0]["text"] for hypotheses in outputs]
         if docs is not None:
-            found = iter(translations)
-            translations = [doc.rebuild([next(found) for _ in doc.spans]) for doc in docs]
+            links = [
+                engine.word_links(texts[i], outputs[i][0]) if "alignment" in outputs[i][0] else None
+                for i in range(len(texts))
+            ]
+            translations, at = [], 0
+            for doc in docs:
+                count = len(doc.sentences)
+                found = [hypotheses[0]["text"] for hypotheses in outputs[at : at + count]]
+                translations.append(doc.rebuild(found, links[at : at + count]))
+                at += count
         payload = {"translations": translations}
         if return_scores:
             payload["scores"] = [hypotheses[0]["score"] for hypotheses in outputs]
         if options.n_best > 1 or options.token_scores or options.alignment:
-            payload["hypotheses"] = outputs
+            payload["hypotheses"] = [
+                [{k: v for k, v in h.items() if k != "tokens"} for h in hypotheses]
+                for hypotheses in outputs
+            ]
         if warnings:
             payload["warnings"] = warnings
         return 200, payload, None, len(texts)

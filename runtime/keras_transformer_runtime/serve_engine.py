@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from keras_transformer_runtime.constraints import word_continuations
 from keras_transformer_runtime.export_format import ExportFileError
+from keras_transformer_runtime.markup import word_alignment
 from keras_transformer_runtime.onnx_translator import OnnxTranslator
 from keras_transformer_runtime.options import SearchOptions
 from keras_transformer_runtime.search import hypothesis_records
@@ -61,7 +62,21 @@ class Engine:
             constraints if any(map(len, constraints)) else None,
         )
         decode = translator.tokenizer.decode
-        return [hypothesis_records(hypotheses, decode) for hypotheses in found]
+        records = [hypothesis_records(hypotheses, decode) for hypotheses in found]
+        for hypotheses, rows in zip(found, records, strict=True):
+            for hypothesis, record in zip(hypotheses, rows, strict=True):
+                record["tokens"] = hypothesis.tokens  # for `word_links`; never answered
+        return records
+
+    def word_links(self, source_text, record):
+        """(source word, target word) pairs of a hypothesis record with an alignment."""
+        return word_alignment(
+            source_text,
+            record["tokens"],
+            record["alignment"],
+            self.tokenizer.encode,
+            self.tokenizer.decode,
+        )
 
     def empty_result(self, options):
         """What a search of an empty source gives (no model call)."""

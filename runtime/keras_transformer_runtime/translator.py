@@ -26,6 +26,7 @@ import numpy as np
 from keras_transformer_runtime.constraints import sentence_constraints, word_continuations
 from keras_transformer_runtime.documents import check_input_format, parse_document
 from keras_transformer_runtime.export_format import ExportFileError
+from keras_transformer_runtime.markup import word_alignment
 from keras_transformer_runtime.options import NO_MASKS, SearchOptions
 from keras_transformer_runtime.search import (
     add_alignments,
@@ -69,7 +70,7 @@ def _sentence_warnings(warn, docs):
     sentence's line in its text (and its text's number, if there are several)."""
     places = []
     for number, document in enumerate(docs, 1):
-        for start, _ in document.spans:
+        for start in document.starts:
             line = document.text.count("\n", 0, start) + 1
             places.append(f"text {number}, line {line}" if len(docs) > 1 else f"line {line}")
 
@@ -360,6 +361,23 @@ class Translator:
         """
         options = options if options is not None else SearchOptions()
         sentences = self._checked_texts(sentences)
+        found = self._text_hypotheses(
+            sentences, options, prefixes, batch_size, progress, warn, constraints, parallel_batches
+        )
+        return [hypothesis_records(hypotheses, self.tokenizer.decode) for hypotheses in found]
+
+    def _text_hypotheses(
+        self,
+        sentences,
+        options,
+        prefixes,
+        batch_size,
+        progress,
+        warn,
+        constraints,
+        parallel_batches,
+    ):
+        """`translate_hypotheses`' search: per sentence its `spec.Hypothesis` list."""
         check_positive_int("parallel_batches", parallel_batches)
         prefix_ids = None
         if prefixes is not None:
@@ -389,7 +407,7 @@ class Translator:
             finally:
                 free.put(translator)
 
-        found = search_texts(
+        return search_texts(
             sentences,
             self.tokenizer.encode,
             search,
@@ -400,7 +418,6 @@ class Translator:
             parallel_batches=parallel_batches,
             max_input_length=options.max_input_length,
         )
-        return [hypothesis_records(hypotheses, self.tokenizer.decode) for hypotheses in found]
 
     def translate(
         self,
@@ -450,6 +467,8 @@ class Translator:
         texts = self._checked_texts(texts, "texts")
         language = language or getattr(self.decoder, "source_language", None) or "en"
         found = [parse_document(text, input_format, language) for text in texts]
+        if input_format == "html":
+            return found  # their sentences' lengths are left to the search's max_input_length
         if max_input_length is not None and input_format != "text":
             encode = self.tokenizer.encode
 
@@ -489,13 +508,34 @@ class Translator:
         check_input_format(input_format)
         docs = self.documents(texts, input_format, language, options.max_input_length)
         sentences = [sentence for document in docs for sentence in document.sentences]
+        tagged = [flag for document in docs for flag in document.tagged]
         if warn is not None:
             warn = _sentence_warnings(warn, docs)
-        found = self.translate_hypotheses(
-            sentences, options, None, batch_size, progress, warn, None, parallel_batches
+        search = (batch_size, progress, warn, None, parallel_batches)
+        translations, links = [None] * len(sentences), [None] * len(sentences)
+        groups = (
+            (options, [i for i, flag in enumerate(tagged) if not flag]),
+            (dataclasses.replace(options, alignment=True), [i for i, f in enumerate(tagged) if f]),
         )
-        translations = iter(hypotheses[0]["text"] for hypotheses in found)
-        return [document.rebuild([next(translations) for _ in document.spans]) for document in docs]
+        encode, decode = self.tokenizer.encode, self.tokenizer.decode
+        for group_options, rows in groups:
+            if not rows:
+                continue
+            found = self._text_hypotheses(
+                [sentences[i] for i in rows], group_options, None, *search
+            )
+            for i, (best, *_) in zip(rows, found, strict=True):
+                translations[i] = decode(best.tokens)
+                if best.alignment is not None:  # where the sentence's inline tags go
+                    links[i] = word_alignment(
+                        sentences[i], best.tokens, best.alignment, encode, decode
+                    )
+        rebuilt, at = [], 0
+        for document in docs:
+            count = len(document.sentences)
+            rebuilt.append(document.rebuild(translations[at : at + count], links[at : at + count]))
+            at += count
+        return rebuilt
 
     def score(self, sources, targets, batch_size=32, progress=False, warn=None):
         """Forced decoding of texts: per pair a dict of `log_prob` (summed, EOS included)

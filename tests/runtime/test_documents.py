@@ -234,3 +234,40 @@ def test_the_exports_source_language_chooses_the_splitting_rules(tiny_export, tm
     text = "ka ko. li lo!"
     assert german.documents([text])[0].sentences == ["ka ko. li lo!"]
     assert german.documents([text], language="en")[0].sentences == ["ka ko.", "li lo!"]
+
+
+PAGE = (
+    '<!DOCTYPE html>\n<p class="a">ka <b>ko</b> li. lo &amp; mina!</p>\n'
+    "<script>var x = '<b>ka</b>';</script><code>ko li</code>"
+    '<p translate="no">tel ka</p><ul><li>ka <a href="/x?y=1&amp;z">ko li</a></li></ul>\n'
+)
+
+
+def test_a_page_translates_its_text_and_keeps_the_rest_as_written(translator):
+    options = SearchOptions(beam_size=2, max_length=8)
+    (found,) = translator.translate_documents([PAGE], "html", options, language="en")
+    document = translator.documents([PAGE], "html", language="en")[0]
+    assert document.sentences == ["ka ko li.", "lo & mina!", "ka ko li"]
+    plain = translator.translate(document.sentences, options=options)
+    for kept in (
+        '<!DOCTYPE html>\n<p class="a">',
+        "</p>\n<script>var x = '<b>ka</b>';</script><code>ko li</code>",
+        '<p translate="no">tel ka</p><ul><li>',
+        '<a href="/x?y=1&amp;z">',
+        "</a></li></ul>\n",
+    ):
+        assert kept in found
+    # The tags out, and the entities read: the sentences' translations, escaped.
+    import html
+    import re
+
+    text = html.unescape(re.sub(r"<[^>]*>", "", found.split("<script>")[0]))
+    assert text.split() == " ".join(plain[:2]).split()
+    assert found.count("<b>") == 2 and found.count("</b>") == 2  # one in the script
+
+
+def test_the_command_and_the_server_translate_pages_alike(tiny_export, translator):
+    result = run_command(tiny_export[0], PAGE, "--input-format", "html", "--beam", "2")
+    assert result.returncode == 0, result.stderr
+    expected = translator.translate_documents([PAGE], "html", SearchOptions(beam_size=2))
+    assert result.stdout.decode("utf-8") == expected[0]

@@ -280,6 +280,11 @@ def test_documents_answer_as_the_translators(server, translator):
     assert answer["translations"][2] == "  \n" and "\n\n  " in answer["translations"][0]
     status, answer, _ = post(server.port, {**request, "format": "text"})
     assert answer["translations"] == translator.translate(texts, options=options)
+    pages = ['<p class="a">ka <b>ko</b> li. lo &amp; mina!</p><code>ko</code>', "", "<p>tel</p>"]
+    status, answer, _ = post(server.port, {**request, "texts": pages, "format": "html"})
+    assert status == 200, answer
+    assert answer["translations"] == translator.translate_documents(pages, "html", options)
+    assert "hypotheses" not in answer and "<code>ko</code>" in answer["translations"][0]
 
 
 @pytest.mark.parametrize(("payload", "status", "message"), REFUSALS)

@@ -1,0 +1,335 @@
+"""HTML documents: the sentences of a page's text, and the page rebuilt around their translations.
+
+`html_document(page, language)` reads a page with the standard library's
+HTML tokenizer (`html.parser`), which reports where in the page each tag,
+text and entity stands; a tree-building parser re-serializes the page
+(entities, quoting, implied tags), so it could not give the page back byte
+for byte. What it does, and why:
+
+- Text is translated in context: the text between two block boundaries (any
+  tag but the inline ones of `INLINE`, such as `<b>`, `<a>`, `<span>`) is
+  one run, inline tags and entities included, split into sentences as
+  `documents.sentence_spans` splits a line. `Ein <b>großer</b> Hund` is one
+  sentence, translated once.
+- The contents of `<script>`, `<style>`, `<code>`, `<pre>`, `<textarea>`,
+  `<svg>`, `<math>`, and of any element with `translate="no"` (or the
+  `notranslate` class), comments, declarations and CDATA are never
+  touched.
+- Every tag is copied from the page as written: attributes, their quoting
+  and order. Text outside the translated sentences (whitespace, entities
+  between them) is copied as written too.
+- A translated sentence is HTML-escaped (`&`, `<`, `>`), and its inline tags
+  are put back around the target words aligned to the source words they
+  wrapped (`place_tags`, from the alignments of `Translator.align_ids`);
+  a tag whose words aligned to none is kept, empty, at the nearer end of
+  the sentence. Tags come back properly nested, as they were.
+- A sentence given back unchanged (not translated) keeps its markup byte
+  for byte: a page with nothing translated comes back as it was.
+
+Needs the standard library only (and sentencex, through `documents`).
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import html
+import re
+from html.parser import HTMLParser
+
+from keras_transformer_runtime.documents import sentence_spans
+
+# Phrasing elements: they do not end a run of text.
+INLINE = frozenset(
+    "a abbr b bdi bdo big cite data del dfn em font i img ins kbd label mark q s samp "
+    "small span strike strong sub sup time tt u var wbr".split()
+)
+# Elements whose contents are never translated (and raw-text elements).
+UNTRANSLATED = frozenset("script style code pre textarea svg math noscript template".split())
+VOID = frozenset("area base br col embed hr img input link meta param source track wbr".split())
+_WORD = re.compile(r"\S+")
+
+
+@dataclasses.dataclass
+class _Token:
+    kind: str  # "text", "open", "close", "void", "other"
+    start: int
+    end: int
+    tag: str = ""
+    text: str = ""  # the decoded text of a text token
+
+
+class _Tokenizer(HTMLParser):
+    """The page as `_Token`s with their offsets (each ends where the next starts)."""
+
+    def __init__(self, page):
+        super().__init__(convert_charrefs=False)
+        self.page = page
+        self.line_starts = [0] + [m.end() for m in re.finditer("\n", page)]
+        self.events = []  # (kind, offset, tag, attrs)
+        self.feed(page)
+        self.close()
+
+    def _at(self):
+        line, column = self.getpos()
+        return self.line_starts[line - 1] + column
+
+    def handle_starttag(self, tag, attrs):
+        self.events.append(("void" if tag in VOID else "open", self._at(), tag, attrs))
+
+    def handle_startendtag(self, tag, attrs):
+        self.events.append(("void", self._at(), tag, attrs))
+
+    def handle_endtag(self, tag):
+        self.events.append(("close", self._at(), tag, ()))
+
+    def handle_data(self, data):
+        self.events.append(("text", self._at(), "", ()))
+
+    def handle_entityref(self, name):
+        self.events.append(("text", self._at(), "", ()))
+
+    handle_charref = handle_entityref
+
+    def handle_comment(self, data):
+        self.events.append(("other", self._at(), "", ()))
+
+    handle_decl = handle_pi = unknown_decl = handle_comment
+
+    def tokens(self):
+        if not self.events or self.events[0][1] > 0:  # nothing is ever left out
+            self.events.insert(0, ("other", 0, "", ()))
+        ends = [offset for _, offset, _, _ in self.events[1:]] + [len(self.page)]
+        found = []
+        for (kind, start, tag, attrs), end in zip(self.events, ends, strict=True):
+            if start == end:
+                continue
+            token = _Token(kind, start, end, tag)
+            if kind == "text":
+                token.text = html.unescape(self.page[start:end])
+            elif kind in ("open", "void") and _no_translate(attrs):
+                token.kind, token.tag = "open", tag
+                token.text = "no"  # marks an element whose contents stay as they are
+            found.append(token)
+        return found
+
+
+def _no_translate(attrs):
+    for name, value in attrs:
+        if name == "translate" and (value or "").strip().lower() == "no":
+            return True
+        if name == "class" and "notranslate" in (value or "").split():
+            return True
+    return False
+
+
+@dataclasses.dataclass
+class _Sentence:
+    start: int  # the page offsets of its first and after its last character
+    end: int
+    text: str  # its plain text
+    tags: list  # (position in `text`, _Token) of the inline tags inside it
+
+
+@dataclasses.dataclass
+class HtmlDocument:
+    """A page and its sentences; `rebuild(translations, words)` gives the translated page."""
+
+    text: str
+    parts: list  # _Sentence
+
+    @property
+    def sentences(self):
+        return [part.text for part in self.parts]
+
+    @property
+    def starts(self):
+        """Where each sentence starts in the page."""
+        return [part.start for part in self.parts]
+
+    @property
+    def tagged(self):
+        """Per sentence, whether it holds inline tags (its translation needs alignments)."""
+        return [bool(part.tags) for part in self.parts]
+
+    def rebuild(self, translations, alignments=None):
+        """The page with each sentence replaced by its (escaped) translation.
+
+        `alignments[i]`, for a sentence with inline tags, is a list of
+        `(source word, target word)` index pairs (`word_alignment`); without
+        one, its tags are kept at the sentence's end."""
+        if len(translations) != len(self.parts):
+            raise ValueError(f"{len(translations)} translations for {len(self.parts)} sentences.")
+        out, at = [], 0
+        for i, (part, translation) in enumerate(zip(self.parts, translations, strict=True)):
+            out.append(self.text[at : part.start])
+            if translation == part.text:
+                out.append(self.text[part.start : part.end])  # as written
+            else:
+                links = alignments[i] if alignments is not None else None
+                out.append(place_tags(part.text, part.tags, translation, links, self.text))
+            at = part.end
+        out.append(self.text[at:])
+        return "".join(out)
+
+
+def html_document(page, language="en"):
+    """The `HtmlDocument` of `page` (a string of HTML)."""
+    parts = []
+    run = []  # the text and inline tag tokens of the current run
+    skipping = []  # open elements whose contents stay as they are
+    for token in _Tokenizer(page).tokens():
+        if skipping:
+            if token.kind == "open" and token.tag == skipping[-1]:
+                skipping.append(token.tag)
+            elif token.kind == "close" and token.tag in skipping:
+                del skipping[skipping.index(token.tag) :]
+            continue
+        if token.kind == "open" and (token.tag in UNTRANSLATED or token.text == "no"):
+            parts.extend(_run_sentences(run, page, language))
+            run = []
+            if token.tag not in VOID:
+                skipping.append(token.tag)
+            continue
+        if token.kind == "text" or (token.kind != "other" and token.tag in INLINE):
+            run.append(token)
+            continue
+        parts.extend(_run_sentences(run, page, language))
+        run = []
+    parts.extend(_run_sentences(run, page, language))
+    return HtmlDocument(page, parts)
+
+
+def _run_sentences(run, page, language):
+    """The `_Sentence`s of a run of text and inline tag tokens."""
+    plain, starts, ends, tags = [], [], [], []
+    for token in run:
+        if token.kind != "text":
+            tags.append((len(plain), token))
+            continue
+        raw = page[token.start : token.end]
+        if token.text == raw:
+            plain.extend(raw)
+            starts.extend(range(token.start, token.end))
+            ends.extend(range(token.start + 1, token.end + 1))
+        else:  # an entity: its characters stand for all of it
+            plain.extend(token.text)
+            starts.extend([token.start] * len(token.text))
+            ends.extend([token.end] * len(token.text))
+    text = "".join(plain).replace("\n", " ")  # a run's line breaks are spaces in HTML
+    spans = sentence_spans(text, language)
+    found = []
+    for k, (start, end) in enumerate(spans):
+        first, last = starts[start], ends[end - 1]
+        inside = [(p - start, t) for p, t in tags if first < t.start < last]
+        # A tag pair cut by the sentence's edge: its other half, just outside, comes
+        # in with the tags between (`<b>Hund</b>`'s `</b>` after the last word).
+        before = spans[k - 1][1] if k else 0
+        after = spans[k + 1][0] if k + 1 < len(spans) else len(plain)
+        left = [t for p, t in tags if before <= p <= start and t.end <= first]
+        right = [t for p, t in tags if end <= p <= after and t.start >= last]
+        opened = [t.tag for _, t in inside if t.kind == "open"]
+        closed = [t.tag for _, t in inside if t.kind == "close"]
+        for i, token in enumerate(right):
+            if token.kind == "close" and token.tag in opened:
+                inside += [(end - start, t) for t in right[: i + 1]]
+                last = token.end
+                break
+        for i in range(len(left) - 1, -1, -1):
+            if left[i].kind == "open" and left[i].tag in closed:
+                inside = [(0, t) for t in left[i:]] + inside
+                first = left[i].start
+                break
+        found.append(_Sentence(first, last, "".join(plain[start:end]), inside))
+    return found
+
+
+def place_tags(source, tags, translation, links, page):
+    """`translation`, HTML-escaped, with the inline `tags` of `source` around the
+    target words linked to the source words they wrapped (`links`: (source word,
+    target word) pairs, or None)."""
+    source_words = [m.span() for m in _WORD.finditer(source)]
+    target_words = [m.span() for m in _WORD.finditer(translation)]
+    by_source = {}
+    for s, t in links or ():
+        by_source.setdefault(s, set()).add(t)
+    pairs, stack, singles = [], [], []
+    for position, token in tags:
+        if token.kind == "open":
+            stack.append((position, token))
+        elif token.kind == "close" and any(t.tag == token.tag for _, t in stack):
+            while stack:
+                opened, opening = stack.pop()
+                if opening.tag == token.tag:
+                    parent = id(stack[-1][1]) if stack else None
+                    pairs.append((len(stack), opened, position, opening, token, parent))
+                    break
+                singles.append((opened, opening))
+        else:
+            singles.append((position, token))
+    singles.extend(stack)
+    inserts = []  # (character position in translation or None: the end, kind, depth, raw tag)
+    placed = {}  # id(opening tag) -> (parent, first, last) of the pairs placed
+    for depth, opened, closed, opening, closing, parent in sorted(pairs, key=lambda p: p[:2]):
+        wrapped = [i for i, (s, e) in enumerate(source_words) if s < closed and e > opened]
+        targets = sorted({t for i in wrapped for t in by_source.get(i, ())})
+        span = _span(targets, placed, parent) if target_words else None
+        raw_open, raw_close = page[opening.start : opening.end], page[closing.start : closing.end]
+        if span is None:  # kept, empty, at the nearer end of the sentence
+            at = 0 if opened < len(source) / 2 else None
+            inserts.append((at, 0, depth, raw_open + raw_close))
+            continue
+        placed[id(opening)] = (parent, *span)
+        inserts.append((target_words[span[0]][0], 0, depth, raw_open))
+        inserts.append((target_words[span[1]][1], 1, depth, raw_close))
+    for position, token in singles:  # before the target word of the source word after it
+        word = bisect.bisect_left([s for s, _ in source_words], position)
+        targets = sorted(by_source.get(word, ()))
+        at = target_words[targets[0]][0] if targets and target_words else None
+        inserts.append((at, 0, 99, page[token.start : token.end]))
+    return _insert(translation, inserts)
+
+
+def _span(targets, placed, parent):
+    """The (first, last) target words of a tag pair: its aligned words' extent, kept
+    inside its parent's and clear of its siblings placed before it; None if none fit."""
+    if not targets:
+        return None
+    first, last = targets[0], targets[-1]
+    if parent is not None:
+        if parent not in placed:
+            return None
+        first, last = max(first, placed[parent][1]), min(last, placed[parent][2])
+    for sibling_parent, sibling_first, sibling_last in placed.values():
+        if sibling_parent == parent and not (last < sibling_first or first > sibling_last):
+            first = sibling_last + 1
+    return (first, last) if first <= last else None
+
+
+def _insert(translation, inserts):
+    """`translation` escaped, with the raw tags of `inserts` put in at their positions:
+    at one position, closing tags first (inner first), then opening ones (outer first)."""
+    end = len(translation)
+    resolved = [(end if at is None else at, kind, depth, raw) for at, kind, depth, raw in inserts]
+    resolved.sort(key=lambda item: (item[0], -item[1], -item[2] if item[1] else item[2]))
+    out, at = [], 0
+    for position, _, _, raw in resolved:
+        out.append(html.escape(translation[at:position], quote=False))
+        out.append(raw)
+        at = position
+    out.append(html.escape(translation[at:], quote=False))
+    return "".join(out)
+
+
+def word_alignment(source_text, target_ids, alignment, encode, decode):
+    """(source word, target word) pairs of a sentence from its token alignment
+    (`alignment[j]`: the source position target token j attends to most)."""
+    source_words = list(_WORD.finditer(source_text))
+    bounds = [len(encode(source_text[: m.end()])) for m in source_words]
+    links = set()
+    for j, position in enumerate(alignment[: len(target_ids)]):
+        source_word = min(bisect.bisect_right(bounds, position), len(source_words) - 1)
+        target_word = len(decode(target_ids[: j + 1]).split()) - 1
+        if source_word >= 0 and target_word >= 0:
+            links.add((source_word, target_word))
+    return sorted(links)

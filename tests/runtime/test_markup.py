@@ -1,0 +1,130 @@
+"""HTML documents: what is translated, what is kept byte for byte, and where inline
+tags go (the translated ones, on the toy pair, in test_documents.py)."""
+
+import html.parser
+import random
+
+import pytest
+from keras_transformer_runtime.documents import parse_document
+from keras_transformer_runtime.markup import html_document, place_tags
+
+PAGE = (
+    "<!DOCTYPE html>\n<html lang=de><head><meta charset='utf-8'><title>Ein Test</title>"
+    "<style>p > b { color: red }</style></head>\n<body>\n"
+    '<p class="intro" id=x data-n="1">Ein <b>großer</b> Hund l&auml;uft. Eine '
+    "<a href=\"/k?a=1&amp;b=2\" title='Katze'>kleine <i>Katze</i></a> schläft.</p>\r\n"
+    '<pre>nicht übersetzen</pre><p translate="no">Auch <b>nicht</b>.</p>'
+    '<div class="x notranslate">Nein.</div>'
+    "<script>if (a < b && c) { s = '</p>'; }</script><!-- ein Kommentar -->"
+    '<![CDATA[x < y]]><p>Zeile<br>zwei <img src=x.png alt="Bild"> Ende &#8211; gut.</p>'
+    "<code>x = 1</code><p><b>Fett. Auch fett.</b></p>\n</body></html>\n"
+)
+
+
+def test_only_text_outside_code_and_translate_no_is_read_as_sentences():
+    document = html_document(PAGE, "de")
+    assert document.sentences == [
+        "Ein Test",
+        "Ein großer Hund läuft.",
+        "Eine kleine Katze schläft.",
+        "Zeile",
+        "zwei  Ende – gut.",
+        "Fett.",
+        "Auch fett.",
+    ]
+    assert document.tagged == [False, True, True, False, True, False, False]
+
+
+HARD = [
+    PAGE,
+    "",
+    "no tags at all. Two sentences.",
+    "<p>unclosed <b>bold <i>and italic</p> text after",
+    "<b><i>crossed</b></i> nesting. <p>a</div></span>b</p>",
+    "<p>&amp;&lt;&gt;&quot;&nbsp;&bogus; &#x41;&#65; &#xZZ;</p>",
+    "<p title='a > b'>x</p><p>a <!-- mid --> b</p><p>a<?pi x?>b</p>",
+    "<table><tr><td>Eins.</td><td>Zwei</td></tr></table><ul><li>Ein <em>Punkt</em></li></ul>",
+    "<p>\r\n  indented\r\n  lines.  </p>\r\n",
+    "<script>never closed <b>x</b>",
+    "<p>lone \ud800 surrogate.</p>",
+]
+
+
+@pytest.mark.parametrize("page", HARD)
+def test_a_page_with_nothing_translated_comes_back_byte_for_byte(page):
+    document = parse_document(page, "html", "de")
+    assert document.rebuild(document.sentences) == page
+
+
+def test_ten_thousand_nodes_and_malformed_pages_give_valid_output():
+    rng = random.Random(0)
+    tags = ["b", "i", "a", "span", "p", "div", "em", "li", "td"]
+    pieces = []
+    for _ in range(10_000):
+        tag = rng.choice(tags)
+        pieces.append(rng.choice([f"<{tag}>", f"</{tag}>", "Wort. ", "noch eins ", "&amp; "]))
+    page = "".join(pieces)
+    document = html_document(page, "de")
+    assert document.rebuild(document.sentences) == page
+    translated = document.rebuild([s.upper() for s in document.sentences])
+    # Every tag of the page is in the output, as written: none dropped, none added.
+    assert sorted(_tags(translated), key=repr) == sorted(_tags(page), key=repr)
+
+
+def _tags(page):
+    found = []
+
+    class Tags(html.parser.HTMLParser):
+        def handle_starttag(self, tag, attrs):
+            found.append((tag, attrs))
+
+        def handle_endtag(self, tag):
+            found.append(("/" + tag,))
+
+    Tags().feed(page)
+    return found
+
+
+def _page(tokens):
+    """Tag tokens as place_tags takes them, from (position, raw tag) pairs."""
+    from keras_transformer_runtime.markup import _Tokenizer
+
+    page = "".join(raw for _, raw in tokens)
+    found = _Tokenizer(page).tokens()
+    return page, [(position, token) for (position, _), token in zip(tokens, found, strict=True)]
+
+
+def test_inline_tags_wrap_the_target_words_aligned_to_their_source_words():
+    source = "ein großer Hund"
+    page, tags = _page([(4, "<b>"), (10, "</b>")])
+    # "a big dog": ein->a, großer->big, Hund->dog
+    links = [(0, 0), (1, 1), (2, 2)]
+    assert place_tags(source, tags, "a big dog", links, page) == "a <b>big</b> dog"
+    # Reordered, and one source word into two target words.
+    links = [(0, 2), (1, 0), (1, 1), (2, 3)]
+    assert place_tags(source, tags, "very big a dog", links, page) == "<b>very big</b> a dog"
+    # Aligned to nothing: kept, empty, at the nearer end of the sentence.
+    assert place_tags(source, tags, "a big dog", [(0, 0)], page) == "<b></b>a big dog"
+    page, late = _page([(11, "<b>"), (15, "</b>")])
+    assert place_tags(source, late, "a big dog", [(0, 0)], page) == "a big dog<b></b>"
+    assert place_tags(source, tags, "x & y", None, page) == "<b></b>x &amp; y"
+
+
+def test_nested_tags_stay_nested_and_siblings_do_not_cross():
+    source = "eine kleine Katze schläft"
+    page, tags = _page([(5, '<a href="k">'), (12, "<i>"), (17, "</i>"), (17, "</a>")])
+    links = [(0, 0), (1, 1), (2, 2), (3, 3)]
+    found = place_tags(source, tags, "a small cat sleeps", links, page)
+    assert found == 'a <a href="k">small <i>cat</i></a> sleeps'
+    # Reordered: the parent spans its words' extent, the child its own word.
+    links = [(0, 0), (1, 1), (2, 3), (3, 2)]
+    found = place_tags(source, tags, "a small sleeps cat", links, page)
+    assert found == 'a <a href="k">small sleeps <i>cat</i></a>'
+    # A child aligned outside its parent is kept inside it.
+    links = [(0, 0), (1, 1), (2, 0), (3, 2)]
+    found = place_tags(source, tags, "a small sleeps", links, page)
+    assert found.index("<a") < found.index("<i>") < found.index("</i>") < found.index("</a>")
+    # Two siblings aligned to one target word: the second does not cross the first.
+    page, tags = _page([(0, "<b>"), (4, "</b>"), (5, "<i>"), (11, "</i>")])
+    found = place_tags("eine kleine Katze", tags, "kitten", [(0, 0), (1, 0), (2, 0)], page)
+    assert found == "<b><i></i>kitten</b>"
