@@ -3,6 +3,8 @@
     python -m benchmarks.documents splitters [--out JSON]
     python -m benchmarks.documents paragraphs ONNX_DIR [--data DIR] [--src de --tgt en]
         [--split test_2016_flickr] [--beam 4] [--threads N] [--seed 0] [--out JSON]
+    python -m benchmarks.documents tags TOY_ONNX_DIR [--beam 4]
+    python -m benchmarks.documents markup ONNX_DIR [--threads 1] [--repeats 3]
 
 `splitters`: each installed splitter (sentencex, pysbd, sentence-splitter,
 syntok, blingfire) on the hand-checked paragraphs of
@@ -16,6 +18,15 @@ test_2016_flickr glued into paragraphs.
 each paragraph as `paragraphs` (split, translated, rebuilt), and each
 paragraph whole as one `text` input. All three are scored with sacreBLEU at
 the paragraph level, against the paragraph's references joined by a space.
+
+`tags`: the toy pair, whose word alignment is known (each source word's
+target words, in reversed order): one seeded word of each test sentence in
+`<b>`, translated as HTML; of the outputs equal to the reference, those
+whose `<b>` wraps exactly that word's target words.
+
+`markup`: the same sentences translated as text, as an HTML page of
+paragraphs, and as one with a word of each sentence in `<b>` (each then
+needs its alignment); median seconds of `--repeats` interleaved runs.
 """
 
 from __future__ import annotations
@@ -172,26 +183,106 @@ def translate_paragraphs(args):
     return report
 
 
+def toy_tags(args):
+    """`<b>` around one seeded word of each toy test sentence: where the model's output
+    is the reference, does the tag wrap exactly that word's target words?"""
+    import re
+
+    from keras_transformer_runtime import OnnxTranslator
+    from keras_transformer_runtime.options import SearchOptions
+
+    from keras_transformer.data.toy import generate_toy_corpus
+
+    corpus = generate_toy_corpus(num_train=3000, num_valid=50, num_test=500, seed=args.seed)
+    rng = random.Random(args.seed)
+    pages, wanted = [], []
+    for source, _ in corpus.test:
+        words = source.split()
+        k = rng.randrange(len(words))
+        pages.append(" ".join(f"<b>{w}</b>" if i == k else w for i, w in enumerate(words)))
+        target = []
+        for i in reversed(range(len(words))):  # the toy target: reversed, word by word
+            if i == k:
+                first, last = len(target), len(target) + len(corpus.table[words[i]]) - 1
+            target.extend(corpus.table[words[i]])
+        wanted.append(
+            " ".join(
+                ("<b>" if j == first else "") + w + ("</b>" if j == last else "")
+                for j, w in enumerate(target)
+            )
+        )
+    translator = OnnxTranslator(args.onnx_dir, num_threads=args.threads)
+    found = translator.translate_documents(pages, "html", SearchOptions(beam_size=args.beam))
+    references = [s.replace("<b>", "").replace("</b>", "") for s in wanted]
+    exact = [i for i, page in enumerate(found) if re.sub("</?b>", "", page) == references[i]]
+    right = sum(found[i] == wanted[i] for i in exact)
+    print(f"outputs equal to the reference: {len(exact)}; tags placed right in {right}")
+    return {"sentences": len(pages), "reference_outputs": len(exact), "tags_right": right}
+
+
+def markup_cost(args):
+    """Seconds to translate Multi30k's sentences as text, as HTML paragraphs, and as HTML
+    paragraphs with one word of each in `<b>` (every sentence then needs alignments)."""
+    from keras_transformer_runtime import OnnxTranslator
+    from keras_transformer_runtime.options import SearchOptions
+
+    sources = read(os.path.join(args.data, f"{args.split}.{args.src}.gz"))
+    rng = random.Random(args.seed)
+    tagged = []
+    for sentence in sources:
+        words = sentence.split()
+        k = rng.randrange(len(words))
+        tagged.append(" ".join(f"<b>{w}</b>" if i == k else w for i, w in enumerate(words)))
+    html = "\n".join(f"<p>{s}</p>" for s in sources)
+    html_tagged = "\n".join(f"<p>{s}</p>" for s in tagged)
+    translator = OnnxTranslator(args.onnx_dir, num_threads=args.threads)
+    options = SearchOptions(beam_size=args.beam)
+    ways = {
+        "text": lambda: translator.translate(sources, options=options),
+        "html": lambda: translator.translate_documents([html], "html", options, args.src),
+        "html_every_sentence_tagged": lambda: translator.translate_documents(
+            [html_tagged], "html", options, args.src
+        ),
+    }
+    seconds = {name: [] for name in ways}
+    for _ in range(args.repeats):  # interleaved, the median kept
+        for name, way in ways.items():
+            start = time.perf_counter()
+            way()
+            seconds[name].append(time.perf_counter() - start)
+    report = {name: round(sorted(times)[len(times) // 2], 3) for name, times in seconds.items()}
+    for name in ("html", "html_every_sentence_tagged"):
+        report[f"{name}_over_text"] = round(report[name] / report["text"], 3)
+    print(report)
+    return {"seconds_median": report, "sentences": len(sources)}
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m benchmarks.documents")
     sub = parser.add_subparsers(dest="question", required=True)
-    one = sub.add_parser("splitters")
-    two = sub.add_parser("paragraphs")
-    two.add_argument("onnx_dir")
-    two.add_argument("--src", default="de")
-    two.add_argument("--tgt", default="en")
-    two.add_argument("--split", default="test_2016_flickr")
-    two.add_argument("--beam", type=int, default=4)
-    two.add_argument("--threads", type=int)
-    two.add_argument("--seed", type=int, default=0)
-    for each in (one, two):
+    questions = {
+        "splitters": compare_splitters,
+        "paragraphs": translate_paragraphs,
+        "tags": toy_tags,
+        "markup": markup_cost,
+    }
+    for name in questions:
+        each = sub.add_parser(name)
+        if name != "splitters":
+            each.add_argument("onnx_dir", help="an export (for tags: of `keras-transformer demo`)")
+            each.add_argument("--src", default="de")
+            each.add_argument("--tgt", default="en")
+            each.add_argument("--split", default="test_2016_flickr")
+            each.add_argument("--beam", type=int, default=4)
+            each.add_argument("--threads", type=int)
+            each.add_argument("--seed", type=int, default=0)
+            each.add_argument("--repeats", type=int, default=3)
         each.add_argument("--data", default=SHARED_MULTI30K, help="the Multi30k mirror")
         each.add_argument("--out", help="the report (default: benchmarks/results/documents-*.json)")
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
     args.out = args.out or os.path.join(HERE, "results", f"documents-{args.question}.json")
-    run = compare_splitters if args.question == "splitters" else translate_paragraphs
-    write_report("documents", args, **run(args))
+    write_report("documents", args, **questions[args.question](args))
     return 0
 
 
