@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import re
 
-INPUT_FORMATS = ("text", "paragraphs", "html")
+INPUT_FORMATS = ("text", "paragraphs", "html", "markdown")
 _WORD = re.compile(r"\S+")
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
@@ -174,4 +174,8 @@ def parse_document(text, input_format, language="en"):
         from keras_transformer_runtime.markup import html_document
 
         return html_document(text, language)
+    if input_format == "markdown":
+        from keras_transformer_runtime.markdown import markdown_document
+
+        return markdown_document(text, language)
     return Document(text, sentence_spans(text, language))

@@ -50,6 +50,10 @@ VOID = frozenset("area base br col embed hr img input link meta param source tra
 _WORD = re.compile(r"\S+")
 
 
+def _escape_html(text):
+    return html.escape(text, quote=False)
+
+
 @dataclasses.dataclass
 class _Token:
     kind: str  # "text", "open", "close", "void", "other"
@@ -137,6 +141,7 @@ class HtmlDocument:
 
     text: str
     parts: list  # _Sentence
+    escape: object = _escape_html  # a translation's text as it goes into the page
 
     @property
     def sentences(self):
@@ -167,7 +172,9 @@ class HtmlDocument:
                 out.append(self.text[part.start : part.end])  # as written
             else:
                 links = alignments[i] if alignments is not None else None
-                out.append(place_tags(part.text, part.tags, translation, links, self.text))
+                out.append(
+                    place_tags(part.text, part.tags, translation, links, self.text, self.escape)
+                )
             at = part.end
         out.append(self.text[at:])
         return "".join(out)
@@ -244,7 +251,7 @@ def _run_sentences(run, page, language):
     return found
 
 
-def place_tags(source, tags, translation, links, page):
+def place_tags(source, tags, translation, links, page, escape=None):
     """`translation`, HTML-escaped, with the inline `tags` of `source` around the
     target words linked to the source words they wrapped (`links`: (source word,
     target word) pairs, or None)."""
@@ -280,14 +287,31 @@ def place_tags(source, tags, translation, links, page):
             inserts.append((at, 0, depth, raw_open + raw_close))
             continue
         placed[id(opening)] = (parent, *span)
-        inserts.append((target_words[span[0]][0], 0, depth, raw_open))
-        inserts.append((target_words[span[1]][1], 1, depth, raw_close))
+        start, end = target_words[span[0]][0], target_words[span[1]][1]
+        # Punctuation the tag left outside in its word ("**Hund**.") stays outside.
+        lead = _outside(source, source_words, opened, before=True)
+        trail = _outside(source, source_words, closed, before=False)
+        start += len(lead) if translation.startswith(lead, start) and lead else 0
+        end -= len(trail) if trail and translation[:end].endswith(trail) else 0
+        inserts.append((start, 0, depth, raw_open))
+        inserts.append((max(end, start), 1, depth, raw_close))
     for position, token in singles:  # before the target word of the source word after it
         word = bisect.bisect_left([s for s, _ in source_words], position)
         targets = sorted(by_source.get(word, ()))
         at = target_words[targets[0]][0] if targets and target_words else None
-        inserts.append((at, 0, 99, page[token.start : token.end]))
-    return _insert(translation, inserts)
+        spaced = at is not None and position < len(source) and source[position].isspace()
+        inserts.append((at, 0, 99, page[token.start : token.end] + (" " if spaced else "")))
+    return _insert(translation, inserts, escape or _escape_html)
+
+
+def _outside(source, words, position, before):
+    """The punctuation between `position` (inside a word) and that word's start
+    (`before`) or end, when that is all punctuation; else ""."""
+    for start, end in words:
+        if start < position < end:
+            piece = source[start:position] if before else source[position:end]
+            return piece if not any(c.isalnum() for c in piece) else ""
+    return ""
 
 
 def _span(targets, placed, parent):
@@ -306,7 +330,7 @@ def _span(targets, placed, parent):
     return (first, last) if first <= last else None
 
 
-def _insert(translation, inserts):
+def _insert(translation, inserts, escape):
     """`translation` escaped, with the raw tags of `inserts` put in at their positions:
     at one position, closing tags first (inner first), then opening ones (outer first)."""
     end = len(translation)
@@ -314,10 +338,10 @@ def _insert(translation, inserts):
     resolved.sort(key=lambda item: (item[0], -item[1], -item[2] if item[1] else item[2]))
     out, at = [], 0
     for position, _, _, raw in resolved:
-        out.append(html.escape(translation[at:position], quote=False))
+        out.append(escape(translation[at:position]))
         out.append(raw)
         at = position
-    out.append(html.escape(translation[at:], quote=False))
+    out.append(escape(translation[at:]))
     return "".join(out)
 
 

@@ -53,7 +53,8 @@ def add_search_flags(parser, outputs=True):
             "a document whose lines are split into sentences, translated, and put back in "
             "place with every line break and space kept; html: a page whose text is "
             "translated in context, its inline tags put back around the aligned words, "
-            "everything else kept as written (docs/documents.md)",
+            "everything else kept as written; markdown: the same for a Markdown file, code "
+            "and URLs kept (docs/documents.md)",
         )
         add(
             "--source-language",

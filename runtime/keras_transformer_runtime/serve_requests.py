@@ -50,7 +50,8 @@ _TEXT_FIELDS = (
         "text: each text is one input (default); paragraphs: each text is a document, "
         "split into sentences whose translations take their places, every line break "
         "and space kept; html: each text is a page, its text translated in context and "
-        "its inline tags put back around the aligned words (docs/documents.md)",
+        "its inline tags put back around the aligned words; markdown: the same for "
+        "Markdown (docs/documents.md)",
     ),
     (
         "source_language",

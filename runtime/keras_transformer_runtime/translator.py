@@ -467,7 +467,7 @@ class Translator:
         texts = self._checked_texts(texts, "texts")
         language = language or getattr(self.decoder, "source_language", None) or "en"
         found = [parse_document(text, input_format, language) for text in texts]
-        if input_format == "html":
+        if input_format in ("html", "markdown"):
             return found  # their sentences' lengths are left to the search's max_input_length
         if max_input_length is not None and input_format != "text":
             encode = self.tokenizer.encode

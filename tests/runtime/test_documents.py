@@ -271,3 +271,14 @@ def test_the_command_and_the_server_translate_pages_alike(tiny_export, translato
     assert result.returncode == 0, result.stderr
     expected = translator.translate_documents([PAGE], "html", SearchOptions(beam_size=2))
     assert result.stdout.decode("utf-8") == expected[0]
+
+
+def test_a_markdown_file_translates_through_the_command(tiny_export, translator):
+    page = "# ka *ko*\n\nli [lo](http://x/ka_ko) mina. `ka ko`\n\n```\nka ko\n```\n"
+    result = run_command(tiny_export[0], page, "--input-format", "markdown", "--beam", "1")
+    assert result.returncode == 0, result.stderr
+    found = result.stdout.decode("utf-8")
+    expected = translator.translate_documents([page], "markdown", SearchOptions(beam_size=1))
+    assert found == expected[0]
+    assert found.startswith("# ") and "](http://x/ka_ko)" in found
+    assert found.endswith("`ka ko`\n\n```\nka ko\n```\n")

@@ -128,3 +128,71 @@ def test_nested_tags_stay_nested_and_siblings_do_not_cross():
     page, tags = _page([(0, "<b>"), (4, "</b>"), (5, "<i>"), (11, "</i>")])
     found = place_tags("eine kleine Katze", tags, "kitten", [(0, 0), (1, 0), (2, 0)], page)
     assert found == "<b><i></i>kitten</b>"
+
+
+MARKDOWN = """# Ein **Titel**
+
+Ein *großer* Hund \\*läuft\\* über [die *grüne* Wiese](http://x.de/a_b "T") &amp; `code *x*` hier.
+Zweite Zeile mit <b>html</b> und ![Bild *a*](a.png) und <http://auto.link>.
+
+- Punkt eins.
+- Punkt __zwei__. Und [ref][r] da.
+  1. Verschachtelt.
+
+> Zitat. Noch
+> eins.
+
+```python
+x = 1  # nicht übersetzen
+```
+
+| A | B |
+|---|---|
+| Eins. | Zwei ~~drei~~ |
+
+    eingerückt, nicht übersetzen
+
+<div>
+HTML-Block, nicht übersetzen
+</div>
+
+[r]: http://r.de "Ref"
+"""
+
+
+def _identity_links(document):
+    return [[(i, i) for i in range(len(s.split()))] for s in document.sentences]
+
+
+def test_markdown_text_is_translated_in_context_and_code_and_urls_are_kept():
+    document = parse_document(MARKDOWN, "markdown", "de")
+    assert document.rebuild(document.sentences) == MARKDOWN
+    assert "Ein großer Hund *läuft* über die grüne Wiese &  hier." in document.sentences
+    assert "Punkt zwei." in document.sentences and "Zwei drei" in document.sentences
+    found = document.rebuild([s.upper() for s in document.sentences], _identity_links(document))
+    for kept in (
+        "```python\nx = 1  # nicht übersetzen\n```",
+        "    eingerückt, nicht übersetzen",
+        "<div>\nHTML-Block, nicht übersetzen\n</div>",
+        '](http://x.de/a_b "T")',
+        "`code *x*` HIER.",
+        "![Bild *a*](a.png)",
+        "<http://auto.link>",
+        '[r]: http://r.de "Ref"',
+        "|---|---|",
+    ):
+        assert kept in found
+    assert "# EIN **TITEL**" in found and "PUNKT __ZWEI__." in found
+    assert "EIN *GROSSER* HUND \\*LÄUFT\\* ÜBER [DIE *GRÜNE* WIESE](" in found
+    assert "| EINS. | ZWEI ~~DREI~~ |" in found
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_random_markdown_never_raises_and_comes_back_byte_for_byte(seed):
+    rng = random.Random(seed)
+    pieces = ["*", "**", "_", "`", "[", "](", ")", "\n", "\n\n", "> ", "- ", "# ", "|", "\\"]
+    pieces += ["Wort. ", "noch eins ", "&amp; ", "<b>", "</b>", "```\n", "    ", "!["]
+    page = "".join(rng.choice(pieces) for _ in range(3000))
+    document = parse_document(page, "markdown", "de")
+    assert document.rebuild(document.sentences) == page
+    document.rebuild([s.upper() for s in document.sentences], _identity_links(document))
