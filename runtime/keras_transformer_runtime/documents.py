@@ -165,17 +165,20 @@ def _longest_prefix(text, start, end, count_tokens, limit):
     return low
 
 
-def parse_document(text, input_format, language="en"):
-    """The `Document` of `text` in `input_format` (one of `INPUT_FORMATS`)."""
+def parse_document(text, input_format, language="en", split_long=None):
+    """The `Document` of `text` in `input_format` (one of `INPUT_FORMATS`); with
+    `split_long` (`(count_tokens, limit)`), sentences over the limit cut into
+    pieces (`Document.split_long`)."""
     check_input_format(input_format)
     if input_format == "text":  # one input, translated as `translate` does it
         return Document(text, [(0, len(text))])
     if input_format == "html":
         from keras_transformer_runtime.markup import html_document
 
-        return html_document(text, language)
+        return html_document(text, language, split_long)
     if input_format == "markdown":
         from keras_transformer_runtime.markdown import markdown_document
 
-        return markdown_document(text, language)
-    return Document(text, sentence_spans(text, language))
+        return markdown_document(text, language, split_long)
+    document = Document(text, sentence_spans(text, language))
+    return document.split_long(*split_long) if split_long is not None else document

@@ -42,7 +42,7 @@ def _escape_markdown(text):
     return re.sub(r"([\\`*_\[\]<>|])", r"\\\1", text)
 
 
-def markdown_document(page, language="en"):
+def markdown_document(page, language="en", split_long=None):
     """The `markup.HtmlDocument` of a Markdown `page`, rebuilt with Markdown escapes."""
     from markdown_it import MarkdownIt
 
@@ -66,7 +66,7 @@ def markdown_document(page, language="en"):
             tokens = _inline_tokens(block.children, block.content, offsets, page)
         except _Unmatched:
             continue
-        parts.extend(_run_sentences(tokens, page, language))
+        parts.extend(_run_sentences(tokens, page, language, split_long))
     return HtmlDocument(page, parts, _escape_markdown)
 
 

@@ -37,7 +37,7 @@ import html
 import re
 from html.parser import HTMLParser
 
-from keras_transformer_runtime.documents import sentence_spans
+from keras_transformer_runtime.documents import Document, sentence_spans
 
 # Phrasing elements: they do not end a run of text.
 INLINE = frozenset(
@@ -180,8 +180,8 @@ class HtmlDocument:
         return "".join(out)
 
 
-def html_document(page, language="en"):
-    """The `HtmlDocument` of `page` (a string of HTML)."""
+def html_document(page, language="en", split_long=None):
+    """The `HtmlDocument` of `page` (a string of HTML); `split_long`: as `_run_sentences`'."""
     parts = []
     run = []  # the text and inline tag tokens of the current run
     skipping = []  # open elements whose contents stay as they are
@@ -193,7 +193,7 @@ def html_document(page, language="en"):
                 del skipping[skipping.index(token.tag) :]
             continue
         if token.kind == "open" and (token.tag in UNTRANSLATED or token.text == "no"):
-            parts.extend(_run_sentences(run, page, language))
+            parts.extend(_run_sentences(run, page, language, split_long))
             run = []
             if token.tag not in VOID:
                 skipping.append(token.tag)
@@ -201,14 +201,15 @@ def html_document(page, language="en"):
         if token.kind == "text" or (token.kind != "other" and token.tag in INLINE):
             run.append(token)
             continue
-        parts.extend(_run_sentences(run, page, language))
+        parts.extend(_run_sentences(run, page, language, split_long))
         run = []
-    parts.extend(_run_sentences(run, page, language))
+    parts.extend(_run_sentences(run, page, language, split_long))
     return HtmlDocument(page, parts)
 
 
-def _run_sentences(run, page, language):
-    """The `_Sentence`s of a run of text and inline tag tokens."""
+def _run_sentences(run, page, language, split_long=None):
+    """The `_Sentence`s of a run of text and inline tag tokens; `split_long`, when
+    given, is `(count_tokens, limit)` (`documents.Document.split_long`)."""
     plain, starts, ends, tags = [], [], [], []
     for token in run:
         if token.kind != "text":
@@ -225,6 +226,8 @@ def _run_sentences(run, page, language):
             ends.extend([token.end] * len(token.text))
     text = "".join(plain).replace("\n", " ")  # a run's line breaks are spaces in HTML
     spans = sentence_spans(text, language)
+    if split_long is not None:
+        spans = Document(text, spans).split_long(*split_long).spans
     found = []
     for k, (start, end) in enumerate(spans):
         first, last = starts[start], ends[end - 1]
@@ -295,12 +298,21 @@ def place_tags(source, tags, translation, links, page, escape=None):
         end -= len(trail) if trail and translation[:end].endswith(trail) else 0
         inserts.append((start, 0, depth, raw_open))
         inserts.append((max(end, start), 1, depth, raw_close))
-    for position, token in singles:  # before the target word of the source word after it
+    for position, token in singles:
+        raw = page[token.start : token.end]
+        if token.kind == "close":  # after the target words of the source word before it
+            word = bisect.bisect_left([e for _, e in source_words], position + 1) - 1
+            targets = sorted(by_source.get(word, ()))
+            at = target_words[targets[-1]][1] if targets and target_words else None
+            inserts.append((at, 1, 99, raw))
+            continue
+        # Before the target word of the source word after it; an image or a code
+        # span keeps the space after it.
         word = bisect.bisect_left([s for s, _ in source_words], position)
         targets = sorted(by_source.get(word, ()))
         at = target_words[targets[0]][0] if targets and target_words else None
-        spaced = at is not None and position < len(source) and source[position].isspace()
-        inserts.append((at, 0, 99, page[token.start : token.end] + (" " if spaced else "")))
+        spaced = token.kind == "void" and position < len(source) and source[position].isspace()
+        inserts.append((at, 0, 99, raw + (" " if spaced and at is not None else "")))
     return _insert(translation, inserts, escape or _escape_html)
 
 

@@ -466,17 +466,15 @@ class Translator:
         cut at spaces into pieces that fit."""
         texts = self._checked_texts(texts, "texts")
         language = language or getattr(self.decoder, "source_language", None) or "en"
-        found = [parse_document(text, input_format, language) for text in texts]
-        if input_format in ("html", "markdown"):
-            return found  # their sentences' lengths are left to the search's max_input_length
-        if max_input_length is not None and input_format != "text":
+        split_long = None
+        if max_input_length is not None:
             encode = self.tokenizer.encode
 
             def count(text):
                 return len(encode(text)) + 1
 
-            found = [document.split_long(count, max_input_length) for document in found]
-        return found
+            split_long = (count, max_input_length)
+        return [parse_document(text, input_format, language, split_long) for text in texts]
 
     def translate_documents(
         self,

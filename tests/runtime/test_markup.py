@@ -196,3 +196,26 @@ def test_random_markdown_never_raises_and_comes_back_byte_for_byte(seed):
     document = parse_document(page, "markdown", "de")
     assert document.rebuild(document.sentences) == page
     document.rebuild([s.upper() for s in document.sentences], _identity_links(document))
+
+
+@pytest.mark.parametrize(
+    ("page", "input_format"),
+    [
+        ("<p>eins <b>zwei drei vier</b> fünf sechs sieben.</p>", "html"),
+        ("eins **zwei drei vier** fünf sechs sieben.\n", "markdown"),
+    ],
+)
+def test_a_sentence_over_the_limit_is_cut_into_pieces_in_markup_too(page, input_format):
+    def words(text):
+        return len(text.split())
+
+    document = parse_document(page, input_format, "de", split_long=(words, 3))
+    assert document.sentences == ["eins zwei drei", "vier fünf sechs", "sieben."]
+    assert document.rebuild(document.sentences) == page
+    found = document.rebuild([s.upper() for s in document.sentences], _identity_links(document))
+    # The pair cut by the pieces' edge comes back whole: each half by its own word.
+    expected = {
+        "html": "<p>EINS <b>ZWEI DREI VIER</b> FÜNF SECHS SIEBEN.</p>",
+        "markdown": "EINS **ZWEI DREI VIER** FÜNF SECHS SIEBEN.\n",
+    }
+    assert found == expected[input_format]
