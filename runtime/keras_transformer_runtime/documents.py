@@ -182,3 +182,41 @@ def parse_document(text, input_format, language="en", split_long=None):
         return markdown_document(text, language, split_long)
     document = Document(text, sentence_spans(text, language))
     return document.split_long(*split_long) if split_long is not None else document
+
+
+def check_terms(terms):
+    """`terms` as a list of `(source term, target phrase)` string pairs, or a ValueError
+    naming the bad one."""
+    if isinstance(terms, dict):
+        terms = list(terms.items())
+    checked = []
+    for n, pair in enumerate(terms):
+        if (
+            not isinstance(pair, (list, tuple))
+            or len(pair) != 2
+            or not all(isinstance(x, str) and x.strip() for x in pair)
+        ):
+            raise ValueError(
+                f"term {n + 1} ({pair!r}) must be a source term and a target phrase, "
+                "two non-empty strings."
+            )
+        checked.append((pair[0].strip(), pair[1].strip()))
+    return checked
+
+
+def sentence_terms(sentences, terms):
+    """Per sentence, the target phrases of the `terms` whose source term it holds: as
+    whole words, whatever their case ("Hund" holds in "Der hund bellt.", not in
+    "Hundehütte"). A target phrase is held once however often its term occurs."""
+    patterns = [
+        (re.compile(r"(?<!\w)" + re.escape(source) + r"(?!\w)", re.IGNORECASE), target)
+        for source, target in check_terms(terms)
+    ]
+    found = []
+    for sentence in sentences:
+        phrases = []
+        for pattern, target in patterns:
+            if target not in phrases and pattern.search(sentence):
+                phrases.append(target)
+        found.append(phrases)
+    return found

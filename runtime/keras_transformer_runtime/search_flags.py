@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 
-from keras_transformer_runtime.documents import INPUT_FORMATS
+from keras_transformer_runtime.documents import INPUT_FORMATS, sentence_terms
 from keras_transformer_runtime.options import SearchOptions, option_fields
 
 FORMATS = ("text", "tsv", "jsonl")
@@ -76,6 +76,13 @@ def add_search_flags(parser, outputs=True):
         help="target prefixes, one per input line (empty: none): each translation starts so",
     )
     add(
+        "--terms",
+        metavar="FILE",
+        help="a glossary, one 'source term<TAB>target phrase' per line: each sentence that "
+        "holds a source term (a whole word, any case) must hold its target phrase "
+        "(docs/constraints.md); with any --input-format",
+    )
+    add(
         "--suppress",
         action="append",
         default=[],
@@ -130,6 +137,7 @@ def is_plain_run(args, options):
         and not (args.prefix or getattr(args, "score", None) or getattr(args, "scores", False))
         and not options.alignment
         and not args.constraints
+        and not args.terms
         and getattr(args, "format", "text") == "text"
     )
 
@@ -143,7 +151,7 @@ def read_lines_file(path, count, flag):
             lines, _ = decode_lines(f.read())
     except OSError as error:
         raise SystemExit(f"error: {flag} {path}: {error.strerror}") from None
-    if len(lines) != count:
+    if count is not None and len(lines) != count:
         raise SystemExit(
             f"error: {flag} {path} has {len(lines)} lines for {count} input lines: give one each."
         )
@@ -174,6 +182,10 @@ def command_output(args, lines, options, translator, progress, warn, parallel_ba
         return "".join(format_score(i, s, args) for i, s in enumerate(scored))
     prefixes = read_lines_file(args.prefix, len(lines), "--prefix") if args.prefix else None
     constraints = read_constraints(args.constraints, len(lines)) if args.constraints else None
+    if args.terms:
+        if constraints is not None:
+            raise ValueError("give --constraints or --terms, not both.")
+        constraints = sentence_terms(lines, read_terms(args.terms))
     found = translator.translate_hypotheses(
         lines, options, prefixes, args.batch_size, progress, warn, constraints, parallel_batches
     )
@@ -206,10 +218,29 @@ def _document_output(args, text, options, translator, progress, warn, parallel_b
             progress,
             warn,
             parallel_batches,
+            read_terms(args.terms) if args.terms else None,
         )
     except ValueError as error:
         raise ValueError(_as_flag(str(error))) from None
     return found
+
+
+def read_terms(path):
+    """The `(source term, target phrase)` pairs of a --terms file; a bad line stops the
+    command with an error naming the file and line, before anything is translated."""
+    lines = read_lines_file(path, None, "--terms")
+    terms = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        fields = line.split("\t")
+        if len(fields) != 2 or not all(f.strip() for f in fields):
+            raise ValueError(
+                f"--terms {path} line {number} must be a source term and a target phrase "
+                f"separated by one tab. Received: {line[:80]!r}"
+            )
+        terms.append((fields[0], fields[1]))
+    return terms
 
 
 def read_constraints(path, count):

@@ -31,6 +31,7 @@ import sys
 import time
 
 from keras_transformer_runtime.constraints import sentence_constraints
+from keras_transformer_runtime.documents import sentence_terms
 from keras_transformer_runtime.export_format import ExportFileError
 from keras_transformer_runtime.onnx_sessions import available_cores
 from keras_transformer_runtime.onnx_translator import OnnxTranslator
@@ -146,14 +147,16 @@ def create_app(engine, settings):
                 "some texts held lone surrogates (escapes such as \\ud800, not Unicode text); "
                 "they read as U+FFFD"
             )
+        input_format, language, terms = document
         docs, where = None, "texts[{}]".format
-        if document[0] != "text":
+        if input_format != "text":
             # Documents: their sentences go on as the texts, and come back as documents.
             docs = await _maybe_threaded(
                 sum(map(len, texts)) > TOKENIZE_INLINE_CHARS,
                 engine.documents,
                 texts,
-                *document,
+                input_format,
+                language,
                 options.max_input_length,
             )
             places = [(d, k) for d, doc in enumerate(docs) for k in range(len(doc.sentences))]
@@ -161,6 +164,9 @@ def create_app(engine, settings):
 
             def where(i):
                 return f"texts[{places[i][0]}] (its sentence {places[i][1] + 1})"
+
+        if terms:  # the glossary's phrases, for each sentence that holds a source term
+            constraints = sentence_terms(texts, terms)
 
         def prepare():
             encoded = [engine.encode(t, options.max_input_length) for t in texts]

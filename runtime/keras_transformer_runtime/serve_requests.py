@@ -12,7 +12,7 @@ from typing import Annotated
 
 import msgspec
 
-from keras_transformer_runtime.documents import INPUT_FORMATS
+from keras_transformer_runtime.documents import INPUT_FORMATS, check_terms
 from keras_transformer_runtime.options import SearchOptions, option_fields
 
 
@@ -58,6 +58,12 @@ _TEXT_FIELDS = (
         str | None,
         "the language whose rules split documents into sentences (default: the "
         "export's source_language, else en)",
+    ),
+    (
+        "terms",
+        list[list[str]] | None,
+        "a glossary of [source term, target phrase] pairs: each sentence that holds a "
+        "source term (a whole word, any case) must hold its target phrase",
     ),
     ("suppress", list[str] | None, "words or phrases never generated (their tokens in a row)"),
     (
@@ -138,7 +144,8 @@ def _refusal(error):
 
 def parse_request(data, settings, tokenizer):
     """The checked fields of a decoded JSON body:
-    `(texts, prefixes, constraints, options, return_scores, (format, source_language))`.
+    `(texts, prefixes, constraints, options, return_scores, (format, source_language,
+    terms))`.
 
     The types are `TranslateRequest`'s (msgspec); then the counts, sizes and
     values. `options` is a `options.SearchOptions`; `prefixes` is None or one
@@ -188,8 +195,17 @@ def parse_request(data, settings, tokenizer):
                     f'"{name}" is for sentences ("format": "text"); "format": '
                     f'"{request.format}" translates each text as a document',
                 )
+    terms = None
+    if request.terms is not None:
+        if constraints is not None:
+            raise Refusal(400, 'give "constraints" or "terms", not both')
+        try:
+            terms = check_terms(request.terms)
+        except ValueError as error:
+            raise Refusal(400, f'"terms": {error}') from None
     suppress = request.suppress or []
     phrases = [p for entry in constraints or () for p in entry or ()]
+    phrases += [p for pair in terms or () for p in pair]
     chars = sum(map(len, texts)) + sum(map(len, prefixes or ())) + sum(map(len, suppress))
     chars += sum(map(len, phrases))
     if chars > settings.max_chars:
@@ -236,7 +252,7 @@ def parse_request(data, settings, tokenizer):
         options = SearchOptions(suppress_sequences=sequences, **values)
     except ValueError as error:
         raise Refusal(400, str(error)) from None
-    document = (request.format, request.source_language)
+    document = (request.format, request.source_language, terms)
     return texts, prefixes, constraints, options, request.return_scores, document
 
 

@@ -24,7 +24,11 @@ import re
 import numpy as np
 
 from keras_transformer_runtime.constraints import sentence_constraints, word_continuations
-from keras_transformer_runtime.documents import check_input_format, parse_document
+from keras_transformer_runtime.documents import (
+    check_input_format,
+    parse_document,
+    sentence_terms,
+)
 from keras_transformer_runtime.export_format import ExportFileError
 from keras_transformer_runtime.markup import word_alignment
 from keras_transformer_runtime.options import NO_MASKS, SearchOptions
@@ -65,9 +69,10 @@ def _check_pairs(what, given, sources):
         )
 
 
-def _sentence_warnings(warn, docs):
-    """`warn` for the sentences of `docs`: "line N" of the sentence list becomes the
-    sentence's line in its text (and its text's number, if there are several)."""
+def _sentence_places(docs):
+    """A function that rewrites a message about the sentences of `docs` as a list
+    ("line N", "3 of 40 lines") to name each by its line in its text (and its
+    text's number, if there are several)."""
     places = []
     for number, document in enumerate(docs, 1):
         for start in document.starts:
@@ -78,7 +83,7 @@ def _sentence_warnings(warn, docs):
         message = re.sub(
             r"\bline (\d+)", lambda m: f"the sentence at {places[int(m[1]) - 1]}", message
         )
-        warn(re.sub(r"\b(\d+) of (\d+) lines\b", r"\1 of \2 sentences", message))
+        return re.sub(r"\b(\d+) of (\d+) lines\b", r"\1 of \2 sentences", message)
 
     return located
 
@@ -486,12 +491,17 @@ class Translator:
         progress=False,
         warn=None,
         parallel_batches=1,
+        terms=None,
     ):
         """Translates whole texts in `input_format` (`documents.INPUT_FORMATS`), one
         translated text each: every sentence is translated under `options` (its
         sentences share batches with the other texts'), and the text is rebuilt
         around them (docs/documents.md). n-best lists, token scores and
-        alignments belong to sentences, not documents: ask `translate_hypotheses`."""
+        alignments belong to sentences, not documents: ask `translate_hypotheses`.
+
+        `terms`, a glossary of `(source term, target phrase)` pairs (or a
+        dict), constrains each sentence that holds a source term to hold its
+        target phrase (`documents.sentence_terms`; docs/constraints.md)."""
         options = options if options is not None else SearchOptions()
         for name, given in (
             ("n_best", options.n_best > 1),
@@ -507,9 +517,14 @@ class Translator:
         docs = self.documents(texts, input_format, language, options.max_input_length)
         sentences = [sentence for document in docs for sentence in document.sentences]
         tagged = [flag for document in docs for flag in document.tagged]
+        located = _sentence_places(docs)
         if warn is not None:
-            warn = _sentence_warnings(warn, docs)
-        search = (batch_size, progress, warn, None, parallel_batches)
+            told = warn
+
+            def warn(message):
+                told(located(message))
+
+        phrases = sentence_terms(sentences, terms) if terms else None
         translations, links = [None] * len(sentences), [None] * len(sentences)
         groups = (
             (options, [i for i, flag in enumerate(tagged) if not flag]),
@@ -519,9 +534,24 @@ class Translator:
         for group_options, rows in groups:
             if not rows:
                 continue
-            found = self._text_hypotheses(
-                [sentences[i] for i in rows], group_options, None, *search
-            )
+            try:
+                found = self._text_hypotheses(
+                    [sentences[i] for i in rows],
+                    group_options,
+                    None,
+                    batch_size,
+                    progress,
+                    warn,
+                    [phrases[i] for i in rows] if phrases else None,
+                    parallel_batches,
+                )
+            except ValueError as error:  # a constraint that cannot be held, by its place
+                message = re.sub(
+                    r"\bline (\d+)",
+                    lambda m, rows=rows: f"line {rows[int(m[1]) - 1] + 1}",
+                    str(error),
+                )
+                raise ValueError(located(message)) from None
             for i, (best, *_) in zip(rows, found, strict=True):
                 translations[i] = decode(best.tokens)
                 if best.alignment is not None:  # where the sentence's inline tags go

@@ -282,3 +282,41 @@ def test_a_markdown_file_translates_through_the_command(tiny_export, translator)
     assert found == expected[0]
     assert found.startswith("# ") and "](http://x/ka_ko)" in found
     assert found.endswith("`ka ko`\n\n```\nka ko\n```\n")
+
+
+def test_a_glossary_constrains_the_sentences_that_hold_its_source_terms(
+    tiny_export, translator, tmp_path
+):
+    from keras_transformer_runtime.documents import sentence_terms
+
+    sentences = ["Der Hund bellt.", "Die Hundehütte.", "der hund und der HUND."]
+    assert sentence_terms(sentences, {"Hund": "dog", "und": "and"}) == [
+        ["dog"],
+        [],
+        ["dog", "and"],
+    ]
+    with pytest.raises(ValueError, match="term 2 .* two non-empty strings"):
+        sentence_terms(sentences, [("a", "b"), ("a", " ")])
+    text = "ka ko. li lo!\n\nmina ka tel?\n"
+    options = SearchOptions(beam_size=3, max_length=10)
+    (found,) = translator.translate_documents(
+        [text], "paragraphs", options, language="en", terms=[("ka", "YOR JUL")]
+    )
+    lines = found.split("\n")
+    first = translator.translate(
+        ["ka ko.", "li lo!", "mina ka tel?"],
+        options=options,
+        constraints=[["YOR JUL"], [], ["YOR JUL"]],
+    )
+    assert lines[0] == f"{first[0]} {first[1]}" and lines[2] == first[2]
+    assert "YOR JUL" in first[0] and "YOR JUL" in first[2]
+    glossary = tmp_path / "terms.tsv"
+    glossary.write_text("ka\tYOR JUL\n\n", encoding="utf-8")
+    flags = ["--input-format", "paragraphs", "--beam", "3", "--max-length", "10"]
+    flags += ["--source-language", "en", "--terms", str(glossary)]
+    result = run_command(tiny_export[0], text, *flags)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.decode("utf-8") == found
+    glossary.write_text("ka YOR\n", encoding="utf-8")
+    result = run_command(tiny_export[0], text, *flags)
+    assert b"terms.tsv line 1 must be a source term and a target phrase" in result.stderr

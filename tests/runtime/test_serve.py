@@ -260,6 +260,8 @@ REFUSALS = [
         '"n_best" is for sentences ("format": "text")',
     ),
     ({"texts": ["a"], "format": "paragraphs", "prefixes": ["ko"]}, 400, '"prefixes" is for'),
+    ({"texts": ["a"], "terms": [["a"]]}, 400, "\"terms\": term 1 (['a']) must be a source"),
+    ({"texts": ["a"], "terms": [["a", "b"]], "constraints": [[]]}, 400, "not both"),
     ({"texts": ["ka. " * 501], "format": "paragraphs"}, 413, "2004 characters in one request"),
     (
         {"texts": ["ok.", "ok? " + "ka " * 70], "format": "paragraphs"},
@@ -285,6 +287,15 @@ def test_documents_answer_as_the_translators(server, translator):
     assert status == 200, answer
     assert answer["translations"] == translator.translate_documents(pages, "html", options)
     assert "hypotheses" not in answer and "<code>ko</code>" in answer["translations"][0]
+    glossary = {"texts": texts, "terms": [["ka", "YOR JUL"]], "beam_size": 3, "max_length": 10}
+    status, answer, _ = post(server.port, {**glossary, "format": "paragraphs"})
+    assert status == 200, answer
+    expected = translator.translate_documents(
+        texts, "paragraphs", SearchOptions(beam_size=3, max_length=10), terms=[("ka", "YOR JUL")]
+    )
+    assert answer["translations"] == expected and "YOR JUL" in expected[0]
+    status, answer, _ = post(server.port, glossary)  # text: each text is one sentence
+    assert answer["translations"][0].count("YOR JUL") >= 1
 
 
 @pytest.mark.parametrize(("payload", "status", "message"), REFUSALS)
