@@ -154,8 +154,6 @@ def export_onnx(
             name = os.path.basename(tokenizer_path)
             shutil.copyfile(tokenizer_path, os.path.join(staging, name))
             manifest["tokenizer"] = name
-        if source_language is not None:
-            manifest["source_language"] = source_language
             if name == "vocab.json":
                 folder = os.path.dirname(tokenizer_path)
                 for companion in MARIAN_TOKENIZER_FILES:
@@ -163,6 +161,8 @@ def export_onnx(
                         shutil.copyfile(
                             os.path.join(folder, companion), os.path.join(staging, companion)
                         )
+        if source_language is not None:
+            manifest["source_language"] = source_language
         with open(os.path.join(staging, MANIFEST), "w", encoding="utf-8") as f:
             json.dump(manifest, f, indent=2)
             f.write("\n")
