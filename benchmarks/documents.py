@@ -25,8 +25,9 @@ target words, in reversed order): one seeded word of each test sentence in
 whose `<b>` wraps exactly that word's target words.
 
 `markup`: the same sentences translated as text, as an HTML page of
-paragraphs, and as one with a word of each sentence in `<b>` (each then
-needs its alignment); median seconds of `--repeats` interleaved runs.
+paragraphs, as one with a word of each sentence in `<b>` (each then needs
+its alignment), and the same two as Markdown (`**` for `<b>`); median
+seconds of `--repeats` interleaved runs.
 """
 
 from __future__ import annotations
@@ -235,6 +236,8 @@ def markup_cost(args):
         tagged.append(" ".join(f"<b>{w}</b>" if i == k else w for i, w in enumerate(words)))
     html = "\n".join(f"<p>{s}</p>" for s in sources)
     html_tagged = "\n".join(f"<p>{s}</p>" for s in tagged)
+    markdown = "\n\n".join(sources) + "\n"
+    markdown_tagged = "\n\n".join(t.replace("<b>", "**").replace("</b>", "**") for t in tagged)
     translator = OnnxTranslator(args.onnx_dir, num_threads=args.threads)
     options = SearchOptions(beam_size=args.beam)
     ways = {
@@ -242,6 +245,12 @@ def markup_cost(args):
         "html": lambda: translator.translate_documents([html], "html", options, args.src),
         "html_every_sentence_tagged": lambda: translator.translate_documents(
             [html_tagged], "html", options, args.src
+        ),
+        "markdown": lambda: translator.translate_documents(
+            [markdown], "markdown", options, args.src
+        ),
+        "markdown_every_sentence_tagged": lambda: translator.translate_documents(
+            [markdown_tagged], "markdown", options, args.src
         ),
     }
     seconds = {name: [] for name in ways}
@@ -251,7 +260,7 @@ def markup_cost(args):
             way()
             seconds[name].append(time.perf_counter() - start)
     report = {name: round(sorted(times)[len(times) // 2], 3) for name, times in seconds.items()}
-    for name in ("html", "html_every_sentence_tagged"):
+    for name in list(ways)[1:]:
         report[f"{name}_over_text"] = round(report[name] / report["text"], 3)
     print(report)
     return {"seconds_median": report, "sentences": len(sources)}

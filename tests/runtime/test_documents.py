@@ -320,3 +320,11 @@ def test_a_glossary_constrains_the_sentences_that_hold_its_source_terms(
     glossary.write_text("ka YOR\n", encoding="utf-8")
     result = run_command(tiny_export[0], text, *flags)
     assert b"terms.tsv line 1 must be a source term and a target phrase" in result.stderr
+
+
+def test_a_document_translated_twice_gives_the_same_bytes(translator):
+    page = "<p>ka <b>ko</b> li. lo mina!</p>\n\nka *ko*. li\n"
+    for input_format in ("paragraphs", "html", "markdown"):
+        for options in (SearchOptions(beam_size=3), SearchOptions(beam_size=1, sampling_topk=0)):
+            first = translator.translate_documents([page, page], input_format, options)
+            assert translator.translate_documents([page, page], input_format, options) == first
