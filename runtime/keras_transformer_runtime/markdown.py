@@ -20,7 +20,7 @@ from __future__ import annotations
 import html
 import re
 
-from keras_transformer_runtime.markup import HtmlDocument, _run_sentences, _Token
+from keras_transformer_runtime.markup import HtmlDocument, run_sentences, MarkupToken
 
 _ENTITY = re.compile(r"&(#[0-9]{1,7}|#[xX][0-9a-fA-F]{1,6}|[A-Za-z][A-Za-z0-9]{1,31});")
 _LINK_TAIL = re.compile(
@@ -66,7 +66,7 @@ def markdown_document(page, language="en", split_long=None):
             tokens = _inline_tokens(block.children, block.content, offsets, page)
         except _Unmatched:
             continue
-        parts.extend(_run_sentences(tokens, page, language, split_long))
+        parts.extend(run_sentences(tokens, page, language, split_long))
     return HtmlDocument(page, parts, _escape_markdown)
 
 
@@ -92,7 +92,7 @@ def _content_offsets(content, lines, line_starts, first_line, column):
 
 
 def _inline_tokens(children, content, offsets, page):
-    """`markup._Token`s of an inline block, at their page offsets."""
+    """`markup.MarkupToken`s of an inline block, at their page offsets."""
     tokens = []
     i = 0  # the position in `content`
     end = len(content)
@@ -103,7 +103,7 @@ def _inline_tokens(children, content, offsets, page):
     def add(kind, start, stop, tag="", text=""):
         if stop > start:
             first, last = page_span(start, stop)
-            tokens.append(_Token(kind, first, last, tag, text))
+            tokens.append(MarkupToken(kind, first, last, tag, text))
 
     def text_run(expected):
         nonlocal i

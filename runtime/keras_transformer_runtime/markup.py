@@ -55,7 +55,7 @@ def _escape_html(text):
 
 
 @dataclasses.dataclass
-class _Token:
+class MarkupToken:
     kind: str  # "text", "open", "close", "void", "other"
     start: int
     end: int
@@ -63,8 +63,8 @@ class _Token:
     text: str = ""  # the decoded text of a text token
 
 
-class _Tokenizer(HTMLParser):
-    """The page as `_Token`s with their offsets (each ends where the next starts)."""
+class HtmlTokenizer(HTMLParser):
+    """The page as `MarkupToken`s with their offsets (each ends where the next starts)."""
 
     def __init__(self, page):
         super().__init__(convert_charrefs=False)
@@ -108,7 +108,7 @@ class _Tokenizer(HTMLParser):
         for (kind, start, tag, attrs), end in zip(self.events, ends, strict=True):
             if start == end:
                 continue
-            token = _Token(kind, start, end, tag)
+            token = MarkupToken(kind, start, end, tag)
             if kind == "text":
                 token.text = html.unescape(self.page[start:end])
             elif kind in ("open", "void") and _no_translate(attrs):
@@ -132,7 +132,7 @@ class _Sentence:
     start: int  # the page offsets of its first and after its last character
     end: int
     text: str  # its plain text
-    tags: list  # (position in `text`, _Token) of the inline tags inside it
+    tags: list  # (position in `text`, MarkupToken) of the inline tags inside it
 
 
 @dataclasses.dataclass
@@ -181,11 +181,11 @@ class HtmlDocument:
 
 
 def html_document(page, language="en", split_long=None):
-    """The `HtmlDocument` of `page` (a string of HTML); `split_long`: as `_run_sentences`'."""
+    """The `HtmlDocument` of `page` (a string of HTML); `split_long`: as `run_sentences`'."""
     parts = []
     run = []  # the text and inline tag tokens of the current run
     skipping = []  # open elements whose contents stay as they are
-    for token in _Tokenizer(page).tokens():
+    for token in HtmlTokenizer(page).tokens():
         if skipping:
             if token.kind == "open" and token.tag == skipping[-1]:
                 skipping.append(token.tag)
@@ -193,7 +193,7 @@ def html_document(page, language="en", split_long=None):
                 del skipping[skipping.index(token.tag) :]
             continue
         if token.kind == "open" and (token.tag in UNTRANSLATED or token.text == "no"):
-            parts.extend(_run_sentences(run, page, language, split_long))
+            parts.extend(run_sentences(run, page, language, split_long))
             run = []
             if token.tag not in VOID:
                 skipping.append(token.tag)
@@ -201,13 +201,13 @@ def html_document(page, language="en", split_long=None):
         if token.kind == "text" or (token.kind != "other" and token.tag in INLINE):
             run.append(token)
             continue
-        parts.extend(_run_sentences(run, page, language, split_long))
+        parts.extend(run_sentences(run, page, language, split_long))
         run = []
-    parts.extend(_run_sentences(run, page, language, split_long))
+    parts.extend(run_sentences(run, page, language, split_long))
     return HtmlDocument(page, parts)
 
 
-def _run_sentences(run, page, language, split_long=None):
+def run_sentences(run, page, language, split_long=None):
     """The `_Sentence`s of a run of text and inline tag tokens; `split_long`, when
     given, is `(count_tokens, limit)` (`documents.Document.split_long`)."""
     plain, starts, ends, tags = [], [], [], []

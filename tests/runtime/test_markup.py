@@ -87,10 +87,10 @@ def _tags(page):
 
 def _page(tokens):
     """Tag tokens as place_tags takes them, from (position, raw tag) pairs."""
-    from keras_transformer_runtime.markup import _Tokenizer
+    from keras_transformer_runtime.markup import HtmlTokenizer
 
     page = "".join(raw for _, raw in tokens)
-    found = _Tokenizer(page).tokens()
+    found = HtmlTokenizer(page).tokens()
     return page, [(position, token) for (position, _), token in zip(tokens, found, strict=True)]
 
 
