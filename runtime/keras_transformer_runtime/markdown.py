@@ -20,7 +20,7 @@ from __future__ import annotations
 import html
 import re
 
-from keras_transformer_runtime.markup import HtmlDocument, run_sentences, MarkupToken
+from keras_transformer_runtime.markup import HtmlDocument, MarkupToken, run_sentences
 
 _ENTITY = re.compile(r"&(#[0-9]{1,7}|#[xX][0-9a-fA-F]{1,6}|[A-Za-z][A-Za-z0-9]{1,31});")
 _LINK_TAIL = re.compile(
