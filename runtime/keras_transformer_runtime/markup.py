@@ -46,6 +46,9 @@ INLINE = frozenset(
 )
 # Elements whose contents are never translated (and raw-text elements).
 UNTRANSLATED = frozenset("script style code pre textarea svg math noscript template".split())
+# Untranslated elements that sit inside a sentence (`code`, or an inline element with
+# translate="no"): kept whole, in place, by the aligned word after them.
+KEPT_INLINE = INLINE | {"code"}
 VOID = frozenset("area base br col embed hr img input link meta param source track wbr".split())
 _WORD = re.compile(r"\S+")
 
@@ -185,24 +188,35 @@ def html_document(page, language="en", split_long=None):
     parts = []
     run = []  # the text and inline tag tokens of the current run
     skipping = []  # open elements whose contents stay as they are
+    kept = None  # an inline element kept whole: the run goes on around it
     for token in HtmlTokenizer(page).tokens():
         if skipping:
             if token.kind == "open" and token.tag == skipping[-1]:
                 skipping.append(token.tag)
             elif token.kind == "close" and token.tag in skipping:
                 del skipping[skipping.index(token.tag) :]
+                if not skipping and kept is not None:
+                    run.append(MarkupToken("void", kept.start, token.end))
+                    kept = None
             continue
         if token.kind == "open" and (token.tag in UNTRANSLATED or token.text == "no"):
-            parts.extend(run_sentences(run, page, language, split_long))
-            run = []
+            if token.tag in KEPT_INLINE and token.tag not in VOID:
+                kept = token  # `Run <code>make</code> now.` stays one sentence
+            else:
+                parts.extend(run_sentences(run, page, language, split_long))
+                run = []
             if token.tag not in VOID:
                 skipping.append(token.tag)
+            elif token.tag in KEPT_INLINE:
+                run.append(MarkupToken("void", token.start, token.end))
             continue
         if token.kind == "text" or (token.kind != "other" and token.tag in INLINE):
             run.append(token)
             continue
         parts.extend(run_sentences(run, page, language, split_long))
         run = []
+    if kept is not None:  # never closed: what follows it stays as it is
+        run.append(MarkupToken("void", kept.start, len(page)))
     parts.extend(run_sentences(run, page, language, split_long))
     return HtmlDocument(page, parts)
 

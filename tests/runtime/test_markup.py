@@ -219,3 +219,16 @@ def test_a_sentence_over_the_limit_is_cut_into_pieces_in_markup_too(page, input_
         "markdown": "EINS **ZWEI DREI VIER** FÜNF SECHS SIEBEN.\n",
     }
     assert found == expected[input_format]
+
+
+def test_inline_code_and_translate_no_stay_in_their_sentence_whole():
+    page = (
+        '<p>Run <code>make <b>all</b></code> now. Ich mag <span translate="no">Foo Bar</span>'
+        " sehr.</p><p>Open <code>never closed"
+    )
+    document = html_document(page, "en")
+    assert document.sentences == ["Run  now.", "Ich mag  sehr.", "Open"]
+    assert document.rebuild(document.sentences) == page
+    found = document.rebuild([s.upper() for s in document.sentences], _identity_links(document))
+    assert found.startswith("<p>RUN  <code>make <b>all</b></code> NOW. ICH MAG  <span ")
+    assert found.endswith('translate="no">Foo Bar</span> SEHR.</p><p>OPEN <code>never closed')
