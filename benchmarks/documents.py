@@ -4,6 +4,7 @@
     python -m benchmarks.documents paragraphs ONNX_DIR [--data DIR] [--src de --tgt en]
         [--split test_2016_flickr] [--beam 4] [--threads N] [--seed 0] [--out JSON]
     python -m benchmarks.documents tags TOY_ONNX_DIR [--beam 4]
+    python -m benchmarks.documents multi30k-tags ONNX_DIR [--src de --tgt en]
     python -m benchmarks.documents markup ONNX_DIR [--threads 1] [--repeats 3]
 
 `splitters`: each installed splitter (sentencex, pysbd, sentence-splitter,
@@ -23,6 +24,13 @@ the paragraph level, against the paragraph's references joined by a space.
 target words, in reversed order): one seeded word of each test sentence in
 `<b>`, translated as HTML; of the outputs equal to the reference, those
 whose `<b>` wraps exactly that word's target words.
+
+`multi30k-tags`: one seeded word (of 3+ letters) of each Multi30k
+sentence in `<b>`, translated as HTML. eflomal, trained on the training
+split with the test sources and the tag-free outputs, links the tagged
+word to target words (both directions' links where they agree, else
+either's); of the sentences where it links any, the share whose `<b>`
+wraps exactly their extent, and the share where it wraps at least one.
 
 `markup`: the same sentences translated as text, as an HTML page of
 paragraphs, as one with a word of each sentence in `<b>` (each then needs
@@ -221,6 +229,83 @@ def toy_tags(args):
     return {"sentences": len(pages), "reference_outputs": len(exact), "tags_right": right}
 
 
+def _tag_words(output):
+    """The plain text of a translated sentence and the indices of its words inside `<b>`."""
+    import html as html_module
+    import re
+
+    plain, inside, bold = [], [], False
+    for piece in re.split(r"(</?b>)", output):
+        if piece in ("<b>", "</b>"):
+            bold = piece == "<b>"
+            continue
+        text = html_module.unescape(piece)
+        plain.append(text)
+        inside.extend([bold] * len(text))
+    text = "".join(plain)
+    words = [m.span() for m in re.finditer(r"\S+", text)]
+    return text, {i for i, (s, e) in enumerate(words) if any(inside[s:e])}
+
+
+def multi30k_tags(args):
+    """`<b>` around one seeded word (of 3+ letters) of each Multi30k sentence, translated
+    as HTML; eflomal aligns the source with the tag-free output (trained with the
+    training split), and the tag is scored against the target words it links to the
+    tagged word."""
+    import html as html_module
+    import io
+    import tempfile
+
+    import eflomal
+    from keras_transformer_runtime import OnnxTranslator
+    from keras_transformer_runtime.options import SearchOptions
+
+    sources = read(os.path.join(args.data, f"{args.split}.{args.src}.gz"))
+    rng = random.Random(args.seed)
+    pages, tagged = [], []
+    for sentence in sources:
+        words = sentence.split()
+        choices = [i for i, w in enumerate(words) if sum(c.isalpha() for c in w) >= 3]
+        k = rng.choice(choices or [0])
+        tagged.append(k)
+        escaped = [html_module.escape(w, quote=False) for w in words]
+        pages.append(" ".join(f"<b>{w}</b>" if i == k else w for i, w in enumerate(escaped)))
+    translator = OnnxTranslator(args.onnx_dir, num_threads=args.threads)
+    outputs = translator.translate_documents(pages, "html", SearchOptions(beam_size=args.beam))
+    plain, placed = zip(*map(_tag_words, outputs), strict=True)
+    train_src = read(os.path.join(args.data, f"train.{args.src}.gz"))
+    train_tgt = read(os.path.join(args.data, f"train.{args.tgt}.gz"))
+    with tempfile.TemporaryDirectory() as folder:
+        links = {}
+        for direction in ("fwd", "rev"):
+            links[direction] = os.path.join(folder, direction)
+        eflomal.Aligner().align(
+            io.StringIO("".join(s.lower() + "\n" for s in [*train_src, *sources])),
+            io.StringIO("".join(t.lower() + "\n" for t in [*train_tgt, *plain])),
+            links_filename_fwd=links["fwd"],
+            links_filename_rev=links["rev"],
+        )
+        pairs = {}
+        for direction, path in links.items():
+            with open(path) as f:
+                rows = f.read().split("\n")[len(train_src) : len(train_src) + len(sources)]
+            pairs[direction] = [
+                {tuple(map(int, link.split("-"))) for link in row.split()} for row in rows
+            ]
+    counts = {"aligned": 0, "exact": 0, "overlapping": 0, "tag_empty": 0}
+    for k, found, forward, backward in zip(tagged, placed, pairs["fwd"], pairs["rev"], strict=True):
+        both = {t for s, t in forward & backward if s == k}
+        wanted = both or {t for s, t in forward | backward if s == k}
+        if not wanted:
+            continue
+        counts["aligned"] += 1
+        counts["tag_empty"] += not found
+        counts["exact"] += found == set(range(min(wanted), max(wanted) + 1))
+        counts["overlapping"] += bool(found & wanted)
+    print(counts)
+    return {"sentences": len(sources), **counts}
+
+
 def markup_cost(args):
     """Seconds to translate Multi30k's sentences as text, as HTML paragraphs, and as HTML
     paragraphs with one word of each in `<b>` (every sentence then needs alignments)."""
@@ -273,6 +358,7 @@ def main(argv=None):
         "splitters": compare_splitters,
         "paragraphs": translate_paragraphs,
         "tags": toy_tags,
+        "multi30k-tags": multi30k_tags,
         "markup": markup_cost,
     }
     for name in questions:

@@ -164,7 +164,7 @@ class HtmlDocument:
         """The page with each sentence replaced by its (escaped) translation.
 
         `alignments[i]`, for a sentence with inline tags, is a list of
-        `(source word, target word)` index pairs (`word_alignment`); without
+        `(source word, target word)` index pairs (`word_links`); without
         one, its tags are kept at the sentence's end."""
         if len(translations) != len(self.parts):
             raise ValueError(f"{len(translations)} translations for {len(self.parts)} sentences.")
@@ -297,6 +297,8 @@ def place_tags(source, tags, translation, links, page, escape=None):
     for depth, opened, closed, opening, closing, parent in sorted(pairs, key=lambda p: p[:2]):
         wrapped = [i for i, (s, e) in enumerate(source_words) if s < closed and e > opened]
         targets = sorted({t for i in wrapped for t in by_source.get(i, ())})
+        if not targets and wrapped:  # no target word attends to them most: between
+            targets = _between(by_source, wrapped[0], wrapped[-1], len(target_words))
         span = _span(targets, placed, parent) if target_words else None
         raw_open, raw_close = page[opening.start : opening.end], page[closing.start : closing.end]
         if span is None:  # kept, empty, at the nearer end of the sentence
@@ -328,6 +330,17 @@ def place_tags(source, tags, translation, links, page, escape=None):
         spaced = token.kind == "void" and position < len(source) and source[position].isspace()
         inserts.append((at, 0, 99, raw + (" " if spaced and at is not None else "")))
     return _insert(translation, inserts, escape or _escape_html)
+
+
+def _between(by_source, first, last, count):
+    """The target words strictly between those of the nearest linked source words
+    before `first` and after `last` (the sentence's ends where there are none), or
+    [] when that leaves none or too many to be a guess (more than 3)."""
+    if not by_source:
+        return []
+    left = max((max(by_source[i]) for i in by_source if i < first), default=-1)
+    right = min((min(by_source[i]) for i in by_source if i > last), default=count)
+    return list(range(left + 1, right)) if 0 < right - left - 1 <= 3 else []
 
 
 def _outside(source, words, position, before):
@@ -371,15 +384,31 @@ def _insert(translation, inserts, escape):
     return "".join(out)
 
 
-def word_alignment(source_text, target_ids, alignment, encode, decode):
-    """(source word, target word) pairs of a sentence from its token alignment
-    (`alignment[j]`: the source position target token j attends to most)."""
+def word_links(source_text, target_ids, weights, encode, decode):
+    """(source word, target word) links of a sentence and its translation, from the
+    alignment layer's weights `(target tokens, source tokens)` (EOS left out): each
+    target word to the source words its tokens attend to most, and each source
+    word that none attends to most to the target word that attends to it most."""
     source_words = list(_WORD.finditer(source_text))
+    if not source_words or not len(target_ids) or not weights.size:
+        return []
     bounds = [len(encode(source_text[: m.end()])) for m in source_words]
+
+    def source_word(position):
+        return min(bisect.bisect_right(bounds, position), len(source_words) - 1)
+
+    target_word = [len(decode(target_ids[: j + 1]).split()) - 1 for j in range(len(target_ids))]
     links = set()
-    for j, position in enumerate(alignment[: len(target_ids)]):
-        source_word = min(bisect.bisect_right(bounds, position), len(source_words) - 1)
-        target_word = len(decode(target_ids[: j + 1]).split()) - 1
-        if source_word >= 0 and target_word >= 0:
-            links.add((source_word, target_word))
+    for j, row in enumerate(weights):
+        if target_word[j] >= 0:
+            links.add((source_word(int(row.argmax())), target_word[j]))
+    linked = {s for s, _ in links}
+    for word in range(len(source_words)):
+        if word in linked:
+            continue
+        columns = [p for p in range(weights.shape[1]) if source_word(p) == word]
+        if columns:
+            j = int(weights[:, columns].max(axis=1).argmax())
+            if target_word[j] >= 0:
+                links.add((word, target_word[j]))
     return sorted(links)

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import json
 import re
 import signal
@@ -232,39 +231,38 @@ def create_app(engine, settings):
             for i, source in enumerate(sources):
                 if not source:
                     outputs[i] = empty
-        # In HTML, the sentences with inline tags need their alignments (markup.place_tags).
-        tagged = [f for doc in docs for f in doc.tagged] if docs else [False] * len(texts)
-        groups = (
-            (options, [i for i in wanted if not tagged[i]]),
-            (dataclasses.replace(options, alignment=True), [i for i in wanted if tagged[i]]),
-        )
-        for group_options, rows in groups:
-            if not rows:
-                continue
+        if wanted:
             batcher = state["batcher"]
             sentences = [
                 (sources[i], prefix_ids[i] if prefix_ids else [], i, phrases[i] if phrases else [])
-                for i in rows
+                for i in wanted
             ]
             try:
-                ticket = batcher.submit(group_options, [len(sources[i]) for i in rows], sentences)
+                ticket = batcher.submit(options, [len(sources[i]) for i in wanted], sentences)
             except QueueFull as error:
                 raise Refusal(503, str(error), {"Retry-After": str(error.retry_after)}) from None
-            results = await wait_for_ticket(request, batcher, ticket, len(rows))
-            for i, result in zip(rows, results, strict=True):
+            results = await wait_for_ticket(request, batcher, ticket, len(wanted))
+            for i, result in zip(wanted, results, strict=True):
                 outputs[i] = result
         translations = [hypotheses[0]["text"] for hypotheses in outputs]
         if docs is not None:
-            links = [
-                engine.word_links(texts[i], outputs[i][0]) if "alignment" in outputs[i][0] else None
-                for i in range(len(texts))
-            ]
-            translations, at = [], 0
+            # In HTML and Markdown, where the inline tags go (markup.place_tags).
+            tagged = [i for i, flag in enumerate(f for doc in docs for f in doc.tagged) if flag]
+            links = [None] * len(texts)
+            if tagged:
+                found = await asyncio.to_thread(
+                    engine.word_links,
+                    [texts[i] for i in tagged],
+                    [outputs[i][0]["tokens"] for i in tagged],
+                )
+                for i, row in zip(tagged, found, strict=True):
+                    links[i] = row
+            rebuilt, at = [], 0
             for doc in docs:
                 count = len(doc.sentences)
-                found = [hypotheses[0]["text"] for hypotheses in outputs[at : at + count]]
-                translations.append(doc.rebuild(found, links[at : at + count]))
+                rebuilt.append(doc.rebuild(translations[at : at + count], links[at : at + count]))
                 at += count
+            translations = rebuilt
         payload = {"translations": translations}
         if return_scores:
             payload["scores"] = [hypotheses[0]["score"] for hypotheses in outputs]

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from keras_transformer_runtime.constraints import word_continuations
 from keras_transformer_runtime.export_format import ExportFileError
-from keras_transformer_runtime.markup import word_alignment
 from keras_transformer_runtime.onnx_translator import OnnxTranslator
 from keras_transformer_runtime.options import SearchOptions
 from keras_transformer_runtime.search import hypothesis_records
@@ -68,15 +67,9 @@ class Engine:
                 record["tokens"] = hypothesis.tokens  # for `word_links`; never answered
         return records
 
-    def word_links(self, source_text, record):
-        """(source word, target word) pairs of a hypothesis record with an alignment."""
-        return word_alignment(
-            source_text,
-            record["tokens"],
-            record["alignment"],
-            self.tokenizer.encode,
-            self.tokenizer.decode,
-        )
+    def word_links(self, texts, targets):
+        """`Translator.word_links` of `texts` and their translations' token ids."""
+        return self.translators[0].word_links(texts, targets)
 
     def empty_result(self, options):
         """What a search of an empty source gives (no model call)."""

@@ -30,7 +30,7 @@ from keras_transformer_runtime.documents import (
     sentence_terms,
 )
 from keras_transformer_runtime.export_format import ExportFileError
-from keras_transformer_runtime.markup import word_alignment
+from keras_transformer_runtime.markup import word_links
 from keras_transformer_runtime.options import NO_MASKS, SearchOptions
 from keras_transformer_runtime.search import (
     add_alignments,
@@ -53,7 +53,7 @@ from keras_transformer_runtime.spec import (
     truncate_source,
 )
 from keras_transformer_runtime.specials import EOS_ID
-from keras_transformer_runtime.text_batches import encode_prefixes, search_texts
+from keras_transformer_runtime.text_batches import encode_prefixes, search_texts, text_source
 
 
 def _id_lists(source_ids):
@@ -320,6 +320,26 @@ class Translator:
         weights = self.decoder.alignment_weights(source, teacher_inputs(targets))
         return alignments(weights, lengths, [len(t) for t in targets])
 
+    def word_links(self, sentences, targets):
+        """Per sentence (a text), the `(source word, target word)` links of `targets[i]`
+        (token ids) as its translation: `markup.word_links` of the alignment
+        layer's weights (`Decoder.alignment_weights`)."""
+        if not sentences:
+            return []
+        encode = self.tokenizer.encode
+        sources = [text_source(text, encode)[0] or [EOS_ID] for text in sentences]
+        source, lengths = source_array(sources, self.max_length, self.decoder.source_multiple)
+        targets = [[int(t) for t in target] for target in targets]
+        weights = self.decoder.alignment_weights(source, teacher_inputs(targets))
+        return [
+            word_links(
+                text, target, matrix[: len(target), : length - 1], encode, self.tokenizer.decode
+            )
+            for text, target, matrix, length in zip(
+                sentences, targets, weights, lengths, strict=True
+            )
+        ]
+
     # ----------------------------------------------------------------------- texts
 
     def _checked_texts(self, sentences, name="sentences"):
@@ -525,39 +545,21 @@ class Translator:
                 told(located(message))
 
         phrases = sentence_terms(sentences, terms) if terms else None
-        translations, links = [None] * len(sentences), [None] * len(sentences)
-        groups = (
-            (options, [i for i, flag in enumerate(tagged) if not flag]),
-            (dataclasses.replace(options, alignment=True), [i for i, f in enumerate(tagged) if f]),
-        )
-        encode, decode = self.tokenizer.encode, self.tokenizer.decode
-        for group_options, rows in groups:
-            if not rows:
-                continue
-            try:
-                found = self._text_hypotheses(
-                    [sentences[i] for i in rows],
-                    group_options,
-                    None,
-                    batch_size,
-                    progress,
-                    warn,
-                    [phrases[i] for i in rows] if phrases else None,
-                    parallel_batches,
-                )
-            except ValueError as error:  # a constraint that cannot be held, by its place
-                message = re.sub(
-                    r"\bline (\d+)",
-                    lambda m, rows=rows: f"line {rows[int(m[1]) - 1] + 1}",
-                    str(error),
-                )
-                raise ValueError(located(message)) from None
-            for i, (best, *_) in zip(rows, found, strict=True):
-                translations[i] = decode(best.tokens)
-                if best.alignment is not None:  # where the sentence's inline tags go
-                    links[i] = word_alignment(
-                        sentences[i], best.tokens, best.alignment, encode, decode
-                    )
+        try:
+            found = self._text_hypotheses(
+                sentences, options, None, batch_size, progress, warn, phrases, parallel_batches
+            )
+        except ValueError as error:  # a constraint that cannot be held, by its place
+            raise ValueError(located(str(error))) from None
+        best = [hypotheses[0].tokens for hypotheses in found]
+        translations = [self.tokenizer.decode(tokens) for tokens in best]
+        links = [None] * len(sentences)
+        rows = [i for i, flag in enumerate(tagged) if flag]  # where inline tags go
+        for start in range(0, len(rows), batch_size):
+            chunk = rows[start : start + batch_size]
+            found = self.word_links([sentences[i] for i in chunk], [best[i] for i in chunk])
+            for i, row_links in zip(chunk, found, strict=True):
+                links[i] = row_links
         rebuilt, at = [], 0
         for document in docs:
             count = len(document.sentences)

@@ -104,9 +104,11 @@ def test_inline_tags_wrap_the_target_words_aligned_to_their_source_words():
     links = [(0, 2), (1, 0), (1, 1), (2, 3)]
     assert place_tags(source, tags, "very big a dog", links, page) == "<b>very big</b> a dog"
     # Aligned to nothing: kept, empty, at the nearer end of the sentence.
-    assert place_tags(source, tags, "a big dog", [(0, 0)], page) == "<b></b>a big dog"
+    assert place_tags(source, tags, "a big dog", [(0, 0), (2, 1)], page) == "<b></b>a big dog"
     page, late = _page([(11, "<b>"), (15, "</b>")])
-    assert place_tags(source, late, "a big dog", [(0, 0)], page) == "a big dog<b></b>"
+    assert place_tags(source, late, "a big dog", [(0, 0), (1, 2)], page) == "a big dog<b></b>"
+    # Unlinked, but the words between its neighbours' are few: they are taken.
+    assert place_tags(source, late, "a big dog", [(0, 0), (1, 1)], page) == "a big <b>dog</b>"
     assert place_tags(source, tags, "x & y", None, page) == "<b></b>x &amp; y"
 
 
