@@ -231,10 +231,18 @@ def create_app(engine, settings):
             for i, source in enumerate(sources):
                 if not source:
                     outputs[i] = empty
+        # In HTML and Markdown, the sentences with inline tags need their word links.
+        tagged = [f for doc in docs for f in doc.tagged] if docs else [False] * len(texts)
         if wanted:
             batcher = state["batcher"]
             sentences = [
-                (sources[i], prefix_ids[i] if prefix_ids else [], i, phrases[i] if phrases else [])
+                (
+                    sources[i],
+                    prefix_ids[i] if prefix_ids else [],
+                    i,
+                    phrases[i] if phrases else [],
+                    texts[i] if tagged[i] else None,
+                )
                 for i in wanted
             ]
             try:
@@ -246,17 +254,7 @@ def create_app(engine, settings):
                 outputs[i] = result
         translations = [hypotheses[0]["text"] for hypotheses in outputs]
         if docs is not None:
-            # In HTML and Markdown, where the inline tags go (markup.place_tags).
-            tagged = [i for i, flag in enumerate(f for doc in docs for f in doc.tagged) if flag]
-            links = [None] * len(texts)
-            if tagged:
-                found = await asyncio.to_thread(
-                    engine.word_links,
-                    [texts[i] for i in tagged],
-                    [outputs[i][0]["tokens"] for i in tagged],
-                )
-                for i, row in zip(tagged, found, strict=True):
-                    links[i] = row
+            links = [hypotheses[0].get("links") for hypotheses in outputs]
             rebuilt, at = [], 0
             for doc in docs:
                 count = len(doc.sentences)
@@ -267,10 +265,7 @@ def create_app(engine, settings):
         if return_scores:
             payload["scores"] = [hypotheses[0]["score"] for hypotheses in outputs]
         if options.n_best > 1 or options.token_scores or options.alignment:
-            payload["hypotheses"] = [
-                [{k: v for k, v in h.items() if k != "tokens"} for h in hypotheses]
-                for hypotheses in outputs
-            ]
+            payload["hypotheses"] = outputs
         if warnings:
             payload["warnings"] = warnings
         return 200, payload, None, len(texts)

@@ -46,11 +46,13 @@ class Engine:
 
     def run_batch(self, worker, options, sentences):
         """Searches `sentences` (`(source ids, prefix ids, index in its request,
-        constraints)` each) under
-        `options` on worker `worker`'s translator: per sentence its hypothesis records
-        (`search.hypothesis_records`), best first."""
+        constraints, text)` each; `text` None, or the sentence's text when its
+        inline tags need the word links of its translation) under `options` on
+        worker `worker`'s translator: per sentence its hypothesis records
+        (`search.hypothesis_records`), best first, the first with `"links"`
+        (`Translator.word_links`) where a text was given."""
         translator = self.translators[worker]
-        sources, prefixes, indices, constraints = (
+        sources, prefixes, indices, constraints, texts = (
             list(column) for column in zip(*sentences, strict=True)
         )
         found = translator.search(
@@ -62,14 +64,14 @@ class Engine:
         )
         decode = translator.tokenizer.decode
         records = [hypothesis_records(hypotheses, decode) for hypotheses in found]
-        for hypotheses, rows in zip(found, records, strict=True):
-            for hypothesis, record in zip(hypotheses, rows, strict=True):
-                record["tokens"] = hypothesis.tokens  # for `word_links`; never answered
+        if any(text is not None for text in texts):  # the batch's encoding is reused
+            links = translator.word_links(
+                [text or "" for text in texts], [h[0].tokens for h in found], sources
+            )
+            for rows, text, row_links in zip(records, texts, links, strict=True):
+                if text is not None:
+                    rows[0]["links"] = row_links  # for the page's tags; never answered
         return records
-
-    def word_links(self, texts, targets):
-        """`Translator.word_links` of `texts` and their translations' token ids."""
-        return self.translators[0].word_links(texts, targets)
 
     def empty_result(self, options):
         """What a search of an empty source gives (no model call)."""
@@ -80,7 +82,7 @@ class Engine:
     def warm_up(self, batch_sentences):
         """Loads every search graph's session and the split search's copies before serving."""
         source = self.encode("a a a")[0] or [EOS_ID]
-        sentences = [(source, [], i, []) for i in range(max(batch_sentences, 1))]
+        sentences = [(source, [], i, [], None) for i in range(max(batch_sentences, 1))]
         for worker in range(len(self.translators)):
             for beam_size in (1, SearchOptions().beam_size):
                 options = SearchOptions(beam_size=beam_size, max_length=2)

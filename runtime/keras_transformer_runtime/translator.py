@@ -320,14 +320,17 @@ class Translator:
         weights = self.decoder.alignment_weights(source, teacher_inputs(targets))
         return alignments(weights, lengths, [len(t) for t in targets])
 
-    def word_links(self, sentences, targets):
+    def word_links(self, sentences, targets, sources=None):
         """Per sentence (a text), the `(source word, target word)` links of `targets[i]`
         (token ids) as its translation: `markup.word_links` of the alignment
-        layer's weights (`Decoder.alignment_weights`)."""
+        layer's weights (`Decoder.alignment_weights`). `sources`: the sentences'
+        source ids, when the caller has them (a batch just searched)."""
         if not sentences:
             return []
         encode = self.tokenizer.encode
-        sources = [text_source(text, encode)[0] or [EOS_ID] for text in sentences]
+        if sources is None:
+            sources = [text_source(text, encode)[0] for text in sentences]
+        sources = [list(source) or [EOS_ID] for source in sources]
         source, lengths = source_array(sources, self.max_length, self.decoder.source_multiple)
         targets = [[int(t) for t in target] for target in targets]
         weights = self.decoder.alignment_weights(source, teacher_inputs(targets))
@@ -401,8 +404,13 @@ class Translator:
         warn,
         constraints,
         parallel_batches,
+        linked=None,
     ):
-        """`translate_hypotheses`' search: per sentence its `spec.Hypothesis` list."""
+        """`translate_hypotheses`' search: per sentence its `spec.Hypothesis` list.
+
+        `linked[i]` true adds `(hypotheses, links)` for sentence i instead: the
+        `word_links` of its best hypothesis, read in its batch right after the
+        search (the encoder's output is reused)."""
         check_positive_int("parallel_batches", parallel_batches)
         prefix_ids = None
         if prefixes is not None:
@@ -428,7 +436,16 @@ class Translator:
             chosen_phrases = None if phrases is None else [phrases[i] for i in indices]
             translator = free.get()
             try:
-                return translator.search(sources, options, chosen, indices, chosen_phrases)
+                found = translator.search(sources, options, chosen, indices, chosen_phrases)
+                if linked is None or not any(linked[i] for i in indices):
+                    return found
+                links = translator.word_links(
+                    [sentences[i] for i in indices], [h[0].tokens for h in found], sources
+                )
+                return [
+                    (hypotheses, row) if linked[i] else hypotheses
+                    for i, hypotheses, row in zip(indices, found, links, strict=True)
+                ]
             finally:
                 free.put(translator)
 
@@ -547,19 +564,21 @@ class Translator:
         phrases = sentence_terms(sentences, terms) if terms else None
         try:
             found = self._text_hypotheses(
-                sentences, options, None, batch_size, progress, warn, phrases, parallel_batches
+                sentences,
+                options,
+                None,
+                batch_size,
+                progress,
+                warn,
+                phrases,
+                parallel_batches,
+                linked=tagged,  # where their inline tags go
             )
         except ValueError as error:  # a constraint that cannot be held, by its place
             raise ValueError(located(str(error))) from None
-        best = [hypotheses[0].tokens for hypotheses in found]
-        translations = [self.tokenizer.decode(tokens) for tokens in best]
-        links = [None] * len(sentences)
-        rows = [i for i, flag in enumerate(tagged) if flag]  # where inline tags go
-        for start in range(0, len(rows), batch_size):
-            chunk = rows[start : start + batch_size]
-            found = self.word_links([sentences[i] for i in chunk], [best[i] for i in chunk])
-            for i, row_links in zip(chunk, found, strict=True):
-                links[i] = row_links
+        links = [row[1] if flag else None for row, flag in zip(found, tagged, strict=True)]
+        found = [row[0] if flag else row for row, flag in zip(found, tagged, strict=True)]
+        translations = [self.tokenizer.decode(hypotheses[0].tokens) for hypotheses in found]
         rebuilt, at = [], 0
         for document in docs:
             count = len(document.sentences)
