@@ -51,6 +51,10 @@ UNTRANSLATED = frozenset("script style code pre textarea svg math noscript templ
 KEPT_INLINE = INLINE | {"code"}
 VOID = frozenset("area base br col embed hr img input link meta param source track wbr".split())
 _WORD = re.compile(r"\S+")
+# Attributes whose values are text for people to read: translated as sentences.
+TRANSLATED_ATTRIBUTES = frozenset({"alt", "title", "placeholder", "aria-label"})
+_ATTRIBUTE = re.compile(r"""\s([^\s"'<>/=]+)\s*=\s*(?:(["'])(.*?)\2|([^\s"'=<>`]+))""", re.DOTALL)
+_ENTITY_REF = re.compile(r"&(#[0-9]+|#[xX][0-9a-fA-F]+|[A-Za-z][A-Za-z0-9]*);?")
 
 
 def _escape_html(text):
@@ -136,6 +140,8 @@ class _Sentence:
     end: int
     text: str  # its plain text
     tags: list  # (position in `text`, MarkupToken) of the inline tags inside it
+    escape: object = None  # its own escape (an attribute value's), else the document's
+    owner: object = None  # the tag of an attribute value's sentence
 
 
 @dataclasses.dataclass
@@ -165,22 +171,46 @@ class HtmlDocument:
 
         `alignments[i]`, for a sentence with inline tags, is a list of
         `(source word, target word)` index pairs (`word_links`); without
-        one, its tags are kept at the sentence's end."""
+        one, its tags are kept at the sentence's end. An attribute value's
+        sentence inside a tag that another sentence holds goes back with
+        that tag."""
         if len(translations) != len(self.parts):
             raise ValueError(f"{len(translations)} translations for {len(self.parts)} sentences.")
+        inner = {id(tag) for part in self.parts for _, tag in part.tags}
+        raws, edits = {}, {}  # the tags whose attribute values are translated
+        for part, translation in zip(self.parts, translations, strict=True):
+            if part.owner is not None and id(part.owner) in inner and translation != part.text:
+                value = self._render(part, translation, None)
+                edits.setdefault(id(part.owner), (part.owner, []))[1].append((part, value))
+        for owner, changes in edits.values():
+            raw, at = [], owner.start
+            for part, value in sorted(changes, key=lambda change: change[0].start):
+                raw += [self.text[at : part.start], value]
+                at = part.end
+            raws[id(owner)] = "".join(raw) + self.text[at : owner.end]
+        order = sorted(
+            (
+                i
+                for i, part in enumerate(self.parts)
+                if part.owner is None or id(part.owner) not in inner
+            ),
+            key=lambda i: self.parts[i].start,
+        )
         out, at = [], 0
-        for i, (part, translation) in enumerate(zip(self.parts, translations, strict=True)):
+        for i in order:
+            part = self.parts[i]
             out.append(self.text[at : part.start])
-            if translation == part.text:
-                out.append(self.text[part.start : part.end])  # as written
-            else:
-                links = alignments[i] if alignments is not None else None
-                out.append(
-                    place_tags(part.text, part.tags, translation, links, self.text, self.escape)
-                )
+            links = alignments[i] if alignments is not None else None
+            out.append(self._render(part, translations[i], links, raws))
             at = part.end
         out.append(self.text[at:])
         return "".join(out)
+
+    def _render(self, part, translation, links, raws=None):
+        if translation == part.text and not any(id(tag) in (raws or ()) for _, tag in part.tags):
+            return self.text[part.start : part.end]  # as written
+        escape = part.escape or self.escape
+        return place_tags(part.text, part.tags, translation, links, self.text, escape, raws)
 
 
 def html_document(page, language="en", split_long=None):
@@ -210,6 +240,8 @@ def html_document(page, language="en", split_long=None):
             elif token.tag in KEPT_INLINE:
                 run.append(MarkupToken("void", token.start, token.end))
             continue
+        if token.kind in ("open", "void"):
+            parts.extend(_attribute_sentences(token, page, language, split_long))
         if token.kind == "text" or (token.kind != "other" and token.tag in INLINE):
             run.append(token)
             continue
@@ -219,6 +251,50 @@ def html_document(page, language="en", split_long=None):
         run.append(MarkupToken("void", kept.start, len(page)))
     parts.extend(run_sentences(run, page, language, split_long))
     return HtmlDocument(page, parts)
+
+
+def _attribute_sentences(token, page, language, split_long):
+    """The sentences of a tag's `TRANSLATED_ATTRIBUTES` values, each its own run of
+    text, whose translations go back escaped for the value's quotes."""
+    found = []
+    for match in _ATTRIBUTE.finditer(page, token.start, token.end):
+        if match.group(1).lower() not in TRANSLATED_ATTRIBUTES:
+            continue
+        quote = match.group(2) or ""
+        group = 3 if match.group(2) else 4
+        start, end = match.start(group), match.end(group)
+        run = []
+        at = start
+        for entity in _ENTITY_REF.finditer(page, start, end):
+            if entity.start() > at:
+                run.append(MarkupToken("text", at, entity.start(), text=page[at : entity.start()]))
+            run.append(
+                MarkupToken(
+                    "text", entity.start(), entity.end(), text=html.unescape(entity.group())
+                )
+            )
+            at = entity.end()
+        if end > at:
+            run.append(MarkupToken("text", at, end, text=page[at:end]))
+        sentences = run_sentences(run, page, language, split_long)
+        for sentence in sentences:
+            sentence.escape, sentence.owner = _attribute_escape(quote), token
+        found.extend(sentences)
+    return found
+
+
+def _attribute_escape(quote):
+    """How a translation goes into an attribute value quoted by `quote` ("" for an
+    unquoted value, which is quoted now: the translation may hold spaces)."""
+
+    def escape(text):
+        text = html.escape(text, quote=False)
+        if quote == "'":
+            return text.replace("'", "&#x27;")
+        text = text.replace('"', "&quot;")
+        return text if quote else f'"{text}"'
+
+    return escape
 
 
 def run_sentences(run, page, language, split_long=None):
@@ -268,10 +344,15 @@ def run_sentences(run, page, language, split_long=None):
     return found
 
 
-def place_tags(source, tags, translation, links, page, escape=None):
+def place_tags(source, tags, translation, links, page, escape=None, raws=None):
     """`translation`, HTML-escaped, with the inline `tags` of `source` around the
     target words linked to the source words they wrapped (`links`: (source word,
-    target word) pairs, or None)."""
+    target word) pairs, or None). `raws`: tags as rewritten (translated
+    attribute values), by `id`."""
+
+    def raw_of(token):
+        return (raws or {}).get(id(token)) or page[token.start : token.end]
+
     source_words = [m.span() for m in _WORD.finditer(source)]
     target_words = [m.span() for m in _WORD.finditer(translation)]
     by_source = {}
@@ -300,7 +381,7 @@ def place_tags(source, tags, translation, links, page, escape=None):
         if not targets and wrapped:  # no target word attends to them most: between
             targets = _between(by_source, wrapped[0], wrapped[-1], len(target_words))
         span = _span(targets, placed, parent) if target_words else None
-        raw_open, raw_close = page[opening.start : opening.end], page[closing.start : closing.end]
+        raw_open, raw_close = raw_of(opening), raw_of(closing)
         if span is None:  # kept, empty, at the nearer end of the sentence
             at = 0 if opened < len(source) / 2 else None
             inserts.append((at, 0, depth, raw_open + raw_close))
@@ -315,7 +396,7 @@ def place_tags(source, tags, translation, links, page, escape=None):
         inserts.append((start, 0, depth, raw_open))
         inserts.append((max(end, start), 1, depth, raw_close))
     for position, token in singles:
-        raw = page[token.start : token.end]
+        raw = raw_of(token)
         if token.kind == "close":  # after the target words of the source word before it
             word = bisect.bisect_left([e for _, e in source_words], position + 1) - 1
             targets = sorted(by_source.get(word, ()))

@@ -25,14 +25,16 @@ def test_only_text_outside_code_and_translate_no_is_read_as_sentences():
     document = html_document(PAGE, "de")
     assert document.sentences == [
         "Ein Test",
+        "Katze",  # the link's title
         "Ein großer Hund läuft.",
         "Eine kleine Katze schläft.",
         "Zeile",
+        "Bild",  # the image's alt
         "zwei  Ende – gut.",
         "Fett.",
         "Auch fett.",
     ]
-    assert document.tagged == [False, True, True, False, True, False, False]
+    assert document.tagged == [False, False, True, True, False, False, True, False, False]
 
 
 HARD = [
@@ -234,3 +236,23 @@ def test_inline_code_and_translate_no_stay_in_their_sentence_whole():
     found = document.rebuild([s.upper() for s in document.sentences], _identity_links(document))
     assert found.startswith("<p>RUN  <code>make <b>all</b></code> NOW. ICH MAG  <span ")
     assert found.endswith('translate="no">Foo Bar</span> SEHR.</p><p>OPEN <code>never closed')
+
+
+def test_alt_title_and_placeholder_values_are_translated_and_stay_valid():
+    page = (
+        '<p title="Ein Titel. Zwei.">Ein <img src=a.png alt=Bild> und '
+        '<a href="x" title=\'Ein "Link"\'>Link</a> hier.</p>'
+        '<input placeholder="Name &amp; Ort" value="x"><span translate=no title="nein">x</span>'
+    )
+    document = html_document(page, "de")
+    assert document.rebuild(document.sentences) == page
+    found = document.rebuild(
+        [s.upper() + " neu" for s in document.sentences], _identity_links(document)
+    )
+    assert found == (
+        '<p title="EIN TITEL. neu ZWEI. neu">EIN  <img src=a.png alt="BILD neu"> UND '
+        '<a href="x" title=\'EIN "LINK" neu\'>LINK</a> HIER. neu</p>'
+        '<input placeholder="NAME &amp; ORT neu" value="x"><span translate=no title="nein">x</span>'
+    )
+    assert sorted(_tags(found), key=repr) != sorted(_tags(page), key=repr)  # values changed
+    assert [tag for tag, *_ in _tags(found)] == [tag for tag, *_ in _tags(page)]
