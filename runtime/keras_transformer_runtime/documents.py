@@ -184,6 +184,17 @@ def parse_document(text, input_format, language="en", split_long=None):
     return document.split_long(*split_long) if split_long is not None else document
 
 
+def rebuild_documents(documents, translations, links):
+    """Each document rebuilt around its share of `translations` (and of `links`, the
+    word links of its sentences with inline tags), taken in order."""
+    rebuilt, at = [], 0
+    for document in documents:
+        count = len(document.sentences)
+        rebuilt.append(document.rebuild(translations[at : at + count], links[at : at + count]))
+        at += count
+    return rebuilt
+
+
 def check_terms(terms):
     """`terms` as a list of `(source term, target phrase)` string pairs, or a ValueError
     naming the bad one."""

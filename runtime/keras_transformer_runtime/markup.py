@@ -68,6 +68,7 @@ class MarkupToken:
     end: int
     tag: str = ""
     text: str = ""  # the decoded text of a text token
+    untranslated: bool = False  # an element with translate="no" or class notranslate
 
 
 class HtmlTokenizer(HTMLParser):
@@ -119,8 +120,7 @@ class HtmlTokenizer(HTMLParser):
             if kind == "text":
                 token.text = html.unescape(self.page[start:end])
             elif kind in ("open", "void") and _no_translate(attrs):
-                token.kind, token.tag = "open", tag
-                token.text = "no"  # marks an element whose contents stay as they are
+                token.kind, token.untranslated = "open", True
             found.append(token)
         return found
 
@@ -229,7 +229,7 @@ def html_document(page, language="en", split_long=None):
                     run.append(MarkupToken("void", kept.start, token.end))
                     kept = None
             continue
-        if token.kind == "open" and (token.tag in UNTRANSLATED or token.text == "no"):
+        if token.kind == "open" and (token.tag in UNTRANSLATED or token.untranslated):
             if token.tag in KEPT_INLINE and token.tag not in VOID:
                 kept = token  # `Run <code>make</code> now.` stays one sentence
             else:

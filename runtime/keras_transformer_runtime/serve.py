@@ -30,7 +30,7 @@ import sys
 import time
 
 from keras_transformer_runtime.constraints import sentence_constraints
-from keras_transformer_runtime.documents import sentence_terms
+from keras_transformer_runtime.documents import rebuild_documents, sentence_terms
 from keras_transformer_runtime.export_format import ExportFileError
 from keras_transformer_runtime.onnx_sessions import available_cores
 from keras_transformer_runtime.onnx_translator import OnnxTranslator
@@ -255,12 +255,7 @@ def create_app(engine, settings):
         translations = [hypotheses[0]["text"] for hypotheses in outputs]
         if docs is not None:
             links = [hypotheses[0].get("links") for hypotheses in outputs]
-            rebuilt, at = [], 0
-            for doc in docs:
-                count = len(doc.sentences)
-                rebuilt.append(doc.rebuild(translations[at : at + count], links[at : at + count]))
-                at += count
-            translations = rebuilt
+            translations = rebuild_documents(docs, translations, links)
         payload = {"translations": translations}
         if return_scores:
             payload["scores"] = [hypotheses[0]["score"] for hypotheses in outputs]

@@ -27,6 +27,7 @@ from keras_transformer_runtime.constraints import sentence_constraints, word_con
 from keras_transformer_runtime.documents import (
     check_input_format,
     parse_document,
+    rebuild_documents,
     sentence_terms,
 )
 from keras_transformer_runtime.export_format import ExportFileError
@@ -579,12 +580,7 @@ class Translator:
         links = [row[1] if flag else None for row, flag in zip(found, tagged, strict=True)]
         found = [row[0] if flag else row for row, flag in zip(found, tagged, strict=True)]
         translations = [self.tokenizer.decode(hypotheses[0].tokens) for hypotheses in found]
-        rebuilt, at = [], 0
-        for document in docs:
-            count = len(document.sentences)
-            rebuilt.append(document.rebuild(translations[at : at + count], links[at : at + count]))
-            at += count
-        return rebuilt
+        return rebuild_documents(docs, translations, links)
 
     def score(self, sources, targets, batch_size=32, progress=False, warn=None):
         """Forced decoding of texts: per pair a dict of `log_prob` (summed, EOS included)
