@@ -25,7 +25,6 @@ import numpy as np
 
 from keras_transformer_runtime.constraints import sentence_constraints, word_continuations
 from keras_transformer_runtime.documents import (
-    check_input_format,
     parse_document,
     rebuild_documents,
     sentence_terms,
@@ -551,7 +550,6 @@ class Translator:
                     f"{name}={getattr(options, name)} is for sentences (input format text): "
                     "a document translates to one text."
                 )
-        check_input_format(input_format)
         docs = self.documents(texts, input_format, language, options.max_input_length)
         sentences = [sentence for document in docs for sentence in document.sentences]
         tagged = [flag for document in docs for flag in document.tagged]
