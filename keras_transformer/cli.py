@@ -372,6 +372,28 @@ def build_parser() -> argparse.ArgumentParser:
     )
     export.set_defaults(func=_export)
 
+    distilled = sub.add_parser(
+        "distill",
+        help="translate training sources with a teacher: a student's training data",
+    )
+    distilled.add_argument("teacher", help="an export folder, or a run directory (exported once)")
+    distilled.add_argument("--src", required=True, help="the training sources (plain or .gz)")
+    distilled.add_argument(
+        "--tgt", help="their references: each chunk's original pairs follow its distilled ones"
+    )
+    distilled.add_argument(
+        "--out", required=True, help="the folder of train.src and train.tgt (resumed if killed)"
+    )
+    distilled.add_argument("--beam", type=int, default=4, help="the teacher's beam (default 4)")
+    distilled.add_argument("--batch-size", type=int, default=32, help="sentences per batch")
+    distilled.add_argument(
+        "--chunk-lines", type=int, default=20000, help="lines written at a time (default 20000)"
+    )
+    distilled.add_argument(
+        "--parallel", type=int, help="searches at once, one thread each (default: the cores)"
+    )
+    distilled.set_defaults(func=_distill)
+
     imported = sub.add_parser(
         "import", help="turn a pretrained checkpoint of another toolkit into a run directory"
     )
@@ -385,6 +407,35 @@ def build_parser() -> argparse.ArgumentParser:
     imported.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
     imported.set_defaults(func=_import)
     return parser
+
+
+def _distill(args):
+    from keras_transformer.distill import DistillError, distill
+
+    for name in ("beam", "batch_size", "chunk_lines", "parallel"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise SystemExit(f"error: --{name.replace('_', '-')} must be a positive integer.")
+
+    def progress(done, total):
+        print(f"distilled {done} of {total} lines", file=sys.stderr, flush=True)
+
+    try:
+        done = distill(
+            args.teacher,
+            args.src,
+            args.out,
+            tgt=args.tgt,
+            beam_size=args.beam,
+            batch_size=args.batch_size,
+            chunk_lines=args.chunk_lines,
+            parallel=args.parallel,
+            progress=progress,
+        )
+    except DistillError as error:
+        raise SystemExit(f"error: {error}") from None
+    print(f"Wrote the teacher's translations of {done} lines to {args.out}/train.src and train.tgt")
+    return 0
 
 
 def main(argv=None) -> int:
