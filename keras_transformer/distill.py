@@ -31,28 +31,16 @@ class DistillError(Exception):
     """A teacher that does not load, or input files that do not pair up."""
 
 
+def _lines(path, start=0):
+    """The lines of `path` (plain or .gz) from line `start` (0-based), as a stream
+    (`data.prepare.LineReader`: undecodable bytes read as U+FFFD)."""
+    from keras_transformer.data.prepare import LineReader
+
+    return itertools.islice(LineReader(path), start, None)
+
+
 def _count_lines(path):
-    count = 0
-    with _open(path) as f:
-        for _ in f:
-            count += 1
-    return count
-
-
-def _open(path):
-    import gzip
-
-    if path.endswith(".gz"):
-        return gzip.open(path, "rt", encoding="utf-8", errors="replace", newline="\n")
-    return open(path, encoding="utf-8", errors="replace", newline="\n")
-
-
-def _lines(path, start):
-    """The lines of `path` from line `start` (0-based), without their line ends."""
-    with _open(path) as f:
-        for number, line in enumerate(f):
-            if number >= start:
-                yield line.rstrip("\n").rstrip("\r")
+    return sum(1 for _ in _lines(path))
 
 
 def teacher_translator(teacher, out_dir, threads=1):
@@ -111,10 +99,16 @@ def distill(
     for path, what in ((src, "source"), (tgt, "reference")):
         if path is not None and not os.path.isfile(path):
             raise DistillError(f"the {what} file {path} does not exist.")
-    total = _count_lines(src)
-    if tgt is not None and _count_lines(tgt) != total:
+    from keras_transformer.data.pipeline import DataError
+
+    try:
+        total = _count_lines(src)
+        references = _count_lines(tgt) if tgt is not None else total
+    except DataError as error:
+        raise DistillError(str(error)) from None
+    if references != total:
         raise DistillError(
-            f"{src} has {total} lines and {tgt} {_count_lines(tgt)}: a reference file must "
+            f"{src} has {total} lines and {tgt} {references}: a reference file must "
             "pair with the sources line by line."
         )
     os.makedirs(out_dir, exist_ok=True)
