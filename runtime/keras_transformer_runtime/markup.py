@@ -475,19 +475,18 @@ def word_links(source_text, target_ids, weights, encode, decode):
         return []
     bounds = [len(encode(source_text[: m.end()])) for m in source_words]
 
-    def source_word(position):
-        return min(bisect.bisect_right(bounds, position), len(source_words) - 1)
-
+    last = len(source_words) - 1
+    word_of = [min(bisect.bisect_right(bounds, p), last) for p in range(weights.shape[1])]
     target_word = [len(decode(target_ids[: j + 1]).split()) - 1 for j in range(len(target_ids))]
     links = set()
     for j, row in enumerate(weights):
         if target_word[j] >= 0:
-            links.add((source_word(int(row.argmax())), target_word[j]))
+            links.add((word_of[int(row.argmax())], target_word[j]))
     linked = {s for s, _ in links}
     for word in range(len(source_words)):
         if word in linked:
             continue
-        columns = [p for p in range(weights.shape[1]) if source_word(p) == word]
+        columns = [p for p, owner in enumerate(word_of) if owner == word]
         if columns:
             j = int(weights[:, columns].max(axis=1).argmax())
             if target_word[j] >= 0:
