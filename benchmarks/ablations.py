@@ -18,7 +18,8 @@ backend.
     attention   the model with attention dropout 0, a training step and a
                 forward pass, with attention through the plain expression
                 and through keras.ops.dot_product_attention
-                (keras_transformer.ops.set_fused_attention)
+                (keras_transformer.ops.set_fused_attention), with the key
+                lengths (ops.padded_attention, JAX on a GPU) or the mask
 
     python -m benchmarks.ablations gradients --rows 12000 --layers 6 --rounds 3
     KERAS_BACKEND=jax python -m benchmarks.ablations gradients --rows 25000 --layers 2
@@ -158,9 +159,13 @@ PLAIN_ATTENTION = "plain attention"
 def attention_variants(rows, layers=6, policy="float32"):
     """The model with attention dropout 0 on either attention path (train step and forward)."""
     attention = importlib.import_module("keras_transformer.ops.attention")
+    layer = importlib.import_module("keras_transformer.layers.multi_head_attention")
+    fused = (attention, "_fused", {"enabled": True})  # as set_fused_attention(True)
     variants = {
-        PLAIN_ATTENTION: [(attention, "fused_attention_enabled", lambda: False)],
-        "fused attention": [(attention, "fused_attention_enabled", lambda: True)],
+        PLAIN_ATTENTION: [(attention, "_fused", {"enabled": False})],
+        # With key lengths where that applies (JAX, a GPU, 16-bit), else the mask.
+        "fused attention": [fused],
+        "fused attention, mask": [fused, (layer, "padded_attention", lambda *a, **k: None)],
     }
     return _model_step_variants(
         rows, layers, policy, variants, PLAIN_ATTENTION, forward=True, attention_dropout=0.0

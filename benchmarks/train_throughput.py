@@ -53,7 +53,7 @@ import time
 from benchmarks.machine import describe_machine
 from benchmarks.throughput.batches import make_batches, training_flops
 from benchmarks.throughput.memory import PeakMemory, release_free_memory, rss_bytes
-from benchmarks.throughput.peers import PEERS, make_peer
+from benchmarks.throughput.peers import EXTRA_PEERS, PEERS, make_peer
 from benchmarks.throughput.processes import run_in_fresh_process
 from benchmarks.throughput.timing import best_peaks, library_peaks
 
@@ -66,7 +66,7 @@ RESULTS = os.path.join(os.path.dirname(__file__), "results")
 def _precision(name, args):
     """The matmul peak a peer is held to: on a GPU the mixed-precision peers are
     held to the peak of their 16-bit type (`--mixed-precision`), else float32."""
-    mixed = name == "ours-bf16" or (name == "torch" and args.device != "cpu")
+    mixed = name.endswith("-bf16") or "-bf16-" in name or (name == "torch" and args.device != "cpu")
     if mixed and args.device != "cpu":
         return args.mixed_precision
     return "float32"
@@ -358,7 +358,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=ALL_SHAPES)
     parser.add_argument("--budgets", nargs="+", type=int, default=list(BUDGETS))
-    parser.add_argument("--peers", nargs="+", default=list(PEERS), choices=PEERS)
+    parser.add_argument("--peers", nargs="+", default=list(PEERS), choices=PEERS + EXTRA_PEERS)
     parser.add_argument("--batches", type=int, default=2, help="distinct batches per pass")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--mixed-precision", choices=("bfloat16", "float16"), default="bfloat16")

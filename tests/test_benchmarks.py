@@ -67,21 +67,23 @@ def test_ceiling_benchmark_runs_and_writes_json(tmp_path):
     assert len(summary["peaks_measured_gflops"]) == 3
 
 
-def test_attention_ablation_times_both_paths_and_puts_the_switch_back():
+def test_attention_ablation_times_each_path_and_puts_the_switches_back():
     from benchmarks.ablations import PLAIN_ATTENTION
     from benchmarks.ablations import main as ablations_main
+    from keras_transformer.layers import multi_head_attention
     from keras_transformer.ops import attention
 
-    switch = attention.fused_attention_enabled
-    # The experiment asserts that both paths give the same first loss.
+    switch, padded = attention._fused, multi_head_attention.padded_attention
+    # The experiment asserts that every path gives the same first loss.
     results = ablations_main(["attention", "--rows", "64", "--layers", "1", "--rounds", "1"])
     assert set(results["attention"]) == {
         f"{name}: {part}"
-        for name in (PLAIN_ATTENTION, "fused attention")
+        for name in (PLAIN_ATTENTION, "fused attention", "fused attention, mask")
         for part in ("train step", "forward")
     }
     assert all(s > 0 for s in results["attention"].values())
-    assert attention.fused_attention_enabled is switch
+    assert attention._fused is switch and switch == {"enabled": None}
+    assert multi_head_attention.padded_attention is padded
 
 
 def test_gradients_ablation_variants_agree_and_put_the_switch_back():

@@ -11,7 +11,7 @@ from keras_transformer.checks import check_positive_int, check_rate
 from keras_transformer.layers.dropout import Dropout
 from keras_transformer.layers.initializers import clone_initializer
 from keras_transformer.layers.masks import merge_masks
-from keras_transformer.ops.attention import dot_product_attention
+from keras_transformer.ops.attention import dot_product_attention, padded_attention
 from keras_transformer.ops.linear import linear
 
 
@@ -25,7 +25,9 @@ class MultiHeadAttention(keras.layers.Layer):
     query whose every key is masked gets an all-zero output, not NaN. When
     no attention weight is dropped or returned, the product goes through
     `keras.ops.dot_product_attention` (fused kernels on a GPU) where
-    `keras_transformer.ops.set_fused_attention` says so.
+    `keras_transformer.ops.set_fused_attention` says so; under JAX on a GPU,
+    a 16-bit product masked by key padding alone (plus the causal mask) goes
+    to cuDNN's flash kernel with the key lengths (`ops.padded_attention`).
 
     Args:
         num_heads: int. Number of attention heads.
@@ -183,24 +185,37 @@ class MultiHeadAttention(keras.layers.Layer):
             k = self._project(self.key_dense, key)  # (B, S, N, H)
             v = self._project(self.value_dense, value)  # (B, S, N, H)
 
-        mask = merge_masks(
-            ops.shape(q)[1],
-            ops.shape(k)[1],
-            attention_mask=attention_mask,
-            query_padding_mask=query_padding_mask,
-            key_padding_mask=key_padding_mask,
-            use_causal_mask=use_causal_mask,
-            query_offset=query_offset,
-        )
-        attended, weights = dot_product_attention(
-            q,
-            k,
-            v,
-            mask,
-            dropout=self.dropout_layer,
-            training=training,
-            fused=False if return_attention_scores else None,
-        )  # (B, T, N, H)
+        attended, weights = None, None
+        if cache is None and attention_mask is None and query_padding_mask is None:
+            if key_padding_mask is not None and not return_attention_scores:
+                attended = padded_attention(
+                    q,
+                    k,
+                    v,
+                    key_padding_mask,
+                    causal=use_causal_mask,
+                    dropout=self.dropout_layer,
+                    training=training,
+                )
+        if attended is None:
+            mask = merge_masks(
+                ops.shape(q)[1],
+                ops.shape(k)[1],
+                attention_mask=attention_mask,
+                query_padding_mask=query_padding_mask,
+                key_padding_mask=key_padding_mask,
+                use_causal_mask=use_causal_mask,
+                query_offset=query_offset,
+            )
+            attended, weights = dot_product_attention(
+                q,
+                k,
+                v,
+                mask,
+                dropout=self.dropout_layer,
+                training=training,
+                fused=False if return_attention_scores else None,
+            )  # (B, T, N, H)
         output = self._project(self.output_dense, attended)  # (B, T, D)
 
         outputs = (output,) if cache is None else (output, cache)

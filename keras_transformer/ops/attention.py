@@ -1,7 +1,8 @@
 """Scaled dot-product attention: the backend's fused kernel or the plain expression.
 
 The fused path is `keras.ops.dot_product_attention`, which reaches XLA's and
-cuDNN's fused attention under JAX on a GPU. The plain path writes the same
+cuDNN's fused attention under JAX on a GPU; `padded_attention` gives cuDNN's flash kernel
+the key lengths instead of a mask, where the keys are right-padded. The plain path writes the same
 product out with `einsum` and `softmax`, and is the only one that can drop
 attention weights or return them. Which path runs is one switch,
 `set_fused_attention`; the ablation command is `python -m benchmarks.ablations
@@ -25,10 +26,16 @@ _fused = {"enabled": None}
 def set_fused_attention(enabled):
     """Chooses the attention path: True = fused, False = plain, None = automatic.
 
-    Automatic is fused on every backend but TensorFlow. On TensorFlow,
-    `keras.ops.dot_product_attention` is the same einsum-softmax-einsum graph
-    with an extra full-size mask, and the plain path measured faster on the
-    CPU (`python -m benchmarks.ablations attention`).
+    Automatic is fused on JAX's and torch's CPUs, and plain elsewhere. On
+    TensorFlow, `keras.ops.dot_product_attention` is the same
+    einsum-softmax-einsum graph with an extra full-size mask, and the plain
+    path measured faster on the CPU. Under JAX on a GPU, the fused kernels
+    take the mask as a full-size bias and measured 12% slower than the plain
+    path in a training step; there the automatic choice is cuDNN's flash
+    kernel with key lengths where the mask allows (`padded_attention`, as
+    fast as the plain path at sentence lengths, in memory linear in the
+    length), else the plain path. False turns `padded_attention` off too.
+    Figures: `python -m benchmarks.ablations attention`, benchmarks/README.md.
 
     Example:
 
@@ -44,7 +51,14 @@ def fused_attention_enabled():
     """Whether attention takes the fused path when nothing requires the plain one."""
     if _fused["enabled"] is not None:
         return _fused["enabled"]
-    return keras.backend.backend() != "tensorflow"
+    backend = keras.backend.backend()
+    return backend != "tensorflow" and not (backend == "jax" and _on_gpu())
+
+
+def _on_gpu():
+    import jax
+
+    return jax.devices()[0].platform == "gpu"
 
 
 def dot_product_attention(query, key, value, mask=None, dropout=None, training=None, fused=None):
@@ -101,3 +115,64 @@ def dot_product_attention(query, key, value, mask=None, dropout=None, training=N
         if weights is not None:
             weights = weights * ops.cast(ops.expand_dims(has_key, -1), weights.dtype)
     return attended, weights
+
+
+def padded_attention(
+    query, key, value, key_padding_mask, causal=False, dropout=None, training=None
+):
+    """cuDNN's flash attention for right-padded keys, under JAX on a GPU; else None.
+
+    The general kernels take the mask as a full `(B, 1, T, S)` bias. For
+    the masks the Transformer uses (key padding, optionally causal), cuDNN
+    only needs each sentence's key length, which its flash kernel skips
+    over. That holds when every key padding mask is a run of real tokens
+    followed by padding: checked in the graph, and where it fails the batch
+    takes the general path (`lax.cond`: only one branch runs).
+
+    Returns the attended values `(B, T, N, H)`, or None where this path does
+    not apply: another backend or device, float32 (the kernel is 16-bit),
+    `set_fused_attention(False)`, dropout on the attention weights in
+    training, or a cuDNN that refuses the shapes. The caller then takes
+    `dot_product_attention`.
+    """
+    if keras.backend.backend() != "jax" or _fused["enabled"] is False:
+        return None
+    if dropout is not None and dropout.rate > 0 and bool(training):
+        return None
+    if str(query.dtype) not in ("bfloat16", "float16"):
+        return None
+    if not _on_gpu():
+        return None
+    import jax
+    import jax.numpy as jnp
+
+    keep = jnp.asarray(key_padding_mask).astype(bool)  # (B, S)
+    lengths = jnp.sum(keep, axis=-1, dtype=jnp.int32)
+    right_padded = jnp.all(keep == (jnp.arange(keep.shape[-1])[None, :] < lengths[:, None]))
+
+    def flash(q, k, v):
+        # A sentence of no real key attends to its first key, then is zeroed
+        # below, as the general path zeroes it (cuDNN is not asked for length 0).
+        return jax.nn.dot_product_attention(
+            q,
+            k,
+            v,
+            scale=1.0,
+            is_causal=causal,
+            key_value_seq_lengths=jnp.maximum(lengths, 1),
+            implementation="cudnn",
+        )
+
+    def general(q, k, v):
+        from keras_transformer.layers.masks import merge_masks
+
+        mask = merge_masks(q.shape[1], k.shape[1], key_padding_mask=keep, use_causal_mask=causal)
+        return dot_product_attention(q, k, v, mask, fused=True)[0]
+
+    try:
+        attended = jax.lax.cond(right_padded, flash, general, query, key, value)
+    except Exception:  # cuDNN (or this JAX) refuses the shapes: the general path
+        return None
+    # Causal or not, a query sees no key exactly when its sentence has none.
+    has_key = (lengths > 0)[:, None, None, None]
+    return jnp.where(has_key, attended, jnp.zeros((), attended.dtype))

@@ -113,7 +113,7 @@ def test_switch_chooses_the_path(monkeypatch):
     dot_product_attention(q, k, v)
     assert calls == [False]  # the plain path did not call it
     set_fused_attention(None)
-    assert fused_attention_enabled() == (keras.backend.backend() != "tensorflow")
+    assert fused_attention_enabled() == (keras.backend.backend() != "tensorflow")  # on a CPU
 
 
 def test_dropped_weights_take_the_plain_path(monkeypatch):
