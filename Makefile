@@ -51,7 +51,7 @@ TRAIN_LANE_TOO = tests/train/test_streamed.py \
 	tests/pretrained/test_marian.py::test_fine_tuning_on_prepared_data_encoded_with_the_imported_tokenizer \
 	tests/pretrained/test_marian.py::test_the_marian_shape_benchmark_builds_a_directory_that_imports_and_measures_its_cost \
 	tests/test_benchmarks.py::test_gradients_ablation_variants_agree_and_put_the_switch_back \
-	tests/test_benchmarks.py::test_attention_ablation_times_both_paths_and_puts_the_switch_back
+	tests/test_benchmarks.py::test_attention_ablation_times_each_path_and_puts_the_switches_back
 integration: $(STAMP)
 	@KERAS_BACKEND=tensorflow $(PYTEST) --basetemp=.pytest-train-tmp -m "integration and not slow" \
 		$(TRAIN_TESTS) $(TRAIN_LANE_TOO) > .train-tests.log 2>&1 & train=$$!; \
