@@ -216,6 +216,7 @@ def _export(args):
             precision=args.precision,
             overwrite=args.overwrite,
             source_language=args.source_language,
+            shortlist=_shortlist(args),
         )
     except (ExportError, FileNotFoundError, ValueError) as error:
         raise SystemExit(f"error: {error}") from None
@@ -227,6 +228,30 @@ def _export(args):
     ) + sorted(manifest.get("weights", {}).values())
     print(f"Wrote {', '.join(files)} and {manifest.get('tokenizer', 'no tokenizer')} to {out}")
     return 0
+
+
+def _shortlist(args):
+    """The shortlist of `export --shortlist-data SRC TGT`, or None."""
+    if not args.shortlist_data:
+        return None
+    from keras_transformer.export.shortlist_data import shortlist_from_files
+    from keras_transformer.model import transformer_parts
+    from keras_transformer.translation import load_run
+
+    if args.shortlist_per_piece < 1 or args.shortlist_frequent < 0:
+        raise SystemExit(
+            "error: --shortlist-per-piece must be at least 1 and --shortlist-frequent at least 0"
+        )
+    model, tokenizer = load_run(args.run_dir)
+    source, target = args.shortlist_data
+    return shortlist_from_files(
+        tokenizer,
+        transformer_parts(model).config.vocabulary_size,
+        source,
+        target,
+        args.shortlist_per_piece,
+        args.shortlist_frequent,
+    )
 
 
 def _export_marian(args):
@@ -366,6 +391,28 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="CODE",
         help="the source language's code (de, en, ...), kept in the manifest: the "
         "translate commands split documents into sentences by its rules",
+    )
+    export.add_argument(
+        "--shortlist-data",
+        nargs=2,
+        metavar=("SRC", "TGT"),
+        help="parallel training text (plain or .gz) to count a vocabulary shortlist from: "
+        "the export's search graphs then score only each batch's listed pieces "
+        "(docs/onnx.md, 'Shortlists')",
+    )
+    export.add_argument(
+        "--shortlist-per-piece",
+        type=int,
+        default=50,
+        metavar="N",
+        help="target pieces listed per source piece (default 50)",
+    )
+    export.add_argument(
+        "--shortlist-frequent",
+        type=int,
+        default=100,
+        metavar="N",
+        help="most frequent target pieces on every list (default 100)",
     )
     export.add_argument(
         "--overwrite", action="store_true", help="replace an earlier export in --out"

@@ -63,6 +63,7 @@ from keras_transformer.export.greedy_graph import (
     mask_input_values,
     mask_inputs,
     masked_top,
+    shortlist_input_values,
     step_interface,
 )
 from keras_transformer.export.step_graph import blocked_selection
@@ -447,6 +448,7 @@ def _build(step, compact, blocked):
         value("length_penalty", DOUBLE, []),
         value("n_best", INT64, []),
         *mask_input_values(o),
+        *shortlist_input_values(step),
     ]
     outer_outputs = [
         value("tokens", INT64, ["sentences", "n_best", "steps"]),

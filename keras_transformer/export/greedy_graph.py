@@ -38,7 +38,11 @@ import numpy as np
 from keras_transformer_runtime.specials import BOS_ID, EOS_ID
 
 from keras_transformer.export.graph_builder import GraphBuilder, copied_nodes
-from keras_transformer.export.step_graph import blocked_selection
+from keras_transformer.export.step_graph import (
+    blocked_selection,
+    is_shortlisted,
+    step_vocabulary_size,
+)
 
 
 def step_interface(step):
@@ -82,7 +86,7 @@ def mask_inputs(g, width, step):
     outputs = {value.name: value for value in step.graph.output}
     float_type = outputs["top_log_probs"].type.tensor_type.elem_type
     dtype = helper.tensor_dtype_to_np_dtype(float_type)
-    vocabulary = outputs["log_probs"].type.tensor_type.shape.dim[1].dim_value
+    vocabulary = step_vocabulary_size(step)
     # Required inputs: ONNX Runtime warns at every load of a graph whose
     # inputs have defaults (initializers of their names).
     ids = g.const("vocabulary_ids", np.arange(vocabulary, dtype=np.int64)[:, None])
@@ -96,6 +100,12 @@ def mask_inputs(g, width, step):
     early = g.cast(g.node("Greater", ["min_length", g.int64s(0)]), TensorProto.INT64)
     extra = g.node("Add", [g.node("Size", ["suppressed"]), early], "mask_extra")
     return g.node("Add", [width, g.reshape(extra, [1])], "wide_top_k")
+
+
+def shortlist_input_values(step):
+    """`[shortlist]`, the input of a shortlisted decoder step (`is_shortlisted`),
+    which its search graph takes too and its loop body reads from there; else []."""
+    return [v for v in step.graph.input if v.name == "shortlist"] if is_shortlisted(step) else []
 
 
 def mask_input_values(g):
@@ -197,7 +207,7 @@ def build_greedy_search(step):
     )
     outer_inputs = [inputs["source_mask"]] + [inputs[name] for name in cross_names]
     outer_inputs.append(value("limits", TensorProto.INT64, ["sentences"]))
-    outer_inputs += mask_input_values(g)
+    outer_inputs += mask_input_values(g) + shortlist_input_values(step)
     outer_outputs = [
         value("tokens", TensorProto.INT64, ["steps", "sentences"]),
         value("scores", float_type, ["steps", "sentences"]),
@@ -236,7 +246,7 @@ def build_greedy_batch_search(step, steps_per_iteration=1, blocked=True):
     # The body reads the live sentences' mask and cross caches from its state.
     sentence_inputs = ["source_mask", *cross_names]
     carried_name = {name: g.name(name) for name in sentence_inputs}
-    shared = {init.name for init in graph.initializer} | {"top_k"}
+    shared = {init.name for init in graph.initializer} | {"top_k", "shortlist"}
     per_step = g.int64s(steps_per_iteration)
     no_tokens, zero_scores = g.name("no_tokens"), g.name("zero_scores")  # (sentences,)
 
@@ -354,7 +364,7 @@ def build_greedy_batch_search(step, steps_per_iteration=1, blocked=True):
 
     outer_inputs = [inputs["source_mask"]] + [inputs[name] for name in cross_names]
     outer_inputs.append(value("limits", INT64, ["sentences"]))
-    outer_inputs += mask_input_values(g)
+    outer_inputs += mask_input_values(g) + shortlist_input_values(step)
     outer_outputs = [
         value("tokens", INT64, ["steps", "sentences"]),
         value("scores", float_type, ["steps", "sentences"]),

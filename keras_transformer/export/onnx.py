@@ -61,6 +61,7 @@ import shutil
 import tempfile
 
 from keras_transformer_runtime.export_format import FORMAT_VERSION, MANIFEST
+from keras_transformer_runtime.shortlist import FILE as SHORTLIST_FILE
 
 from keras_transformer.export.beam_graph import build_beam_batch_search, build_beam_search
 from keras_transformer.export.encoder_graph import build_encoder
@@ -102,6 +103,7 @@ def export_onnx(
     tokenizer_path=None,
     overwrite=False,
     source_language=None,
+    shortlist=None,
 ):
     """Converts a model (or a run directory's `model.keras`) to ONNX graphs in `out_dir`.
 
@@ -117,6 +119,10 @@ def export_onnx(
         tokenizer_path: the tokenizer file to copy when a model object is given.
         source_language: the source language's code ("de"), recorded in the
             manifest: the runtime splits documents into sentences by its rules.
+        shortlist: a `keras_transformer_runtime.shortlist.Shortlist` of the
+            model's vocabulary: also writes the search graphs that score only
+            each batch's shortlisted pieces (`*_shortlist.onnx`) and the list
+            (`shortlist.npz`), which the runtime then uses.
 
     Returns:
         The manifest (a dict), also written to `out_dir/manifest.json`.
@@ -149,7 +155,7 @@ def export_onnx(
     os.umask(umask)
     os.chmod(staging, 0o777 & ~umask)  # mkdtemp makes it private
     try:
-        manifest = _write_graphs(model, staging, opset, precision)
+        manifest = _write_graphs(model, staging, opset, precision, shortlist)
         if tokenizer_path is not None:
             name = os.path.basename(tokenizer_path)
             shutil.copyfile(tokenizer_path, os.path.join(staging, name))
@@ -241,13 +247,18 @@ def float32_copy(model):
 # --------------------------------------------------------------------------- graphs
 
 
-def _write_graphs(model, folder, opset, precision):
+def _write_graphs(model, folder, opset, precision, shortlist=None):
     import onnx
 
     from keras_transformer.model import transformer_parts
 
     parts = transformer_parts(model)
     config = parts.config
+    if shortlist is not None and shortlist.vocabulary_size != config.vocabulary_size:
+        raise ExportError(
+            f"The shortlist covers {shortlist.vocabulary_size} pieces; the model has "
+            f"{config.vocabulary_size}. Build it with this model's tokenizer."
+        )
     converted = {
         "encoder": build_encoder(parts, opset),
         "decoder_step": build_decoder_step(parts, opset),
@@ -272,12 +283,16 @@ def _write_graphs(model, folder, opset, precision):
             graphs[name][precision] = extra
         graphs[name]["inputs"] = _describe(proto.graph.input)
         graphs[name]["outputs"] = _describe(proto.graph.output)
-    for search in ("greedy_search", "greedy_batch_search", "beam_search", "beam_batch_search"):
+    for search in SEARCH_GRAPHS:
         graphs[search] = _write_search(folder, graphs["decoder_step"], search)
+    listed = {}
+    if shortlist is not None:
+        listed = _write_shortlisted(parts, folder, opset, precision, shortlist)
+        graphs.update(listed)
     weights, weight_bytes = {}, {}
     for kind in graphs["decoder_step"]:
         if kind in PRECISIONS:
-            files = [graphs[name][kind] for name in SHARED_WEIGHT_GRAPHS]
+            files = [graphs[name][kind] for name in SHARED_WEIGHT_GRAPHS + tuple(listed)]
             weights[kind] = f"weights{SUFFIXES.get(kind, '')}.bin"
             share_weights(folder, files, weights[kind])
             weight_bytes[kind] = os.path.getsize(os.path.join(folder, weights[kind]))
@@ -332,7 +347,47 @@ def _write_graphs(model, folder, opset, precision):
             "of several sentences."
         ),
         "versions": _versions(),
+        **(
+            {
+                "shortlist": {
+                    "file": SHORTLIST_FILE,
+                    "per_piece": shortlist.per_piece,
+                    "frequent": int(shortlist.frequent.size),
+                    "graphs": sorted(listed),
+                }
+            }
+            if shortlist is not None
+            else {}
+        ),
     }
+
+
+SEARCH_GRAPHS = ("greedy_search", "greedy_batch_search", "beam_search", "beam_batch_search")
+
+
+def _write_shortlisted(parts, folder, opset, precision, shortlist):
+    """Writes `shortlist.npz` and the search graphs built from the shortlisted
+    decoder step (`*_shortlist.onnx`, of each precision); returns their manifest
+    entries. The shortlisted step itself serves only as their loop body."""
+    import onnx
+
+    step = build_decoder_step(parts, opset, shortlist=True)
+    onnx.checker.check_model(step, full_check=True)
+    steps = {"float32": os.path.join(folder, "decoder_step_shortlist.onnx")}
+    onnx.save(step, steps["float32"])
+    if precision == "float16":
+        steps[precision] = os.path.join(folder, "decoder_step_shortlist_fp16.onnx")
+        onnx.save(float16_graph(step), steps[precision])
+    elif precision == "int8":
+        steps[precision] = os.path.join(folder, "decoder_step_shortlist_int8.onnx")
+        int8_graph(steps["float32"], steps[precision], parts.config.vocabulary_size)
+    entries = {}
+    for search in SEARCH_GRAPHS:
+        entries[f"{search}_shortlist"] = _write_search(folder, steps, search, f"{search}_shortlist")
+    for path in steps.values():
+        os.remove(path)
+    shortlist.save(os.path.join(folder, SHORTLIST_FILE))
+    return entries
 
 
 # Decoder steps per loop iteration of greedy_batch_search, by precision
@@ -342,10 +397,11 @@ def _write_graphs(model, folder, opset, precision):
 BATCH_STEPS_PER_ITERATION = {"int8": 2}
 
 
-def _write_search(folder, step_files, name):
+def _write_search(folder, step_files, name, file_name=None):
     """Writes the search graph `name` (a key of `build` below) of every
-    precision, each built from that precision's decoder-step graph; returns its
-    manifest entry."""
+    precision, each built from that precision's decoder-step graph (files in
+    `folder`), as `file_name` (default `name`) plus the precision's suffix;
+    returns its manifest entry."""
     import onnx
 
     build = {
@@ -363,7 +419,7 @@ def _write_search(folder, step_files, name):
             search = build(step)
         drop_unused_initializers(search.graph)
         onnx.checker.check_model(search, full_check=True)
-        entry[precision] = f"{name}{SUFFIXES.get(precision, '')}.onnx"
+        entry[precision] = f"{file_name or name}{SUFFIXES.get(precision, '')}.onnx"
         onnx.save(search, os.path.join(folder, entry[precision]))
     entry["inputs"] = _describe(search.graph.input)
     entry["outputs"] = _describe(search.graph.output)

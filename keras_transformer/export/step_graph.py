@@ -287,9 +287,27 @@ def decoder_layers(g, parts, x, self_attention, opset, alignment=False, spread=N
     return x
 
 
-def output_logits(g, parts, x):
+def output_logits(g, parts, x, shortlist=None):
     """The logits `(rows, vocabulary)` of the hidden rows `x`: the tied embeddings
-    (plus the output bias where the model has one) or the output projection."""
+    (plus the output bias where the model has one) or the output projection.
+
+    With `shortlist` (the name of a `(K,) int64` value of vocabulary ids), the
+    logits `(rows, K)` of those ids alone: their rows of the output matrix are
+    gathered, then multiplied (`Gemm`, the rows transposed)."""
+    if shortlist is not None:
+        if parts.output_projection is None:
+            table = g.const("embeddings", output_embeddings(parts))
+            bias = parts.target_embedding.logits_bias
+        else:
+            kernel = weight_array(parts.output_projection.kernel)
+            table = g.const("output_rows", np.ascontiguousarray(kernel.T))
+            bias = parts.output_projection.bias
+        rows = g.node("Gather", [table, shortlist], axis=0)  # (K, d)
+        logits = g.node("Gemm", [x, rows], transB=1)
+        if bias is not None:
+            bias = g.const("output_bias", weight_array(bias))
+            logits = g.node("Add", [logits, g.node("Gather", [bias, shortlist], axis=0)])
+        return logits
     if parts.output_projection is None:
         kernel = np.ascontiguousarray(output_embeddings(parts).T)
         logits = g.node("MatMul", [x, g.const("output_kernel", kernel)])
@@ -329,8 +347,14 @@ def cross_cache_inputs(g, parts):
     return inputs
 
 
-def build_decoder_step(parts, opset=17):
+def build_decoder_step(parts, opset=17, shortlist=False):
     """Returns the decoder-step `onnx.ModelProto` for a float32 model's `TransformerParts`.
+
+    With `shortlist`, the step scores only the vocabulary ids of its input
+    `shortlist (shortlist,) int64` (ascending, so that ties still go to the
+    lower id): `log_probs (batch, shortlist)` is normalized over them, in
+    their order, and `top_ids` are vocabulary ids. The search graphs built
+    from such a step take the same input (`keras_transformer_runtime.shortlist`).
 
     Inputs: `token_ids (batch, 1) int32`, `source_mask (sentences,
     source_len) bool`, per layer i `cross_key_i`, `cross_value_i
@@ -385,13 +409,21 @@ def build_decoder_step(parts, opset=17):
         return gemm(g, attended, *projection_weights(sa.output_dense, d), f"{p}.self_out")
 
     x = decoder_layers(g, parts, x, self_attention, opset)
-    g.node("LogSoftmax", [output_logits(g, parts, x)], ["log_probs"], axis=-1)
+    listed = "shortlist" if shortlist else None
+    g.node("LogSoftmax", [output_logits(g, parts, x, listed)], ["log_probs"], axis=-1)
     # The search loops' selection, in the graph: a row's `top_k` best tokens
     # cost less to find here than in numpy, and less to copy out than the row.
     never = np.zeros(c.vocabulary_size, np.float32)
     never[banned_ids()] = -np.inf
-    allowed = g.node("Add", ["log_probs", g.const("banned_ids_bias", never)])
-    g.node("TopK", [allowed, "top_k"], ["top_log_probs", "top_ids"], axis=-1, largest=1, sorted=1)
+    never = g.const("banned_ids_bias", never)
+    if shortlist:
+        never = g.node("Gather", [never, "shortlist"], axis=0)
+        allowed = g.node("Add", ["log_probs", never])
+        at = g.node("TopK", [allowed, "top_k"], ["top_log_probs", "top_at"], axis=-1)[1]
+        g.node("Gather", ["shortlist", at], ["top_ids"], axis=0)
+    else:
+        allowed = g.node("Add", ["log_probs", never])
+        g.node("TopK", [allowed, "top_k"], ["top_log_probs", "top_ids"], axis=-1)
 
     inputs = [g.value_info("token_ids", TensorProto.INT32, ["batch", 1])]
     inputs += cross_cache_inputs(g, parts)
@@ -401,12 +433,27 @@ def build_decoder_step(parts, opset=17):
             cache_value(g, f"self_value_{i}", "past_len", parts),
         ]
     inputs.append(g.value_info("top_k", TensorProto.INT64, [1]))
+    if shortlist:
+        inputs.append(g.value_info("shortlist", TensorProto.INT64, ["shortlist"]))
+    scored = "shortlist" if shortlist else c.vocabulary_size
     graph_outputs = [
-        g.value_info("log_probs", TensorProto.FLOAT, ["batch", c.vocabulary_size]),
+        g.value_info("log_probs", TensorProto.FLOAT, ["batch", scored]),
         g.value_info("top_log_probs", TensorProto.FLOAT, ["batch", "top_k"]),
         g.value_info("top_ids", TensorProto.INT64, ["batch", "top_k"]),
     ] + [cache_value(g, name, "past_len_plus_1", parts) for name in outputs]
     return g.model("decoder_step", inputs, graph_outputs, opset=opset)
+
+
+def step_vocabulary_size(step):
+    """The vocabulary size of the decoder-step `onnx.ModelProto` `step` (of any
+    precision, shortlisted or not): the length of its ban of padding and BOS."""
+    (ban,) = [t for t in step.graph.initializer if t.name == "banned_ids_bias"]
+    return ban.dims[0]
+
+
+def is_shortlisted(step):
+    """Whether the decoder-step graph `step` scores a `shortlist` input's ids only."""
+    return any(value.name == "shortlist" for value in step.graph.input)
 
 
 def selection_block_size(vocabulary_size):

@@ -34,6 +34,7 @@ from keras_transformer_runtime.onnx_sessions import (
     spins,
 )
 from keras_transformer_runtime.options import NO_MASKS
+from keras_transformer_runtime.shortlist import Shortlist
 from keras_transformer_runtime.specials import EOS_ID, PAD_ID
 
 # Greedy batches of at most this many sentences run as one call of the
@@ -128,6 +129,13 @@ class OnnxDecoder:
             activations with one scale per batch, so a part's translations
             could differ from the whole batch's); True: any batch of at
             least one sentence per thread; False: never.
+        shortlist: None (the default): an export made with a vocabulary
+            shortlist (`keras_transformer_runtime.shortlist`) searches with it,
+            through its `*_shortlist` graphs, each batch scoring only its own
+            list's pieces; False: the full vocabulary. `self.shortlist` is the
+            list in use, or None. Searches the graphs do not run (constraints,
+            sampling, prefixes, a beam wider than the graphs take) score the
+            full vocabulary either way.
 
     The export must be of `export_format.FORMAT_VERSION`; any other raises
     `ExportFileError`, which says to re-export.
@@ -136,7 +144,13 @@ class OnnxDecoder:
     source_multiple = 1  # ONNX Runtime takes any source length at no cost
 
     def __init__(
-        self, onnx_dir, providers=None, num_threads=None, precision="float32", split_batches=None
+        self,
+        onnx_dir,
+        providers=None,
+        num_threads=None,
+        precision="float32",
+        split_batches=None,
+        shortlist=None,
     ):
         self.onnx_dir = os.fspath(onnx_dir)
         self.manifest = read_manifest(self.onnx_dir)
@@ -163,6 +177,11 @@ class OnnxDecoder:
                 f"{os.path.join(self.onnx_dir, MANIFEST)} is not a valid export manifest: "
                 f"{error!r} is missing or malformed."
             ) from error
+        self._use_shortlist = shortlist
+        self.shortlist = None
+        listed = self.manifest.get("shortlist")
+        if listed and shortlist is not False:
+            self.shortlist = Shortlist.load(os.path.join(self.onnx_dir, listed["file"]))
         # The language the translate commands split documents by (None: not recorded).
         self.source_language = self.manifest.get("source_language")
         tokenizer = self.manifest.get("tokenizer")
@@ -201,6 +220,7 @@ class OnnxDecoder:
             "num_threads": self._num_threads,
             "precision": self.precision,
             "split_batches": self._split,
+            "shortlist": self._use_shortlist,
         }
         return OnnxDecoder(self.onnx_dir, **{**settings, **changes})
 
@@ -400,7 +420,7 @@ class OnnxDecoder:
         (`greedy_search` for up to `GRAPH_LOOP_MAX_SENTENCES` sentences,
         `greedy_batch_search` above); None where the masks drop more tokens than
         the graph's selection takes."""
-        graph = (
+        graph = self._listed(
             "greedy_search" if len(source) <= GRAPH_LOOP_MAX_SENTENCES else "greedy_batch_search"
         )
         if not self._takes(graph, 1, masks):
@@ -411,6 +431,18 @@ class OnnxDecoder:
                 source, limits, parts, lambda worker, part, lims: worker.greedy(part, lims, masks)
             )
         return self.run_greedy_graph(source, limits, graph, masks)
+
+    def _listed(self, graph):
+        """`graph`, or its shortlisted version where this decoder searches with a shortlist."""
+        return f"{graph}_shortlist" if self.shortlist is not None else graph
+
+    def shortlist_feeds(self, graph, source, width, masks):
+        """The `shortlist` input of a shortlisted search graph: the batch's ids, at
+        least as many as a step selects (`width` plus one per maskable token)."""
+        if not graph.endswith("_shortlist"):
+            return {}
+        wide = width + len(masks.suppressed) + (masks.min_length > 0)
+        return {"shortlist": self.shortlist.ids(source, at_least=wide)}
 
     def _takes(self, graph, width, masks):
         """Whether `graph` selects `width` tokens a step under `masks`: it selects one
@@ -436,6 +468,7 @@ class OnnxDecoder:
         _, mask, cross = self.encode(source)
         feeds = self.search_feeds(mask, cross)
         feeds.update(self.mask_feeds(masks))
+        feeds.update(self.shortlist_feeds(graph, source, 1, masks))
         feeds["limits"] = np.asarray(limits, np.int64)
         tokens, step_scores = self.session(graph).run(None, feeds)
         # A sentence's output stops at its first EOS (ended) or -1 (done before).
@@ -458,9 +491,9 @@ class OnnxDecoder:
         more per token the masks may drop) up to its number of blocks (the
         manifest's `max_top_k`); wider beams run the loop.
         """
-        names = ["beam_batch_search"]
+        names = [self._listed("beam_batch_search")]
         if sentences <= BEAM_GRAPH_MAX_SENTENCES:
-            names.insert(0, "beam_search")
+            names.insert(0, self._listed("beam_search"))
         return next((name for name in names if self._takes(name, 2 * beam_size, masks)), None)
 
     def beam(self, source, limits, beam_size, length_penalty, n_best=1, masks=NO_MASKS):
@@ -505,6 +538,7 @@ class OnnxDecoder:
         feeds["length_penalty"] = np.array(length_penalty, np.float64)
         feeds["n_best"] = np.array(n_best, np.int64)
         feeds.update(self.mask_feeds(masks))
+        feeds.update(self.shortlist_feeds(graph, source, 2 * beam_size, masks))
         tokens, lengths, scores, steps = self.session(graph).run(None, feeds)
         # A hypothesis's step scores: its tokens', and EOS's where it ended with
         # one (under its limit). A score of -inf: fewer finished than n_best.

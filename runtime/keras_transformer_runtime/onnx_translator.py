@@ -17,9 +17,15 @@ class OnnxTranslator(Translator):
     for the arguments and `translator.Translator` for the methods."""
 
     def __init__(
-        self, onnx_dir, providers=None, num_threads=None, precision="float32", split_batches=None
+        self,
+        onnx_dir,
+        providers=None,
+        num_threads=None,
+        precision="float32",
+        split_batches=None,
+        shortlist=None,
     ):
-        decoder = OnnxDecoder(onnx_dir, providers, num_threads, precision, split_batches)
+        decoder = OnnxDecoder(onnx_dir, providers, num_threads, precision, split_batches, shortlist)
         super().__init__(decoder, decoder.tokenizer)
 
     @property
