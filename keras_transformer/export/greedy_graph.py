@@ -246,7 +246,16 @@ def build_greedy_batch_search(step, steps_per_iteration=1, blocked=True):
     # The body reads the live sentences' mask and cross caches from its state.
     sentence_inputs = ["source_mask", *cross_names]
     carried_name = {name: g.name(name) for name in sentence_inputs}
-    shared = {init.name for init in graph.initializer} | {"top_k", "shortlist"}
+    # What every step's copy reads as is: weights, and values of the outer
+    # graph (the shortlist and what is computed from it before the loop).
+    produced = {name for node in graph.node for name in node.output}
+    step_inputs = {value.name for value in graph.input} - {"top_k", "shortlist"}
+    shared = {
+        name
+        for node in graph.node
+        for name in node.input
+        if name and name not in produced and name not in step_inputs
+    }
     per_step = g.int64s(steps_per_iteration)
     no_tokens, zero_scores = g.name("no_tokens"), g.name("zero_scores")  # (sentences,)
 

@@ -18,7 +18,7 @@ def float16_graph(proto):
     return half
 
 
-def int8_graph(path, out_path, vocabulary_size):
+def int8_graph(path, out_path, vocabulary_size, nodes_to_exclude=()):
     """Dynamic int8 quantization of the constant-weight MatMul and Gemm of a float32 graph,
     and int8 embedding tables (`int8_embeddings`).
 
@@ -46,6 +46,7 @@ def int8_graph(path, out_path, vocabulary_size):
             per_channel=False,
             weight_type=QuantType.QInt8,
             extra_options={"MatMulConstBOnly": True},
+            nodes_to_exclude=list(nodes_to_exclude),
         )
     finally:
         logging.getLogger().removeFilter(hush)
@@ -127,3 +128,52 @@ def sort_topologically(graph):
         copy.CopyFrom(node)
     del graph.node[:]
     graph.node.extend(copies)
+
+
+def int8_listed_output(model):
+    """The output layer of an int8 shortlisted decoder step in int8: the listed
+    rows of the int8 embedding table (`int8_embeddings`), transposed, multiplied
+    by the dynamically quantized hidden rows (`com.microsoft.DynamicQuantizeMatMul`,
+    one scale per listed row), instead of dequantized rows in a float32
+    `MatMul`. Returns whether it was replaced."""
+    from onnx import TensorProto, helper
+
+    from keras_transformer.export.step_graph import LISTED_OUTPUT
+
+    graph = model.graph
+    made = {out: node for node in graph.node for out in node.output}
+    found = [n for n in graph.node if n.name == LISTED_OUTPUT and n.op_type == "MatMul"]
+    if not found:
+        return False
+    (product,) = found
+    transpose = made.get(product.input[1])
+    mul = made.get(transpose.input[0]) if transpose is not None else None
+    if mul is None or mul.op_type != "Mul":
+        return False
+    cast, scale = made.get(mul.input[0]), made.get(mul.input[1])
+    rows = made.get(cast.input[0]) if cast is not None and cast.op_type == "Cast" else None
+    if rows is None or rows.op_type != "Gather" or scale is None or scale.op_type != "Gather":
+        return False
+    out = product.output[0]
+    graph.initializer.append(helper.make_tensor(f"{out}_scale_shape", TensorProto.INT64, [1], [-1]))
+    nodes = [
+        helper.make_node("Transpose", [rows.output[0]], [f"{out}_rows_t"], perm=[1, 0]),
+        helper.make_node("Reshape", [scale.output[0], f"{out}_scale_shape"], [f"{out}_scales"]),
+        helper.make_node(
+            "DynamicQuantizeMatMul",
+            [product.input[0], f"{out}_rows_t", f"{out}_scales"],
+            [out],
+            name=LISTED_OUTPUT,
+            domain="com.microsoft",
+        ),
+    ]
+    at = list(graph.node).index(product)
+    graph.node.remove(product)
+    for i, node in enumerate(nodes):
+        graph.node.insert(at + i, node)
+    for node in (transpose, mul, cast):  # the float32 rows, now unread
+        if not any(node.output[0] in n.input for n in graph.node):
+            graph.node.remove(node)
+    if not any(o.domain == "com.microsoft" for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    return True

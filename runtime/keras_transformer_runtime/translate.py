@@ -55,6 +55,12 @@ def build_parser():
         help="graphs to run: float32 (default), float16 (GPU) or int8 (CPU), where exported",
     )
     parser.add_argument("--cpu", action="store_true", help="run on CPU even when CUDA is usable")
+    parser.add_argument(
+        "--no-shortlist",
+        action="store_true",
+        help="search the whole vocabulary where the export has a shortlist (by default its "
+        "search graphs score each batch's listed pieces only)",
+    )
     add_search_flags(parser)
     return parser
 
@@ -79,6 +85,7 @@ def main(argv=None):
             num_threads=threads,
             precision=args.precision,
             split_batches=False if args.whole_batches else None,
+            shortlist=False if args.no_shortlist else None,
         )
         lines = read_input(sys.stdin, warn, whole=args.input_format != "text")
         options = options_from_args(args, translator.tokenizer)
@@ -89,6 +96,8 @@ def main(argv=None):
     except (ExportFileError, ValueError) as error:
         raise SystemExit(f"error: {error}") from None
     print(f"provider: {translator.provider}", file=sys.stderr)
+    if translator.decoder.shortlist is not None:
+        print("vocabulary: the export's shortlist (--no-shortlist: all of it)", file=sys.stderr)
     sys.stdout.write(text)
     sys.stdout.flush()
     return 0

@@ -1,0 +1,158 @@
+"""A vocabulary shortlist's worth: speed and BLEU of one export's search with it and without.
+
+    python -m benchmarks.shortlist ONNX_DIR [--data DIR] [--splits val test_2016_flickr]
+        [--precisions float32 int8] [--beams 1 4] [--batches 32] [--threads 1 2]
+        [--repeats 3] [--lines N] [--out JSON]
+
+ONNX_DIR is an export made with `keras-transformer export --shortlist-data`.
+Per precision, thread count, beam and batch size, the same translator
+settings run with the shortlist (`OnnxTranslator(..., shortlist=None)`, the
+default) and without it (`shortlist=False`), their repetitions interleaved;
+the fastest repetition of each counts. Lower-cased BLEU (sacreBLEU) of each
+split, sentences/s and target tokens/s (the pieces produced, EOS excluded),
+the average list size per batch, and the share of identical translations.
+Choose the list's settings on val; report test_2016_flickr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import os
+import time
+
+from benchmarks.machine import SHARED_MULTI30K, write_report
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+
+def read(path):
+    with gzip.open(path, "rt", encoding="utf-8") as f:
+        return [line.rstrip("\n") for line in f]
+
+
+def run(translator, sources, beam, batch):
+    """`(translations, seconds, target pieces)` of one pass over `sources`."""
+    from keras_transformer_runtime.options import SearchOptions
+
+    options = SearchOptions(beam_size=beam)
+    start = time.perf_counter()
+    found = translator.translate_hypotheses(sources, options, batch_size=batch)
+    seconds = time.perf_counter() - start
+    texts = [h[0]["text"] for h in found]
+    pieces = sum(len(translator.tokenizer.encode_target(t)) for t in texts)
+    return texts, seconds, pieces
+
+
+def measure(args):
+    import numpy as np
+    import sacrebleu
+    from keras_transformer_runtime import OnnxTranslator
+
+    data = {}
+    for split in args.splits:
+        sources = read(os.path.join(args.data, f"{split}.{args.src}.gz"))
+        references = read(os.path.join(args.data, f"{split}.{args.tgt}.gz"))
+        data[split] = (sources[: args.lines], references[: args.lines])
+    rows = []
+    for precision in args.precisions:
+        for threads in args.threads:
+            translators = {
+                "shortlist": OnnxTranslator(
+                    args.onnx_dir, num_threads=threads, precision=precision
+                ),
+                "full": OnnxTranslator(
+                    args.onnx_dir, num_threads=threads, precision=precision, shortlist=False
+                ),
+            }
+            listed = translators["shortlist"].decoder
+            if listed.shortlist is None:
+                raise SystemExit(f"{args.onnx_dir} was exported without a shortlist.")
+            for beam in args.beams:
+                for batch in args.batches:
+                    for split, (sources, references) in data.items():
+                        best, texts = {}, {}
+                        for _ in range(args.repeats):
+                            for name, translator in translators.items():
+                                out, seconds, pieces = run(translator, sources, beam, batch)
+                                texts[name] = out
+                                if seconds < best.get(name, (np.inf,))[0]:
+                                    best[name] = (seconds, pieces)
+                        sizes = [
+                            listed.shortlist.ids(_batch_ids(listed, sources[i : i + batch])).size
+                            for i in range(0, len(sources), batch)
+                        ]
+                        row = {
+                            "precision": precision,
+                            "threads": threads,
+                            "beam": beam,
+                            "batch": batch,
+                            "split": split,
+                            "sentences": len(sources),
+                            "mean_list_size": float(np.mean(sizes)),
+                            "vocabulary_size": listed.vocabulary_size,
+                            "same_translations": float(
+                                np.mean([a == b for a, b in zip(*texts.values(), strict=True)])
+                            ),
+                        }
+                        for name, (seconds, pieces) in best.items():
+                            hypotheses = [t.lower() for t in texts[name]]
+                            bleu = sacrebleu.corpus_bleu(
+                                hypotheses, [[r.lower() for r in references]]
+                            )
+                            row[name] = {
+                                "bleu": round(bleu.score, 2),
+                                "seconds": seconds,
+                                "sentences_per_second": len(sources) / seconds,
+                                "target_tokens_per_second": pieces / seconds,
+                            }
+                        row["speedup"] = row["full"]["seconds"] / row["shortlist"]["seconds"]
+                        rows.append(row)
+                        print(
+                            f"{precision:7s} {threads}t beam {beam} batch {batch:3d} {split:16s} "
+                            f"list {row['mean_list_size']:6.0f}/{listed.vocabulary_size} "
+                            f"full {row['full']['sentences_per_second']:7.1f}/s "
+                            f"BLEU {row['full']['bleu']:5.2f} | shortlist "
+                            f"{row['shortlist']['sentences_per_second']:7.1f}/s "
+                            f"BLEU {row['shortlist']['bleu']:5.2f} | {row['speedup']:.2f}x",
+                            flush=True,
+                        )
+    return rows
+
+
+def _batch_ids(decoder, sentences):
+    """The padded source ids of a batch of `sentences`, as the translator encodes them."""
+    import numpy as np
+    from keras_transformer_runtime.specials import EOS_ID
+
+    encoded = [decoder.tokenizer.encode(s) + [EOS_ID] for s in sentences]
+    ids = np.zeros((len(encoded), max(map(len, encoded))), np.int64)
+    for row, sentence in zip(ids, encoded, strict=True):
+        row[: len(sentence)] = sentence
+    return ids
+
+
+def main(argv=None):
+    import sys
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("onnx_dir")
+    parser.add_argument("--data", default=SHARED_MULTI30K, help="the Multi30k folder")
+    parser.add_argument("--src", default="de")
+    parser.add_argument("--tgt", default="en")
+    parser.add_argument("--splits", nargs="+", default=["val", "test_2016_flickr"])
+    parser.add_argument("--precisions", nargs="+", default=["float32", "int8"])
+    parser.add_argument("--beams", nargs="+", type=int, default=[1, 4])
+    parser.add_argument("--batches", nargs="+", type=int, default=[32])
+    parser.add_argument("--threads", nargs="+", type=int, default=[1])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--lines", type=int, default=None, help="the first N lines of each split")
+    parser.add_argument("--out", default=os.path.join(RESULTS, "shortlist.json"))
+    args = parser.parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
+    rows = measure(args)
+    write_report("shortlist", args, rows=rows)
+
+
+if __name__ == "__main__":
+    main()

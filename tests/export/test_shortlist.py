@@ -1,0 +1,165 @@
+"""Vocabulary shortlists: the list, the shortlisted search graphs, the export and the runtime."""
+
+import json
+import os
+
+import keras
+import numpy as np
+import pytest
+from keras_transformer_runtime.shortlist import Shortlist, build_shortlist
+from keras_transformer_runtime.specials import BOS_ID, EOS_ID, PAD_ID, UNK_ID
+
+
+def test_the_table_lists_what_comes_with_each_source_piece_best_first():
+    # Source piece 10 always comes with target 20, piece 11 with 21 and
+    # sometimes 22; 30 is in every target sentence (frequent, but no better
+    # sign of 10 or 11 than of anything else).
+    pairs = [([10, 4], [20, 30]), ([10], [20, 30]), ([11], [21, 30]), ([11, 10], [21, 22, 30, 20])]
+    pairs.append(([5], [30]))
+    shortlist = build_shortlist(pairs, 40, per_piece=2, frequent=1)
+    assert shortlist.table[10].tolist() == [20, 30]
+    assert shortlist.table[11].tolist() == [21, 22]
+    assert shortlist.table[12].tolist() == [-1, -1]  # never seen
+    assert shortlist.frequent.tolist() == [30]
+    ids = shortlist.ids(np.array([[10, 0, 0]]))
+    assert ids.tolist() == sorted({EOS_ID, UNK_ID, 20, 30})
+    assert ids.dtype == np.int64
+
+
+def test_a_batch_list_is_topped_up_to_what_a_step_selects():
+    shortlist = build_shortlist([([10], [20])], 40, per_piece=1, frequent=0)
+    ids = shortlist.ids(np.array([[10]]), at_least=8)
+    assert ids.size == 8 and {20, EOS_ID, UNK_ID} <= set(ids.tolist())
+    assert PAD_ID not in ids and BOS_ID not in ids
+
+
+def test_bad_ids_and_bad_files_get_clear_errors(tmp_path):
+    with pytest.raises(ValueError, match="outside the vocabulary of 40"):
+        build_shortlist([([10], [45])], 40)
+    with pytest.raises(ValueError, match="per_piece must be >= 1"):
+        build_shortlist([], 40, per_piece=0)
+    bad = tmp_path / "shortlist.npz"
+    bad.write_text("not numpy")
+    with pytest.raises(ValueError, match="is not a shortlist file"):
+        Shortlist.load(str(bad))
+    shortlist = build_shortlist([([10], [20])], 40, per_piece=1, frequent=1)
+    shortlist.save(str(bad))
+    again = Shortlist.load(str(bad))
+    assert np.array_equal(again.table, shortlist.table)
+    assert np.array_equal(again.frequent, shortlist.frequent)
+
+
+pytestmark_onnx = pytest.mark.skipif(
+    keras.backend.backend() != "tensorflow", reason="the ONNX tests run in the TensorFlow tier"
+)
+
+
+@pytest.fixture(scope="module")
+def listed_exports(trained_run, corpus_files, tmp_path_factory):
+    """The SentencePiece toy run exported three ways: with the whole vocabulary as
+    its shortlist (Python API, int8 too), with a tight list counted from its
+    training text (the CLI), and without."""
+    from keras_transformer import cli
+    from keras_transformer.export.onnx import export_onnx
+    from keras_transformer.model import transformer_parts
+    from keras_transformer.translation import load_run
+
+    _, paths = corpus_files
+    folder = tmp_path_factory.mktemp("listed")
+    model, _ = load_run(str(trained_run))
+    vocabulary_size = transformer_parts(model).config.vocabulary_size
+    whole = str(folder / "whole")
+    export_onnx(
+        str(trained_run),
+        whole,
+        precision="int8",
+        shortlist=Shortlist.whole_vocabulary(vocabulary_size),
+    )
+    tight = str(folder / "tight")
+    arguments = ["export", str(trained_run), "--out", tight, "--shortlist-data"]
+    arguments += [paths["train.src"], paths["train.tgt"]]
+    assert cli.main([*arguments, "--shortlist-per-piece", "3", "--shortlist-frequent", "5"]) == 0
+    plain = str(folder / "plain")
+    export_onnx(str(trained_run), plain)
+    return whole, tight, plain, paths
+
+
+def _sources(translator, path, count):
+    with open(path, encoding="utf-8") as f:
+        lines = f.read().splitlines()[:count]
+    return [translator.tokenizer.encode(line) + [EOS_ID] for line in lines]
+
+
+@pytestmark_onnx
+@pytest.mark.integration
+@pytest.mark.parametrize("precision", ["float32", "int8"])
+def test_the_whole_vocabulary_as_shortlist_gives_the_full_search(listed_exports, precision):
+    from keras_transformer_runtime import OnnxTranslator
+    from keras_transformer_runtime.options import SearchOptions
+
+    whole, _, _, paths = listed_exports
+    listed = OnnxTranslator(whole, precision=precision, split_batches=False)
+    full = OnnxTranslator(whole, precision=precision, split_batches=False, shortlist=False)
+    assert listed.decoder.shortlist is not None and full.decoder.shortlist is None
+    sources = _sources(full, paths["valid.src"], 12)
+    for beam in (1, 4):
+        for batch in (sources[:1], sources):  # the one-sentence graphs, then the batch graphs
+            got = listed.search(batch, SearchOptions(beam_size=beam))
+            want = full.search(batch, SearchOptions(beam_size=beam))
+            assert [h[0].tokens for h in got] == [h[0].tokens for h in want]
+            # int8: the listed rows are dequantized int8 (one scale per row) and
+            # the activations stay float32, where the full graph quantizes both.
+            tolerance = 1e-5 if precision == "float32" else 1e-3
+            np.testing.assert_allclose(
+                [h[0].score for h in got], [h[0].score for h in want], rtol=tolerance, atol=1e-5
+            )
+
+
+@pytestmark_onnx
+@pytest.mark.integration
+def test_a_real_shortlist_keeps_every_output_piece_on_its_batch_list(listed_exports, monkeypatch):
+    from keras_transformer_runtime import OnnxTranslator
+    from keras_transformer_runtime.options import SearchOptions
+
+    _, tight, plain, paths = listed_exports
+    with open(os.path.join(tight, "manifest.json"), encoding="utf-8") as f:
+        manifest = json.load(f)
+    assert manifest["shortlist"]["per_piece"] == 3 and manifest["shortlist"]["frequent"] == 5
+    assert "greedy_batch_search_shortlist" in manifest["graphs"]
+    translator = OnnxTranslator(tight, split_batches=False)
+    decoder = translator.decoder
+    lists = []
+    original = decoder.shortlist_feeds
+
+    def record(graph, source, width, masks):
+        feeds = original(graph, source, width, masks)
+        lists.append(set(feeds["shortlist"].tolist()))
+        return feeds
+
+    monkeypatch.setattr(decoder, "shortlist_feeds", record)
+    sources = _sources(translator, paths["valid.src"], 16)
+    for beam in (1, 4):
+        lists.clear()
+        found = translator.search(sources, SearchOptions(beam_size=beam))
+        (batch_list,) = lists
+        assert len(batch_list) < decoder.vocabulary_size
+        assert all(set(h[0].tokens) <= batch_list for h in found)
+        assert sum(len(h[0].tokens) for h in found) > 16
+    # The export without a list searches the whole vocabulary.
+    assert OnnxTranslator(plain).decoder.shortlist is None
+
+
+@pytestmark_onnx
+@pytest.mark.integration
+def test_export_refuses_text_that_is_not_parallel(trained_run, corpus_files, tmp_path):
+    from keras_transformer import cli
+
+    _, paths = corpus_files
+    short = tmp_path / "short.tgt"
+    with open(paths["train.tgt"], encoding="utf-8") as f:
+        short.write_text("".join(f.readlines()[:10]), encoding="utf-8")
+    out = tmp_path / "out"
+    arguments = ["export", str(trained_run), "--out", str(out), "--shortlist-data"]
+    with pytest.raises(SystemExit, match="are not parallel"):
+        cli.main([*arguments, paths["train.src"], str(short)])
+    assert not out.exists()  # nothing half-written
