@@ -403,9 +403,10 @@ def build_parser() -> argparse.ArgumentParser:
     export.add_argument(
         "--shortlist-per-piece",
         type=int,
-        default=50,
+        default=10,
         metavar="N",
-        help="target pieces listed per source piece (default 50)",
+        help="target pieces listed per source piece (default 10: chosen on Multi30k's val, "
+        "benchmarks/README.md)",
     )
     export.add_argument(
         "--shortlist-frequent",

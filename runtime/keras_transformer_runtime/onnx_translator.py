@@ -16,16 +16,8 @@ class OnnxTranslator(Translator):
     """`Translator(OnnxDecoder(onnx_dir, ...), its tokenizer)`: see `onnx_decoder.OnnxDecoder`
     for the arguments and `translator.Translator` for the methods."""
 
-    def __init__(
-        self,
-        onnx_dir,
-        providers=None,
-        num_threads=None,
-        precision="float32",
-        split_batches=None,
-        shortlist=None,
-    ):
-        decoder = OnnxDecoder(onnx_dir, providers, num_threads, precision, split_batches, shortlist)
+    def __init__(self, onnx_dir, *settings, **named_settings):
+        decoder = OnnxDecoder(onnx_dir, *settings, **named_settings)
         super().__init__(decoder, decoder.tokenizer)
 
     @property

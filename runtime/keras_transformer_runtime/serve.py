@@ -410,7 +410,8 @@ def main(argv=None):
         cores = available_cores()
         workers = args.workers or 1
         threads = args.threads or (max(1, cores // workers) if on_cpu else None)
-        engine = Engine(args.onnx_dir, workers, threads, args.precision, providers)
+        shortlist = False if args.no_shortlist else None
+        engine = Engine(args.onnx_dir, workers, threads, args.precision, providers, shortlist)
         engine.warm_up(min(args.max_batch_sentences, 16))
     except (ExportFileError, ValueError, OSError) as error:
         raise SystemExit(f"error: cannot load the model: {error}") from None

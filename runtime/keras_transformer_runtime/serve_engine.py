@@ -15,14 +15,22 @@ class Engine:
     """The translators of the workers, and the tokenizer; `run_batch` searches one batch.
 
     Args:
-        onnx_dir, precision, providers: as for `OnnxTranslator`.
+        onnx_dir, precision, providers, shortlist: as for `OnnxTranslator`.
         workers: translators (each with its own sessions), one per worker.
         threads: intra-op threads of each.
     """
 
-    def __init__(self, onnx_dir, workers, threads, precision="float32", providers=None):
+    def __init__(
+        self, onnx_dir, workers, threads, precision="float32", providers=None, shortlist=None
+    ):
         self.translators = [
-            OnnxTranslator(onnx_dir, providers=providers, num_threads=threads, precision=precision)
+            OnnxTranslator(
+                onnx_dir,
+                providers=providers,
+                num_threads=threads,
+                precision=precision,
+                shortlist=shortlist,
+            )
             for _ in range(workers)
         ]
         first = self.translators[0]

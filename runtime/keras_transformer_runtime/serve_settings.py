@@ -35,6 +35,11 @@ def build_parser():
     )
     add("--cpu", action="store_true", help="run on CPU even when CUDA is usable")
     add(
+        "--no-shortlist",
+        action="store_true",
+        help="search the whole vocabulary where the export has a shortlist",
+    )
+    add(
         "--max-batch-sentences",
         type=int,
         default=32,

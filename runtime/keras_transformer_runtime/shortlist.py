@@ -96,7 +96,7 @@ class Shortlist:
         return cls(np.full((vocabulary_size, 0), -1, np.int32), np.arange(vocabulary_size))
 
 
-def build_shortlist(pairs, vocabulary_size, per_piece=50, frequent=100):
+def build_shortlist(pairs, vocabulary_size, per_piece=10, frequent=100):
     """Counts the sentence pairs `pairs` (an iterable of `(source ids, target ids)`)
     into a `Shortlist` of each source piece's `per_piece` best target pieces by
     Dice coefficient and the `frequent` most frequent target pieces.

@@ -163,3 +163,23 @@ def test_export_refuses_text_that_is_not_parallel(trained_run, corpus_files, tmp
     with pytest.raises(SystemExit, match="are not parallel"):
         cli.main([*arguments, paths["train.src"], str(short)])
     assert not out.exists()  # nothing half-written
+
+
+@pytestmark_onnx
+@pytest.mark.integration
+def test_the_listed_rows_are_gathered_before_the_loop_and_multiplied_in_int8(listed_exports):
+    import onnx
+
+    from keras_transformer.export.step_graph import LISTED_OUTPUT
+    from keras_transformer.export.weights import subgraphs
+
+    whole = listed_exports[0]
+    for name in ("greedy_batch_search_shortlist", "beam_search_shortlist"):
+        for precision, product in (("", "MatMul"), ("_int8", "DynamicQuantizeMatMul")):
+            graph = onnx.load(os.path.join(whole, f"{name}{precision}.onnx"), False).graph
+            outer = [n for n in graph.node if "shortlist" in n.input]
+            assert outer and all(n.op_type == "Gather" for n in outer)
+            (body,) = [g for g in subgraphs(graph) if g is not graph]
+            assert not any("shortlist" in n.input for n in body.node)  # nothing gathered per step
+            products = [n.op_type for n in body.node if n.name.endswith(LISTED_OUTPUT)]
+            assert products and set(products) == {product}
