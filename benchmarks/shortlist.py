@@ -2,7 +2,7 @@
 
     python -m benchmarks.shortlist ONNX_DIR [--data DIR] [--splits val test_2016_flickr]
         [--precisions float32 int8] [--beams 1 4] [--batches 32] [--threads 1 2]
-        [--repeats 3] [--lines N] [--out JSON]
+        [--parallel 1] [--repeats 3] [--lines N] [--out JSON]
 
 ONNX_DIR is an export made with `keras-transformer export --shortlist-data`.
 Per precision, thread count, beam and batch size, the same translator
@@ -31,13 +31,15 @@ def read(path):
         return [line.rstrip("\n") for line in f]
 
 
-def run(translator, sources, beam, batch):
+def run(translator, sources, beam, batch, parallel=1):
     """`(translations, seconds, target pieces)` of one pass over `sources`."""
     from keras_transformer_runtime.options import SearchOptions
 
     options = SearchOptions(beam_size=beam)
     start = time.perf_counter()
-    found = translator.translate_hypotheses(sources, options, batch_size=batch)
+    found = translator.translate_hypotheses(
+        sources, options, batch_size=batch, parallel_batches=parallel
+    )
     seconds = time.perf_counter() - start
     texts = [h[0]["text"] for h in found]
     pieces = sum(len(translator.tokenizer.encode_target(t)) for t in texts)
@@ -74,7 +76,9 @@ def measure(args):
                         best, texts = {}, {}
                         for _ in range(args.repeats):
                             for name, translator in translators.items():
-                                out, seconds, pieces = run(translator, sources, beam, batch)
+                                out, seconds, pieces = run(
+                                    translator, sources, beam, batch, args.parallel
+                                )
                                 texts[name] = out
                                 if seconds < best.get(name, (np.inf,))[0]:
                                     best[name] = (seconds, pieces)
@@ -85,6 +89,7 @@ def measure(args):
                         row = {
                             "precision": precision,
                             "threads": threads,
+                            "parallel_batches": args.parallel,
                             "beam": beam,
                             "batch": batch,
                             "split": split,
@@ -109,7 +114,7 @@ def measure(args):
                         row["speedup"] = row["full"]["seconds"] / row["shortlist"]["seconds"]
                         rows.append(row)
                         print(
-                            f"{precision:7s} {threads}t beam {beam} batch {batch:3d} {split:16s} "
+                            f"{precision:7s} {args.parallel}x{threads}t beam {beam} batch {batch:3d} {split:16s} "
                             f"list {row['mean_list_size']:6.0f}/{listed.vocabulary_size} "
                             f"full {row['full']['sentences_per_second']:7.1f}/s "
                             f"BLEU {row['full']['bleu']:5.2f} | shortlist "
@@ -145,6 +150,9 @@ def main(argv=None):
     parser.add_argument("--beams", nargs="+", type=int, default=[1, 4])
     parser.add_argument("--batches", nargs="+", type=int, default=[32])
     parser.add_argument("--threads", nargs="+", type=int, default=[1])
+    parser.add_argument(
+        "--parallel", type=int, default=1, help="batches searched at once (parallel_batches)"
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--lines", type=int, default=None, help="the first N lines of each split")
     parser.add_argument("--out", default=os.path.join(RESULTS, "shortlist.json"))
