@@ -107,9 +107,10 @@ def test_the_whole_vocabulary_as_shortlist_gives_the_full_search(listed_exports,
             got = listed.search(batch, SearchOptions(beam_size=beam))
             want = full.search(batch, SearchOptions(beam_size=beam))
             assert [h[0].tokens for h in got] == [h[0].tokens for h in want]
-            # int8: the listed rows are dequantized int8 (one scale per row) and
-            # the activations stay float32, where the full graph quantizes both.
-            tolerance = 1e-5 if precision == "float32" else 1e-3
+            # int8: the listed rows have one scale per row, where the full
+            # graph's output matrix has one scale: the same tokens, scores
+            # within a few thousandths.
+            tolerance = 1e-5 if precision == "float32" else 5e-3
             np.testing.assert_allclose(
                 [h[0].score for h in got], [h[0].score for h in want], rtol=tolerance, atol=1e-5
             )
@@ -176,10 +177,13 @@ def test_the_listed_rows_are_gathered_before_the_loop_and_multiplied_in_int8(lis
     whole = listed_exports[0]
     for name in ("greedy_batch_search_shortlist", "beam_search_shortlist"):
         for precision, product in (("", "MatMul"), ("_int8", "DynamicQuantizeMatMul")):
-            graph = onnx.load(os.path.join(whole, f"{name}{precision}.onnx"), False).graph
+            path = os.path.join(whole, f"{name}{precision}.onnx")
+            graph = onnx.load(path, load_external_data=False).graph
             outer = [n for n in graph.node if "shortlist" in n.input]
             assert outer and all(n.op_type == "Gather" for n in outer)
             (body,) = [g for g in subgraphs(graph) if g is not graph]
-            assert not any("shortlist" in n.input for n in body.node)  # nothing gathered per step
+            # Per step the body only maps the selected positions back to ids.
+            readers = [n for n in body.node if "shortlist" in n.input]
+            assert all(n.op_type == "Gather" and n.input[0] == "shortlist" for n in readers)
             products = [n.op_type for n in body.node if n.name.endswith(LISTED_OUTPUT)]
             assert products and set(products) == {product}
