@@ -126,13 +126,31 @@ def ctranslate2_spec(model, tokenizer):
     return spec
 
 
-def ctranslate2_model(model, tokenizer, out_dir, quantization=None):
-    """Writes a CTranslate2 model folder (`quantization`: None = float32, or "int8")."""
+def ctranslate2_model(model, tokenizer, out_dir, quantization=None, vmap=None):
+    """Writes a CTranslate2 model folder (`quantization`: None = float32, or "int8"),
+    with the vocabulary map file `vmap` (`vmap_file`) where given."""
     spec = ctranslate2_spec(model, tokenizer)
+    if vmap is not None:
+        spec.register_vocabulary_mapping(vmap)
     spec.optimize(quantization=quantization)
     os.makedirs(out_dir, exist_ok=True)
     spec.save(out_dir)
     return out_dir
+
+
+def vmap_file(shortlist, tokenizer, path):
+    """Writes a `keras_transformer_runtime.shortlist.Shortlist` as CTranslate2's
+    vocabulary map (`vmap`): per source piece, a line `piece<TAB>target pieces`,
+    and the frequent pieces under the empty key (always candidates)."""
+    piece = tokenizer.id_to_piece
+    lines = ["\t" + " ".join(piece(int(t)) for t in shortlist.frequent)]
+    for source, row in enumerate(shortlist.table):
+        listed = [piece(int(t)) for t in row if t >= 0]
+        if listed:
+            lines.append(f"{piece(source)}\t{' '.join(listed)}")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write("\n".join(lines) + "\n")
+    return path
 
 
 def _translate_batches(translator, batches, options, parallel, full=False):
@@ -224,8 +242,10 @@ class CTranslate2Translator:
         threads=2,
         parallel_batches=1,
         isolated=False,
+        use_vmap=False,
     ):
         self.tokenizer = tokenizer
+        self.use_vmap = use_vmap  # the model's vocabulary map (`vmap_file`), in every search
         settings = dict(
             model_path=folder,
             device="cpu",
@@ -260,6 +280,8 @@ class CTranslate2Translator:
         """Batches of `batch_size` sorted by length, as `OnnxTranslator.translate` makes them;
         the batches and their length limits are the same at any `parallel_batches`."""
         options = {"beam_size": beam_size, "length_penalty": 0.6 if beam_size > 1 else 0.0}
+        if self.use_vmap:
+            options["use_vmap"] = True
         chunks, hypotheses = self._translated(lines, options, batch_size, parallel_batches)
         outputs = [""] * len(lines)
         for chunk, pieces in zip(chunks, hypotheses, strict=True):

@@ -2,7 +2,7 @@
 
     python -m benchmarks.shortlist ONNX_DIR [--data DIR] [--splits val test_2016_flickr]
         [--precisions float32 int8] [--beams 1 4] [--batches 32] [--threads 1 2]
-        [--parallel 1] [--repeats 3] [--lines N] [--out JSON]
+        [--parallel 1] [--repeats 3] [--lines N] [--ctranslate2 RUN] [--out JSON]
 
 ONNX_DIR is an export made with `keras-transformer export --shortlist-data`.
 Per precision, thread count, beam and batch size, the same translator
@@ -35,18 +35,45 @@ def run(translator, sources, beam, batch, parallel=1):
     """`(translations, seconds, target pieces)` of one pass over `sources`."""
     from keras_transformer_runtime.options import SearchOptions
 
-    options = SearchOptions(beam_size=beam)
     start = time.perf_counter()
-    found = translator.translate_hypotheses(
-        sources, options, batch_size=batch, parallel_batches=parallel
-    )
+    if hasattr(translator, "decoder"):  # ours
+        options = SearchOptions(beam_size=beam)
+        found = translator.translate_hypotheses(
+            sources, options, batch_size=batch, parallel_batches=parallel
+        )
+        texts = [h[0]["text"] for h in found]
+    else:  # CTranslate2 (same batches: sorted by length; length penalty 0.6 in beam search)
+        texts = translator.translate(
+            sources, beam_size=beam, batch_size=batch, parallel_batches=parallel
+        )
     seconds = time.perf_counter() - start
-    texts = [h[0]["text"] for h in found]
     pieces = sum(len(translator.tokenizer.encode_target(t)) for t in texts)
     return texts, seconds, pieces
 
 
+def ctranslate2_peers(args, precision, threads, shortlist, folder):
+    """CTranslate2 on the run's own weights (`--ctranslate2 RUN`), without and with
+    the shortlist as its vocabulary map, each in a process of its own."""
+    from benchmarks.ctranslate2_peer import CTranslate2Translator, ctranslate2_model, vmap_file
+    from keras_transformer.translation import load_run
+
+    model, tokenizer = load_run(args.ctranslate2)
+    quantization = "int8" if precision == "int8" else None
+    out = os.path.join(folder, precision)
+    vmap = vmap_file(shortlist, tokenizer, os.path.join(folder, "vmap.txt"))
+    ctranslate2_model(model, tokenizer, out, quantization, vmap=vmap)
+    settings = dict(
+        compute_type=precision, threads=threads, parallel_batches=args.parallel, isolated=True
+    )
+    return {
+        "ctranslate2": CTranslate2Translator(out, tokenizer, **settings),
+        "ctranslate2_vmap": CTranslate2Translator(out, tokenizer, use_vmap=True, **settings),
+    }
+
+
 def measure(args):
+    import tempfile
+
     import numpy as np
     import sacrebleu
     from keras_transformer_runtime import OnnxTranslator
@@ -70,6 +97,9 @@ def measure(args):
             listed = translators["shortlist"].decoder
             if listed.shortlist is None:
                 raise SystemExit(f"{args.onnx_dir} was exported without a shortlist.")
+            if args.ctranslate2:
+                folder = tempfile.mkdtemp(prefix="ct2-vmap-")
+                translators |= ctranslate2_peers(args, precision, threads, listed.shortlist, folder)
             for beam in args.beams:
                 for batch in args.batches:
                     for split, (sources, references) in data.items():
@@ -112,7 +142,24 @@ def measure(args):
                                 "target_tokens_per_second": pieces / seconds,
                             }
                         row["speedup"] = row["full"]["seconds"] / row["shortlist"]["seconds"]
+                        if args.ctranslate2:  # > 1: ours is faster
+                            row["ours_over_ctranslate2"] = (
+                                row["ctranslate2"]["seconds"] / row["full"]["seconds"]
+                            )
+                            row["ours_shortlist_over_ctranslate2_vmap"] = (
+                                row["ctranslate2_vmap"]["seconds"] / row["shortlist"]["seconds"]
+                            )
                         rows.append(row)
+                        if args.ctranslate2:
+                            print(
+                                f"  ctranslate2 {row['ctranslate2']['sentences_per_second']:.1f}/s "
+                                f"BLEU {row['ctranslate2']['bleu']:.2f}, with vmap "
+                                f"{row['ctranslate2_vmap']['sentences_per_second']:.1f}/s BLEU "
+                                f"{row['ctranslate2_vmap']['bleu']:.2f}; ours / theirs "
+                                f"{row['ours_over_ctranslate2']:.2f}x, with lists "
+                                f"{row['ours_shortlist_over_ctranslate2_vmap']:.2f}x",
+                                flush=True,
+                            )
                         print(
                             f"{precision:7s} {args.parallel}x{threads}t beam {beam} batch {batch:3d} {split:16s} "
                             f"list {row['mean_list_size']:6.0f}/{listed.vocabulary_size} "
@@ -154,6 +201,12 @@ def main(argv=None):
         "--parallel", type=int, default=1, help="batches searched at once (parallel_batches)"
     )
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--ctranslate2",
+        metavar="RUN",
+        help="the run ONNX_DIR was exported from: CTranslate2 on its weights, without and "
+        "with the shortlist as its vocabulary map (vmap), beside ours",
+    )
     parser.add_argument("--lines", type=int, default=None, help="the first N lines of each split")
     parser.add_argument("--out", default=os.path.join(RESULTS, "shortlist.json"))
     args = parser.parse_args(argv)
