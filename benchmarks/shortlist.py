@@ -127,7 +127,14 @@ def measure(args):
                             "mean_list_size": float(np.mean(sizes)),
                             "vocabulary_size": listed.vocabulary_size,
                             "same_translations": float(
-                                np.mean([a == b for a, b in zip(*texts.values(), strict=True)])
+                                np.mean(
+                                    [
+                                        a == b
+                                        for a, b in zip(
+                                            texts["full"], texts["shortlist"], strict=True
+                                        )
+                                    ]
+                                )
                             ),
                         }
                         for name, (seconds, pieces) in best.items():
@@ -169,6 +176,9 @@ def measure(args):
                             f"BLEU {row['shortlist']['bleu']:5.2f} | {row['speedup']:.2f}x",
                             flush=True,
                         )
+            for translator in translators.values():
+                if hasattr(translator, "close"):  # CTranslate2's processes
+                    translator.close()
     return rows
 
 
