@@ -38,11 +38,7 @@ import numpy as np
 from keras_transformer_runtime.specials import BOS_ID, EOS_ID
 
 from keras_transformer.export.graph_builder import GraphBuilder, copied_nodes
-from keras_transformer.export.step_graph import (
-    blocked_selection,
-    is_shortlisted,
-    step_vocabulary_size,
-)
+from keras_transformer.export.step_graph import blocked_selection, step_vocabulary_size
 
 
 def step_interface(step):
@@ -103,9 +99,9 @@ def mask_inputs(g, width, step):
 
 
 def shortlist_input_values(step):
-    """`[shortlist]`, the input of a shortlisted decoder step (`is_shortlisted`),
+    """`[shortlist]`, the input of a shortlisted decoder step (`shortlisted`),
     which its search graph takes too and its loop body reads from there; else []."""
-    return [v for v in step.graph.input if v.name == "shortlist"] if is_shortlisted(step) else []
+    return [v for v in step.graph.input if v.name == "shortlist"]
 
 
 def mask_input_values(g):

@@ -27,6 +27,9 @@ The graphs, each built node by node from the layer weights:
   `greedy_batch_search.onnx`, `beam_batch_search.onnx`: the whole search,
   the decoder step inside an ONNX `Loop` (`keras_transformer.export.greedy_graph`,
   `.beam_graph`); a batch graph drops each sentence from its loop when it ends.
+- With a vocabulary shortlist (`shortlist=`), the same four search graphs
+  again as `*_shortlist.onnx`, built from a decoder step that scores only the
+  ids of a `shortlist` input, and the list itself (`shortlist.npz`).
 
 Every graph keeps its weights in one file per precision, `weights.bin` (`weights_int8.bin`, ...), each tensor
 once (`share_weights`).
@@ -68,10 +71,10 @@ from keras_transformer.export.encoder_graph import build_encoder
 from keras_transformer.export.forced_graph import FORCED_GRAPHS, build_teacher_forced
 from keras_transformer.export.greedy_graph import build_greedy_batch_search, build_greedy_search
 from keras_transformer.export.quantize import float16_graph, int8_graph, int8_listed_output
+from keras_transformer.export.shortlisted import hoisted
 from keras_transformer.export.step_graph import (
     LISTED_OUTPUT,
     build_decoder_step,
-    hoisted,
     selection_top_k_limit,
 )
 from keras_transformer.export.weights import ExportError, drop_unused_initializers, share_weights
