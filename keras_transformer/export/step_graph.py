@@ -423,14 +423,13 @@ def build_decoder_step(parts, opset=17, shortlist=False):
     never = np.zeros(c.vocabulary_size, np.float32)
     never[banned_ids()] = -np.inf
     never = g.const("banned_ids_bias", never)
-    if shortlist:
+    if shortlist:  # the ban of the listed ids; TopK's positions map back to ids
         never = g.node("Gather", [never, "shortlist"], axis=0)
-        allowed = g.node("Add", ["log_probs", never])
-        at = g.node("TopK", [allowed, "top_k"], ["top_log_probs", "top_at"], axis=-1)[1]
-        g.node("Gather", ["shortlist", at], ["top_ids"], axis=0)
-    else:
-        allowed = g.node("Add", ["log_probs", never])
-        g.node("TopK", [allowed, "top_k"], ["top_log_probs", "top_ids"], axis=-1)
+    allowed = g.node("Add", ["log_probs", never])
+    top = "top_at" if shortlist else "top_ids"
+    g.node("TopK", [allowed, "top_k"], ["top_log_probs", top], axis=-1)
+    if shortlist:
+        g.node("Gather", ["shortlist", "top_at"], ["top_ids"], axis=0)
 
     inputs = [g.value_info("token_ids", TensorProto.INT32, ["batch", 1])]
     inputs += cross_cache_inputs(g, parts)
