@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# Distilled students of the de->en `small` teacher on Multi30k, and the table that
+# compares them (benchmarks/README.md, "Students"):
+#   1. the teacher: examples/multi30k.sh de en (10 epochs), unless RUNS/teacher exists;
+#   2. its beam-4 translations of the training sources (`distill`, whole vocabulary);
+#   3. students, each trained for EPOCHS epochs with a WARMUP-update warm-up, on the
+#      distilled targets and (the controls) on the original ones: 6-1 and 6-2 at
+#      d256 (presets student-6-1 and student-6-2) and a 6-1 at d192 (FFN 768);
+#   4. every model exported in int8 with a shortlist counted from the original
+#      training pairs, then `benchmarks.students` on val and test_2016_flickr.
+#   usage: examples/students.sh [RUNS]      (default runs/students)
+# Rerunning resumes: finished steps are skipped, a killed training resumes.
+# Overridable: MULTI30K (data folder, default data/multi30k), EPOCHS (5), WARMUP
+# (1014: two epochs of updates), STUDENTS (which to train, default all six, as
+# NAME:DATA pairs), KT (the keras-transformer command), PYTHON.
+set -euo pipefail
+RUNS=${1:-runs/students}
+DATA=${MULTI30K:-data/multi30k}
+KT=${KT:-.venv/bin/keras-transformer}
+PYTHON=${PYTHON:-.venv/bin/python}
+EPOCHS=${EPOCHS:-5}
+WARMUP=${WARMUP:-1014}
+STUDENTS=${STUDENTS:-"6-1:distilled 6-1-d192:distilled 6-2:distilled 6-1:original 6-2:original 6-1-d192:original"}
+mkdir -p "$RUNS"
+
+[ -f "$RUNS/teacher/model.keras" ] || MULTI30K=$DATA KT=$KT examples/multi30k.sh de en "$RUNS/teacher"
+"$KT" distill "$RUNS/teacher" --src "$DATA/train.de.gz" --out "$RUNS/distilled" --beam 4
+
+shape() {  # the train flags of a student's name
+  case $1 in
+    6-1) echo --preset student-6-1 ;;
+    6-2) echo --preset student-6-2 ;;
+    6-1-d192) echo --preset student-6-1 --hidden-dim 192 --intermediate-dim 768 ;;
+    *) echo "unknown student $1" >&2; exit 2 ;;
+  esac
+}
+MODELS=(teacher="$RUNS/teacher")
+for STUDENT in $STUDENTS; do
+  NAME=${STUDENT%%:*}
+  SOURCE=${STUDENT##*:}
+  RUN="$RUNS/$NAME-$SOURCE"
+  if [ "$SOURCE" = distilled ]; then
+    TRAIN=(--src-train "$RUNS/distilled/train.src" --tgt-train "$RUNS/distilled/train.tgt")
+  else
+    TRAIN=(--src-train "$DATA/train.de.gz" --tgt-train "$DATA/train.en.gz")
+  fi
+  FLAGS=$(shape "$NAME")
+  # shellcheck disable=SC2086
+  "$KT" train "${TRAIN[@]}" --src-valid "$DATA/val.de.gz" --tgt-valid "$DATA/val.en.gz" \
+    --out "$RUN" $FLAGS --epochs "$EPOCHS" --warmup-steps "$WARMUP"
+  MODELS+=("$NAME-$SOURCE=$RUN")
+done
+
+for MODEL in "${MODELS[@]}"; do
+  RUN=${MODEL#*=}
+  [ -f "$RUN/onnx-shortlist/manifest.json" ] ||
+    "$KT" export "$RUN" --out "$RUN/onnx-shortlist" --precision int8 \
+      --shortlist-data "$DATA/train.de.gz" "$DATA/train.en.gz"
+done
+
+"$PYTHON" -m benchmarks.students "${MODELS[@]}" --data "$DATA" --splits val \
+  --threads 2 --batches 32 --repeats 1 --out "$RUNS/students-val.json"
+"$PYTHON" -m benchmarks.students "${MODELS[@]}" --data "$DATA" --ctranslate2 \
+  --batch1-lines 300 --out "$RUNS/students-test.json"
+"$PYTHON" -m benchmarks.students --table "$RUNS/students-test.json" "$RUNS/students-val.json" \
+  --plot "$RUNS/students.png"
