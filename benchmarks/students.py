@@ -85,15 +85,18 @@ def describe(export):
     """The model's shape and size, from its export."""
     with open(os.path.join(export, "manifest.json")) as f:
         config = json.load(f)["config"]
-    size = {p: os.path.getsize(os.path.join(export, f"weights{p}.bin")) for p in ("", "_int8")}
+    size = {}  # MB of the weights file of each precision exported
+    for precision in ("", "_int8"):
+        path = os.path.join(export, f"weights{precision}.bin")
+        size[precision] = round(os.path.getsize(path) / 1e6, 1) if os.path.isfile(path) else None
     return {
         "encoder_layers": config["num_encoder_layers"],
         "decoder_layers": config["num_decoder_layers"],
         "hidden_dim": config["hidden_dim"],
         "intermediate_dim": config["intermediate_dim"],
         "vocabulary_size": config["vocabulary_size"],
-        "weights_mb": round(size[""] / 1e6, 1),
-        "weights_int8_mb": round(size["_int8"] / 1e6, 1),
+        "weights_mb": size[""],
+        "weights_int8_mb": size["_int8"],
     }
 
 
@@ -234,6 +237,11 @@ def _batch_ids(decoder, sentences):
     return ids
 
 
+def _test_split(rows):
+    """The split of the speed cells: the first one measured that is not val."""
+    return next((r["split"] for r in rows if r["split"] != "val"), rows[0]["split"])
+
+
 def _cell(rows, **where):
     found = [r for r in rows if all(r.get(k) == v for k, v in where.items())]
     return found[0] if found else None
@@ -246,11 +254,12 @@ def table(reports):
     for report in reports:
         models |= report["models"]
         rows += report["rows"]
-    speed = dict(precision="int8", threads=1, batch=32, beam=1, split="test_2016_flickr")
+    batch = max(r["batch"] for r in rows)
+    speed = dict(precision="int8", threads=1, batch=batch, beam=1, split=_test_split(rows))
     reference = _cell(rows, model=next(iter(models)), **speed)
     lines = [
         "| model | layers | d | int8 MB | test greedy | beam 4 | int8 greedy | int8, list "
-        "| val int8, list | int8 greedy 32, 1 thread, sent/s: full | list | x teacher "
+        f"| val int8, list | int8 greedy {batch}, 1 thread, sent/s: full | list | x teacher "
         "| x CT2 vmap |",
         "| --- " * 13 + "|",
     ]
@@ -258,7 +267,7 @@ def table(reports):
         f32 = _cell(rows, model=name, **{**speed, "precision": "float32"})
         beam = _cell(rows, model=name, **{**speed, "precision": "float32", "beam": 4})
         int8 = _cell(rows, model=name, **speed)
-        val = _cell(rows, model=name, precision="int8", beam=1, batch=32, split="val")
+        val = _cell(rows, model=name, precision="int8", beam=1, split="val")
 
         def get(row, *keys, fmt="{:.2f}"):
             for key in keys:
@@ -296,6 +305,7 @@ def plot(reports, path):
     from keras_transformer.io_utils import atomic_path
 
     rows = [r for report in reports for r in report["rows"]]
+    split, batch = _test_split(rows), max(r["batch"] for r in rows)
     figure, axes = plt.subplots(figsize=(7, 4.5))
     markers = {(1, "full"): "o", (1, "shortlist"): "s", (4, "full"): "^", (4, "shortlist"): "D"}
     for index, name in enumerate(dict.fromkeys(r["model"] for r in rows)):
@@ -303,8 +313,8 @@ def plot(reports, path):
         for (beam, system), marker in markers.items():
             for precision in ("float32", "int8"):
                 row = _cell(
-                    rows, model=name, precision=precision, threads=1, batch=32, beam=beam,
-                    split="test_2016_flickr",
+                    rows, model=name, precision=precision, threads=1, batch=batch, beam=beam,
+                    split=split,
                 )  # fmt: skip
                 if row is None:
                     continue
@@ -315,8 +325,8 @@ def plot(reports, path):
                 )  # fmt: skip
                 label = None
     axes.set_xscale("log")
-    axes.set_xlabel("sentences/s, 1 thread, batch 32 (log)")
-    axes.set_ylabel("BLEU, lower-cased, test_2016_flickr")
+    axes.set_xlabel(f"sentences/s, 1 thread, batch {batch} (log)")
+    axes.set_ylabel(f"BLEU, lower-cased, {split}")
     axes.set_title("circles greedy, triangles beam 4; squares/diamonds with the shortlist;\n"
                    "hollow float32, filled int8", fontsize=9)  # fmt: skip
     axes.grid(alpha=0.3)

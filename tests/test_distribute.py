@@ -386,10 +386,13 @@ def test_two_processes_train_the_weights_of_one(fixed_corpus, tmp_path):
     """
     steps = ["--max-steps", "6", "--epochs", "2", "--select-by", "bleu"]
     one, two = tmp_path / "one", tmp_path / "two"
+    # Both runs at once, so that their start-up (imports, the tokenizer) and the
+    # group's waits on each other overlap.
     reference = _start_processes(fixed_corpus, one, 1, *steps)
-    assert _wait(reference, timeout=600) == [0], _logs(one, 1)
     group = _start_processes(fixed_corpus, two, 2, *steps, port=_free_port())
-    assert _wait(group, timeout=600) == [0, 0], _logs(two, 2)
+    codes = _wait(reference, timeout=600), _wait(group, timeout=600)
+    assert codes[0] == [0], _logs(one, 1)
+    assert codes[1] == [0, 0], _logs(two, 2)
 
     # Process 0 wrote the run; process 1 left nothing in it.
     assert {"model.keras", "spm.model", "metrics.json", "history.json", "config.json"} <= set(

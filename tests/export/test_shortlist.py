@@ -187,3 +187,52 @@ def test_the_listed_rows_are_gathered_before_the_loop_and_multiplied_in_int8(lis
             assert all(n.op_type == "Gather" and n.input[0] == "shortlist" for n in readers)
             products = [n.op_type for n in body.node if n.name.endswith(LISTED_OUTPUT)]
             assert products and set(products) == {product}
+
+
+@pytestmark_onnx
+@pytest.mark.integration
+def test_the_students_benchmark_measures_each_model_and_draws_its_table(
+    trained_run, listed_exports, tmp_path, capsys
+):
+    """`benchmarks.students` end to end on the toy run and its tight list: a row per
+    cell, CTranslate2 with and without the list as its vmap beside ours, the table and
+    the PNG."""
+    import gzip
+
+    pytest.importorskip("ctranslate2")
+    from benchmarks.students import main
+
+    _, tight, _, paths = listed_exports
+    for side in ("src", "tgt"):
+        with open(paths[f"test.{side}"], encoding="utf-8") as f:
+            text = f.read()
+        with gzip.open(tmp_path / f"test.{side}.gz", "wt", encoding="utf-8") as f:
+            f.write(text)
+    out = tmp_path / "students.json"
+    argv = [f"teacher={trained_run}", f"again={trained_run}", "--export", tight]
+    argv += ["--data", str(tmp_path), "--src", "src", "--tgt", "tgt", "--splits", "test"]
+    argv += ["--precisions", "float32", "--beams", "1", "--batches", "8", "1", "--threads", "1"]
+    argv += ["--lines", "12", "--batch1-lines", "3", "--repeats", "1", "--ctranslate2"]
+    main([*argv, "--out", str(out)])
+    report = json.loads(out.read_text())
+    assert list(report["models"]) == ["teacher", "again"]
+    sizes = report["models"]["teacher"]
+    assert sizes["weights_mb"] > 0 and sizes["weights_int8_mb"] is None  # a float32 export
+    assert [(r["model"], r["batch"], r["sentences"]) for r in report["rows"]] == [
+        ("teacher", 8, 12), ("teacher", 1, 3), ("again", 8, 12), ("again", 1, 3)
+    ]  # fmt: skip
+    for row in report["rows"]:
+        for system in ("full", "shortlist", "ctranslate2", "ctranslate2_vmap"):
+            assert row[system]["sentences_per_second"] > 0 and 0 <= row[system]["bleu"] <= 100
+        assert row["speedup"] == pytest.approx(row["full"]["seconds"] / row["shortlist"]["seconds"])
+        assert 0 < row["mean_list_size"] < report["models"]["teacher"]["vocabulary_size"]
+    main(["--table", str(out), "--plot", str(tmp_path / "frontier.png")])
+    lines = capsys.readouterr().out.strip().splitlines()[-2:]  # one line per model
+    model, first = report["models"]["teacher"], report["rows"][0]
+    cells = lines[0].split(" | ")
+    assert cells[:5] == [
+        "| teacher", f"{model['encoder_layers']}-{model['decoder_layers']}",
+        str(model["hidden_dim"]), str(model["weights_int8_mb"]), f"{first['full']['bleu']:.2f}",
+    ]  # fmt: skip
+    assert lines[1].startswith("| again | ")
+    assert (tmp_path / "frontier.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
