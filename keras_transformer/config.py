@@ -39,9 +39,12 @@ PRESETS: dict[str, dict[str, Any]] = {
     # Students for fast CPU decoding: `small`'s width with a deep encoder and a
     # shallow decoder, as the WMT efficiency tasks' winners and Bergamot's
     # students are built (the decoder runs once per output token, the encoder
-    # once per sentence).
-    "student-6-1": {**_SMALL, "num_layers": 6, "num_decoder_layers": 1},
-    "student-6-2": {**_SMALL, "num_layers": 6, "num_decoder_layers": 2},
+    # once per sentence). Pre-norm: six post-norm layers do not train at
+    # `small`'s peak learning rate and 1024-token batches (docs/performance.md,
+    # "Multi30k recipe proxies"; a post-norm 6-1 student was at 3.4 val BLEU
+    # after 3 epochs).
+    "student-6-1": {**_SMALL, "num_layers": 6, "num_decoder_layers": 1, "normalize_first": True},
+    "student-6-2": {**_SMALL, "num_layers": 6, "num_decoder_layers": 2, "normalize_first": True},
     # Unit tests and the built-in demo.
     "tiny": dict(
         num_layers=2,

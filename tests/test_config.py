@@ -49,6 +49,9 @@ def test_student_presets_and_depth_overrides():
         student = TransformerConfig.from_preset(name)
         small = TransformerConfig.from_preset("small")
         assert (student.num_encoder_layers, student.num_decoder_layers) == (6, decoder)
+        assert (
+            student.normalize_first and not small.normalize_first
+        )  # six post-norm layers do not train
         assert (student.hidden_dim, student.intermediate_dim, student.num_heads) == (
             small.hidden_dim,
             small.intermediate_dim,
