@@ -20,7 +20,7 @@ KT=${KT:-.venv/bin/keras-transformer}
 PYTHON=${PYTHON:-.venv/bin/python}
 EPOCHS=${EPOCHS:-5}
 WARMUP=${WARMUP:-1014}
-STUDENTS=${STUDENTS:-"6-1:distilled 6-1-d192:distilled 6-2:distilled 6-1:original 6-2:original 6-1-d192:original"}
+STUDENTS=${STUDENTS:-"6-1:distilled 6-2:distilled 6-1-d192:distilled 6-1:original 6-2:original 6-1-d192:original"}
 mkdir -p "$RUNS"
 
 [ -f "$RUNS/teacher/model.keras" ] || MULTI30K=$DATA KT=$KT examples/multi30k.sh de en "$RUNS/teacher"
