@@ -58,9 +58,13 @@ for MODEL in "${MODELS[@]}"; do
       --shortlist-data "$DATA/train.de.gz" "$DATA/train.en.gz"
 done
 
-"$PYTHON" -m benchmarks.students "${MODELS[@]}" --data "$DATA" --splits val \
+"$PYTHON" -m benchmarks.students "${MODELS[@]}" --data "$DATA" --splits val --precisions int8 \
   --threads 2 --batches 32 --repeats 1 --out "$RUNS/students-val.json"
-"$PYTHON" -m benchmarks.students "${MODELS[@]}" --data "$DATA" --ctranslate2 \
-  --batch1-lines 300 --out "$RUNS/students-test.json"
-"$PYTHON" -m benchmarks.students --table "$RUNS/students-test.json" "$RUNS/students-val.json" \
+TESTS=()
+for MODEL in "${MODELS[@]}"; do  # one process per model
+  "$PYTHON" -m benchmarks.students "$MODEL" --data "$DATA" --ctranslate2 --batch1-lines 200 \
+    --out "$RUNS/students-test-${MODEL%%=*}.json"
+  TESTS+=("$RUNS/students-test-${MODEL%%=*}.json")
+done
+"$PYTHON" -m benchmarks.students --table "${TESTS[@]}" "$RUNS/students-val.json" \
   --plot "$RUNS/students.png"
