@@ -85,7 +85,7 @@ def ctranslate2_spec(model, tokenizer):
             raise ValueError("Only the ReLU feed-forward of the paper is converted.")
     d = c.hidden_dim
     spec = transformer_spec.TransformerSpec.from_config(
-        c.num_layers,
+        (c.num_encoder_layers, c.num_decoder_layers),
         c.num_heads,
         pre_norm=c.normalize_first,
         activation=common_spec.Activation.RELU,
