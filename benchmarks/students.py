@@ -330,7 +330,7 @@ def plot(reports, path):
     axes.set_title("circles greedy, triangles beam 4; squares/diamonds with the shortlist;\n"
                    "hollow float32, filled int8", fontsize=9)  # fmt: skip
     axes.grid(alpha=0.3)
-    axes.legend(fontsize=8)
+    axes.legend(fontsize=8, loc="center right")
     figure.tight_layout()
     with atomic_path(path, suffix=".png") as tmp:
         figure.savefig(tmp, format="png", dpi=110)
