@@ -161,8 +161,26 @@ def compiled_steps(model) -> CompiledSteps:
     return steps
 
 
-def _cache_length(steps):
-    return -(-int(steps) // 8) * 8  # few compiled shapes: a multiple of 8
+def compiled_length(n: int, limit: int) -> int:
+    """`n` positions rounded up to one of few lengths (8, 10, 12, 15, 19, 24, 30, 38, ...,
+    25% apart) but not past `limit` (the model's positions), so that the compiled steps
+    see few distinct shapes."""
+    length = 8
+    while length < n:
+        length = max(length + 1, int(round(length * 1.25)))
+    return max(n, min(length, limit))
+
+
+def compiled_rows(n: int) -> int:
+    """`n` rows rounded up to a power of two, for the same reason."""
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+def _padded(source, rows, width):
+    """`source` (B, S) with empty rows and padding columns up to `(rows, width)`."""
+    padded = np.zeros((rows, width), source.dtype)
+    padded[: source.shape[0], : source.shape[1]] = source
+    return padded
 
 
 class KerasDecoder:
@@ -195,7 +213,7 @@ class KerasDecoder:
         the self-attention caches hold `steps` positions, rounded up to a multiple of 8."""
         tiled = np.repeat(source, rows, axis=0)
         if self.use_cache:
-            return _CachedState(self.steps, tiled, _cache_length(steps))
+            return _CachedState(self.steps, tiled, compiled_length(steps, self.max_length))
         return _FullState(self.steps, tiled)
 
     def greedy(self, source, limits, masks=NO_MASKS):
@@ -205,19 +223,24 @@ class KerasDecoder:
         if not self.use_cache or masks.min_length:
             return None
         steps = self.steps
+        # Empty rows (limit 0: done from the start) and padding up to few shapes.
+        rows = compiled_rows(len(source))
+        source = _padded(source, rows, compiled_length(source.shape[1], self.max_length))
+        padded_limits = np.zeros(rows, np.int32)
+        padded_limits[: len(limits)] = limits
         _, source_mask, cross_caches = steps.encode(ops.convert_to_tensor(source))
         mask = np.zeros(self.vocabulary_size, np.float32)
         mask[banned_ids() + list(masks.suppressed)] = -np.inf
         ids, step_scores = steps.greedy(
             source_mask,
             cross_caches,
-            steps.empty_self_caches(len(source), _cache_length(limits.max())),
-            ops.convert_to_tensor(limits.astype(np.int32)),
+            steps.empty_self_caches(rows, compiled_length(limits.max(), self.max_length)),
+            ops.convert_to_tensor(padded_limits),
             ops.convert_to_tensor(mask),
         )
         ids, step_scores = to_numpy(ids), to_numpy(step_scores).astype(np.float64)
         outputs, token_scores = [], []
-        for i in range(len(source)):
+        for i in range(len(limits)):
             row = [int(x) for x in ids[i, : limits[i]]]
             taken = row.index(EOS_ID) + 1 if EOS_ID in row else len(row)  # EOS included
             outputs.append(row[: taken - 1] if EOS_ID in row else row)
@@ -253,6 +276,7 @@ class _CachedState:
 
     def __init__(self, steps, tiled, length):
         self.steps = steps
+        tiled = _padded(tiled, len(tiled), compiled_length(tiled.shape[1], steps.config.max_length))
         _, self.source_mask, self.cross_caches = steps.encode(ops.convert_to_tensor(tiled))
         self.caches = steps.empty_self_caches(len(tiled), length)
 

@@ -37,10 +37,10 @@ import numpy as np
 from keras_transformer_runtime.specials import BOS_ID, EOS_ID, PAD_ID
 
 from keras_transformer.data.pipeline import (
+    BATCH_SHAPES,
+    BatchShapes,
     DataError,
     PipelineStats,
-    bucket_boundaries,
-    bucket_rows,
     check_batch_fits,
 )
 from keras_transformer.data.prepare import FORMAT_VERSION, MANIFEST, SHARD_FILES, SPM_MODEL
@@ -97,10 +97,15 @@ class PreparedData:
 
     Args:
         directory: str. The `--out` of `keras-transformer prepare`.
+        check_inputs: bool. Check the text files' fingerprints too.
+        shapes: `BatchShapes`. The length buckets and row counts of the batches.
     """
 
-    def __init__(self, directory: str, check_inputs: bool = False):
+    def __init__(
+        self, directory: str, check_inputs: bool = False, shapes: BatchShapes = BATCH_SHAPES["fine"]
+    ):
         self.directory = directory
+        self.shapes = shapes
         self._steps = {}  # (tokens_per_batch, readers) -> global steps per bucket
         path = os.path.join(directory, MANIFEST)
         if not os.path.isfile(path):
@@ -226,8 +231,8 @@ class PreparedData:
         `tokens_per_batch` tokens each: the most batches any reader has of that bucket."""
         key = (tokens_per_batch, count)
         if key not in self._steps:
-            boundaries = bucket_boundaries(self.max_length)
-            sizes = np.asarray(bucket_rows(boundaries, tokens_per_batch))
+            boundaries = self.shapes.boundaries(self.max_length)
+            sizes = np.asarray(self.shapes.rows(boundaries, tokens_per_batch))
             batches = [
                 -(-self._bucket_pairs(self.part_pieces((i, count)), boundaries) // sizes)
                 for i in range(count)
@@ -273,8 +278,8 @@ class PreparedData:
         row`. Reads only the lengths of the reader's shards, never their ids."""
         check_batch_fits(tokens_per_batch, self.max_length)
         pieces = self.part_pieces(part)
-        boundaries = bucket_boundaries(self.max_length)
-        sizes = bucket_rows(boundaries, tokens_per_batch)
+        boundaries = self.shapes.boundaries(self.max_length)
+        sizes = self.shapes.rows(boundaries, tokens_per_batch)
         rng = np.random.default_rng([seed % 2**32, epoch])
         order = [pieces[i] for i in rng.permutation(len(pieces))]
         waiting = [np.zeros(0, np.int64) for _ in boundaries]  # refs in unfilled buckets
@@ -347,10 +352,11 @@ class PreparedData:
         With `part` = `(index, count)` and count > 1 this is reader `index`'s
         share of the global steps (`reader_steps`): every reader's batch of
         one step has the same shape, its bucket's length and row count (a
-        multiple of `rows_multiple`), padded with empty rows.
+        multiple of `rows_multiple`), padded with empty rows; so has every
+        batch with `shapes.fixed_rows`.
         """
-        boundaries = bucket_boundaries(self.max_length)
-        sizes = bucket_rows(boundaries, tokens_per_batch)
+        boundaries = self.shapes.boundaries(self.max_length)
+        sizes = self.shapes.rows(boundaries, tokens_per_batch)
         if part[1] > 1 and not repeat_shapes:
             raise ValueError("Several readers pad every batch to its bucket: repeat_shapes=True.")
         open_shards = collections.OrderedDict()
@@ -361,7 +367,7 @@ class PreparedData:
                     skip -= 1
                     continue
                 rows = 0
-                if part[1] > 1:
+                if part[1] > 1 or self.shapes.fixed_rows:
                     rows = -(-sizes[bucket] // rows_multiple) * rows_multiple
                 yield self._materialize(refs, boundaries[bucket], repeat_shapes, open_shards, rows)
             epoch += 1

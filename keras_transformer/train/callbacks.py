@@ -36,6 +36,15 @@ class EpochProgress(keras.callbacks.ProgbarLogger):
         if self.verbose:
             print(f"Epoch {epoch + 1} ({self.budget})")
 
+    def on_epoch_end(self, epoch, logs=None):
+        # An epoch cut short (--max-steps, a signal) ends at the batches it ran, not
+        # at the epoch's size with a per-step time that never happened.
+        target = self.target
+        if getattr(self, "progbar", None) is not None and 0 < self.seen < (target or 0):
+            self.target = self.progbar.target = self.seen
+        super().on_epoch_end(epoch, logs)
+        self.target = target
+
 
 def fit_verbosity(verbose: int, terminal: bool) -> int:
     """`model.fit`'s verbosity: the live progress bar (1) only on a terminal.
@@ -97,11 +106,16 @@ class RunRecorder(keras.callbacks.Callback):
         # Epochs after the restored backup are redone: forget what they logged.
         del self.history[epoch:]
         self.epoch_started = time.perf_counter()
+        # After the backup's restore (on_train_begin), once an epoch.
+        self.iterations = int(self.model.optimizer.iterations.numpy())
 
     def on_train_batch_end(self, batch, logs=None):
-        if self.max_steps is not None:
-            if int(self.model.optimizer.iterations.numpy()) >= self.max_steps:
-                self.model.stop_training = True
+        # Counted here, not read from the optimizer: under JAX, `self.model` copies the
+        # whole training state back into the variables, at every batch (2x slower).
+        # (A step that float16 loss scaling skips counts here, not in the optimizer.)
+        self.iterations += 1
+        if self.max_steps is not None and self.iterations >= self.max_steps:
+            self.model.stop_training = True
 
     def on_epoch_end(self, epoch, logs=None):
         seconds = time.perf_counter() - self.epoch_started
@@ -138,8 +152,9 @@ class ValidationBleu(keras.callbacks.Callback):
     of the model outside the distribution, and every process gets its scores.
     """
 
-    def __init__(self, tokenizer, pairs, every=1, processes=SINGLE_PROCESS):
+    def __init__(self, tokenizer, pairs, every=1, processes=SINGLE_PROCESS, stop=None):
         super().__init__()
+        self.stop = stop  # a `PreemptionStop`: a span cut short by a signal is not decoded
         self.tokenizer = tokenizer
         self.pairs = pairs
         self.every = every  # epochs: as model.fit's validation_freq
@@ -147,7 +162,7 @@ class ValidationBleu(keras.callbacks.Callback):
         self._copy = None
 
     def on_epoch_end(self, epoch, logs=None):
-        if (epoch + 1) % self.every:
+        if (epoch + 1) % self.every or (self.stop is not None and self.stop.stopped):
             return
         if self.processes.distribution is None:
             scores = bleu_on(self.model, self.tokenizer, self.pairs, beam_size=1)

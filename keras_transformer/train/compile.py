@@ -33,7 +33,8 @@ def build_and_compile(
     Adam with the paper's schedule, `LabelSmoothedCrossEntropy` and
     `MaskedAccuracy`; `mixed_float16` gets Keras' loss scaling; "auto"
     precision is resolved by `keras_transformer.precision.resolve_precision`.
-    `accumulate_steps` > 1 averages that many batches' gradients per update.
+    `jit_compile` compiles the train step with XLA on TensorFlow; JAX always
+    compiles it. `accumulate_steps` > 1 averages that many batches' gradients per update.
     `cooldown_steps` of `total_steps` end the schedule with a linear fall to
     zero (`TransformerSchedule`). `rdrop_alpha` > 0 adds R-Drop's consistency
     term to the loss; the batches must then hold each sentence twice
@@ -71,7 +72,9 @@ def build_and_compile(
             ),
             loss=LabelSmoothedCrossEntropy(label_smoothing, consistency=rdrop_alpha),
             metrics=[MaskedAccuracy()],
-            jit_compile=jit_compile,
+            # JAX without jit runs every op of a step on its own, each compiled per
+            # shape: 3x slower than with it on the tiny preset (docs/distributed.md).
+            jit_compile=jit_compile or keras.backend.backend() == "jax",
         )
         # The optimizer's slots now, not on first use: built inside the first
         # trace of the training step, they make TensorFlow trace it twice.

@@ -32,6 +32,8 @@ import os
 import keras
 import numpy as np
 
+from keras_transformer.train import peers
+
 # Keras' own variables for `keras.distribution.initialize`; the flags win over them.
 ENV_COORDINATOR = "KERAS_DISTRIBUTION_JOB_ADDRESSES"
 ENV_NUM_PROCESSES = "KERAS_DISTRIBUTION_NUM_PROCESSES"
@@ -53,6 +55,7 @@ class Processes:
     count: int = 1
     devices: int = 1
     distribution: object = None
+    watch: object = None  # the `peers.PeerWatch` of a run of several processes
 
     @property
     def first(self) -> bool:
@@ -73,6 +76,8 @@ class Processes:
         if self.count > 1:
             import jax
 
+            if self.watch is not None:
+                self.watch.stop()
             jax.distributed.shutdown()
 
     def first_value(self, value: int) -> int:
@@ -198,15 +203,48 @@ def start_data_parallel(coordinator=None, num_processes=None, process_id=None) -
             f"(KERAS_BACKEND is {keras.backend.backend()!r})."
         )
     coordinator, count, index = _process_settings(coordinator, num_processes, process_id)
+    interval, missed = _heartbeats()
     import jax
 
+    watch = None
     if count > 1:
+        from jax._src import distributed
+
         # The CPU backend has no cross-process collectives without it.
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        keras.distribution.initialize(coordinator, count, index)
+        # What keras.distribution.initialize does, with JAX's own watch set behind ours.
+        jax.distributed.initialize(
+            coordinator,
+            count,
+            index,
+            heartbeat_timeout_seconds=peers.jax_heartbeat_timeout(interval, missed),
+        )
+        watch = peers.PeerWatch(distributed.global_state.client, index, count, interval, missed)
+        watch.start()
     devices = jax.devices()
     distribution = keras.distribution.DataParallel(devices=devices, auto_shard_dataset=False)
-    return Processes(jax.process_index(), jax.process_count(), len(devices), distribution)
+    return Processes(jax.process_index(), jax.process_count(), len(devices), distribution, watch)
+
+
+def _heartbeats() -> tuple[float, int]:
+    """The heartbeat interval and the heartbeats missed before a process counts as dead:
+    `peers.ENV_INTERVAL` and `peers.ENV_MISSED`, else the defaults; checked."""
+    interval, missed = peers.DEFAULT_INTERVAL, peers.DEFAULT_MISSED
+    if os.environ.get(peers.ENV_INTERVAL):
+        value = os.environ[peers.ENV_INTERVAL]
+        try:
+            interval = float(value)
+        except ValueError:
+            interval = -1.0
+        if not 0 < interval < float("inf"):
+            raise ValueError(
+                f"{peers.ENV_INTERVAL} must be a positive number of seconds. Received: {value!r}"
+            )
+    if os.environ.get(peers.ENV_MISSED):
+        missed = _env_int(peers.ENV_MISSED)
+        if missed < 1:
+            raise ValueError(f"{peers.ENV_MISSED} must be at least 1. Received: {missed}")
+    return interval, missed
 
 
 def rows_multiple(processes: Processes, paired_rows: bool = False) -> int:

@@ -98,6 +98,8 @@ def open_run(settings, out_dir, verbose, strategy, processes=SINGLE_PROCESS) -> 
     """
     if not processes.first:
         out_dir = tempfile.mkdtemp(prefix=f"keras-transformer-process-{processes.index}-")
+        if processes.watch is not None:
+            processes.watch.cleanup.append(out_dir)  # removed too when a peer dies
     resume = _check_run_directory(out_dir, settings)
     if resume:
         # Before anything reads the backup: finish or discard a commit a kill cut short.

@@ -18,7 +18,13 @@ import os
 
 from keras_transformer.checks import check_consistency
 from keras_transformer.config import SHAPE_FIELDS, TransformerConfig, preset_config
-from keras_transformer.data.pipeline import DataError, SubwordSampling, check_batch_fits
+from keras_transformer.data.pipeline import (
+    BATCH_SHAPES,
+    BatchShapes,
+    DataError,
+    SubwordSampling,
+    check_batch_fits,
+)
 from keras_transformer.data.tokenizer import DEFAULT_VOCABULARY_SIZE
 from keras_transformer.distribute import STRATEGIES, check_strategy
 from keras_transformer.precision import CHOICES as PRECISION_CHOICES
@@ -33,6 +39,7 @@ RESUMABLE_FIELDS = (
     "final",
     "valid_beam",
     "strategy",
+    "compile_cache",
     # Where this process sits in a data-parallel run: differs between processes and starts.
     "coordinator",
     "num_processes",
@@ -370,7 +377,20 @@ class TrainSettings:
         help="auto: mixed_bfloat16 on a GPU or CPU that computes in bfloat16 (AVX512_BF16, "
         "AMX), float32 elsewhere (default: %(default)s)",
     )
-    jit_compile: bool = option(False, group="devices", help="compile the train step with XLA")
+    jit_compile: bool = option(
+        False,
+        group="devices",
+        help="TensorFlow: compile the train step with XLA (JAX always compiles it)",
+    )
+    # "auto": `few` where the train step is compiled per batch shape (JAX, --jit-compile).
+    batch_shapes: str = option(
+        "auto",
+        group="devices",
+        choices=("auto", *BATCH_SHAPES),
+        help="fine: length buckets 10%% apart, the least padding; few: buckets 25%% apart and "
+        "a fixed row count per bucket, one shape per bucket, for a train step compiled per "
+        "shape; auto: few under JAX or --jit-compile, else fine (default: %(default)s)",
+    )
     # No argparse choices: a retired name gets its own message (check_strategy).
     strategy: str = option(
         "default",
@@ -379,6 +399,15 @@ class TrainSettings:
         help="default, one device; mirrored, all GPUs of this machine (tf.distribute); "
         "data-parallel, the devices of every process of the run (KERAS_BACKEND=jax, "
         "keras.distribution; see --coordinator) (default: %(default)s)",
+    )
+    # JAX's persistent compilation cache; None: the run's own (`stages.compile_cache_folder`).
+    compile_cache: str | None = option(
+        None,
+        group="devices",
+        metavar="DIR",
+        help="JAX: keep the compiled train and validation steps in DIR, so that a restart "
+        "compiles nothing again (default: OUT/compile_cache on process 0, a folder of the "
+        "system's temporary directory on the others)",
     )
     # A data-parallel run of several processes (hosts); None: Keras' environment
     # variables (keras_transformer.train.data_parallel), else one process.
@@ -421,6 +450,7 @@ class TrainSettings:
             ("precision", self.precision, PRECISION_CHOICES),
             ("select_by", self.select_by, tuple(MEASURES)),
             ("final", self.final, FINAL_CHOICES),
+            ("batch_shapes", self.batch_shapes, ("auto", *BATCH_SHAPES)),
         ):
             if value not in choices:
                 raise ValueError(
@@ -561,6 +591,13 @@ class TrainSettings:
             lengths.append(self.epochs * max(1, updates_per_epoch))
         total = min(lengths)
         return total, max(1, round(self.cooldown * total))
+
+    def shapes(self, backend: str) -> BatchShapes:
+        """The `BatchShapes` of the run's batches under Keras backend `backend`."""
+        name = self.batch_shapes
+        if name == "auto":
+            name = "few" if backend == "jax" or self.jit_compile else "fine"
+        return BATCH_SHAPES[name]
 
     def subword_sampling(self) -> SubwordSampling | None:
         """The training batches' `SubwordSampling`, or None for the best segmentation."""

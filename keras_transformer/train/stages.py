@@ -3,11 +3,13 @@ build and fit, choose the final weights, validate and record."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import os
 import shutil
 import sys
+import tempfile
 import time
 import zlib
 
@@ -58,6 +60,8 @@ from keras_transformer.train.data_parallel import (
     start_data_parallel,
 )
 from keras_transformer.train.init_from import check_prepared_for, init_config
+from keras_transformer.train.peers import lost_peer
+from keras_transformer.train.preemption import Preempted, PreemptionStop, restore_validation
 from keras_transformer.train.run_dir import (
     finished_epochs,
     load_or_train_tokenizer,
@@ -141,7 +145,9 @@ def train(settings: TrainSettings, out_dir: str, verbose: int = 1, strategy=None
     strategy, processes = _strategy(settings, strategy)
     if settings.data is not None:
         # Checked before anything is written: complete, and its inputs unchanged.
-        prepared = PreparedData(settings.data, check_inputs=True)
+        prepared = PreparedData(
+            settings.data, check_inputs=True, shapes=settings.shapes(keras.backend.backend())
+        )
         _check_prepared(settings, prepared)
         run = open_run(settings, out_dir, verbose, strategy, processes)
         data = _load_prepared(run, settings, prepared)
@@ -154,15 +160,24 @@ def train(settings: TrainSettings, out_dir: str, verbose: int = 1, strategy=None
         run = open_run(settings, out_dir, verbose, strategy, processes)
         data = _load_data(run, settings, *texts)
     recipe = _recipe(run, settings, data)
+    with compile_cache(run, settings, out_dir):
+        return _train_model(run, settings, data, recipe)
+
+
+def _train_model(run, settings, data, recipe) -> dict:
+    """Builds, fits, chooses the final weights, validates and records (see `train`)."""
+    processes = run.processes
     model = build_and_compile(data.config, run.strategy, **recipe.compile_args(settings))
     if settings.init_from is not None:
         # The starting weights; a resumed start then restores its own backup over them.
         model.set_weights(load_run(settings.init_from)[0].get_weights())
-    history = _fit(run, settings, model, data, recipe)
+    history, stop = _fit(run, settings, model, data, recipe)
     processes.leave()
     if not run.chief:
         shutil.rmtree(run.out_dir, ignore_errors=True)
         return {}
+    if stop.stopped:
+        return _stopped(run, stop, data, history)
     if run.replicas > 1:
         # Choose, decode and save on a one-device copy: the distributed
         # model's variables belong to the strategy.
@@ -174,6 +189,47 @@ def train(settings: TrainSettings, out_dir: str, verbose: int = 1, strategy=None
     atomic_save_model(model, os.path.join(run.out_dir, "model.keras"))
     atomic_write_json(os.path.join(run.out_dir, "config.json"), data.config.to_dict())
     return _validate_and_record(run, settings, model, data, history, recipe, final, greedy)
+
+
+def compile_cache_folder(settings, out_dir: str, process: int) -> str:
+    """Where a process of the run keeps JAX's compiled programs: `--compile-cache`, else
+    the run directory's `compile_cache` on process 0, and on the others a folder of the
+    system's temporary directory named after the run, which outlives the start."""
+    if settings.compile_cache is not None:
+        return settings.compile_cache
+    if process == 0:
+        return os.path.join(out_dir, "compile_cache")
+    run_name = zlib.crc32(os.path.abspath(out_dir).encode())
+    return os.path.join(
+        tempfile.gettempdir(), f"keras-transformer-compile-cache-{run_name:08x}-{process}"
+    )
+
+
+@contextlib.contextmanager
+def compile_cache(run, settings, out_dir: str):
+    """Under JAX, compiles through a persistent cache (`compile_cache_folder`) inside the
+    context: a restarted run loads its train and validation steps instead of compiling
+    them again. JAX's settings are restored after it."""
+    if keras.backend.backend() != "jax":
+        yield
+        return
+    import jax
+    from jax.experimental.compilation_cache import compilation_cache
+
+    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
+    previous = {name: getattr(jax.config, name) for name in names}
+    folder = compile_cache_folder(settings, out_dir, run.processes.index)
+    compilation_cache.reset_cache()  # JAX opens its cache once per process otherwise
+    jax.config.update("jax_compilation_cache_dir", folder)
+    # Every program, even small ones: a restart then compiles nothing.
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    run.log(f"Compiled programs are kept in {folder}.")
+    try:
+        yield
+    finally:
+        compilation_cache.reset_cache()
+        for name, value in previous.items():
+            jax.config.update(name, value)
 
 
 def _strategy(settings, strategy):
@@ -211,8 +267,9 @@ def _load_data(run, settings, src_train, tgt_train, src_valid, tgt_valid) -> _Da
             f"{settings.vocab_size})"
         )
     given = settings.tokens_per_batch
+    shapes = settings.shapes(keras.backend.backend())
     # Encoded once; the automatic batch size only counts each candidate's batches.
-    train_pairs = encode_pairs(src_train, tgt_train, tokenizer, config.max_length)
+    train_pairs = encode_pairs(src_train, tgt_train, tokenizer, config.max_length, shapes)
     tokens_per_batch = given or automatic_tokens_per_batch(train_pairs, settings.accumulate_steps)
     if not given:
         run.log(f"Batches: {tokens_per_batch} tokens per side (auto: {automatic_batch_rule()}).")
@@ -233,7 +290,7 @@ def _load_data(run, settings, src_train, tgt_train, src_valid, tgt_valid) -> _Da
             + "); validation keeps the best segmentation."
         )
     valid_data, valid_stats = batch_pairs(
-        encode_pairs(src_valid, tgt_valid, tokenizer, config.max_length),
+        encode_pairs(src_valid, tgt_valid, tokenizer, config.max_length, shapes),
         tokens_per_batch,
         shuffle=False,
     )
@@ -410,8 +467,9 @@ def _recipe(run, settings, data) -> _Recipe:
     return recipe
 
 
-def _fit(run, settings, model, data, recipe) -> list:
-    """`model.fit` with the run's callbacks, unless the budget is spent; returns the history."""
+def _fit(run, settings, model, data, recipe) -> tuple[list, PreemptionStop]:
+    """`model.fit` with the run's callbacks, unless the budget is spent; returns the history
+    and the `PreemptionStop` that says whether a signal stopped it."""
     history = read_history(run)
     recorder = RunRecorder(
         run.out_dir,
@@ -440,8 +498,12 @@ def _fit(run, settings, model, data, recipe) -> list:
     every = 1
     if settings.validate_every_steps:
         every = settings.validate_every_steps // settings.save_every_steps
+    stop = PreemptionStop(run.processes, resumes_mid_epoch=data.stream is not None)
+    callbacks.append(stop)
     if settings.select_by == "bleu":
-        callbacks.insert(0, ValidationBleu(data.tokenizer, data.valid_pairs, every, run.processes))
+        callbacks.insert(
+            0, ValidationBleu(data.tokenizer, data.valid_pairs, every, run.processes, stop)
+        )
     fit_args = {"epochs": settings.epochs if settings.epochs is not None else 10_000}
     if data.stream is not None:
         plan = data.stream
@@ -472,10 +534,37 @@ def _fit(run, settings, model, data, recipe) -> list:
         if run.resume and history:
             run.log(f"Resuming {run.out_dir} after epoch {len(history)}.")
         with run.processes.scope():
-            _fit_model(run, settings, model, data, callbacks, fit_args)
-    if run.chief and not history:
+            try:
+                _fit_model(run, settings, model, data, callbacks, fit_args)
+            except Preempted:
+                pass  # the backup of the last epoch stands (`preemption`)
+            except Exception as error:
+                if run.processes.watch is not None:
+                    lost_peer(run.processes.watch, error)  # ends the process if a peer died
+                raise
+            finally:
+                restore_validation(model)
+    if run.chief and not history and not stop.stopped:
         raise RuntimeError("Training stopped before completing an epoch; nothing to save.")
-    return history
+    return history, stop
+
+
+def _stopped(run, stop, data, history) -> dict:
+    """Says where a run stopped by a signal resumes; `{"stopped_by": ...}` for `train`."""
+    if data.stream is not None:
+        kept = f"the updates up to {stop.stopped_at} are saved"
+    elif history:
+        kept = (
+            f"the epoch in flight is dropped (text files resume at epoch ends); the backup "
+            f"after epoch {len(history)} stands"
+        )
+    else:
+        kept = "the first epoch was not finished, so nothing is saved"
+    run.log(
+        f"Stopped by {stop.signal_name} after update {stop.stopped_at}: {kept}. "
+        "Rerun the same command to resume."
+    )
+    return {"stopped_by": stop.signal_name, "steps": stop.stopped_at, "epochs": len(history)}
 
 
 def _fit_model(run, settings, model, data, callbacks, fit_args):

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 
 from keras_transformer.data.pipeline import (
+    BATCH_SHAPES,
     DataError,
     SubwordSampling,
     batch_pairs,
@@ -83,6 +84,33 @@ def test_batches_are_bucketed_and_padded_to_bucket_lengths(corpus, tokenizer):
         lengths = np.maximum((src != PAD_ID).sum(1), (dec != PAD_ID).sum(1))
         assert lengths.max() > lower and lengths.max() <= src.shape[1]
     assert len(widths) > 2
+
+
+def test_few_shapes_give_one_shape_per_bucket_and_lose_no_pair(corpus, tokenizer):
+    """`few`: every batch of a bucket has the bucket's full row count (the last one padded
+    with empty rows), so the distinct shapes are at most the buckets, over every epoch."""
+    few = BATCH_SHAPES["few"]
+    fine_shapes = {
+        s.shape for s, _, _ in _batches(batch_pairs(encode_pairs(*corpus, tokenizer, 64), 256)[0])
+    }
+    encoded = encode_pairs(*corpus, tokenizer, 64, shapes=few)
+    dataset, stats = batch_pairs(encoded, 256, seed=3)
+    boundaries = few.boundaries(64)
+    rows = dict(zip(boundaries, few.rows(boundaries, 256), strict=True))
+    shapes, pairs = set(), 0
+    for _ in range(2):  # two epochs: no new shape in the second
+        batches = _batches(dataset)
+        assert len(batches) == stats.batches == encoded.batches(256)
+        for src, dec, lab in batches:
+            assert src.shape == dec.shape == lab.shape == (rows[src.shape[1]], src.shape[1])
+            shapes.add(src.shape)
+            real = (lab != PAD_ID).any(axis=1)
+            assert not src[~real].any() and not dec[~real].any()  # empty rows are all padding
+            pairs += int(real.sum())
+    assert pairs == 2 * stats.kept_pairs == 600
+    assert len(shapes) <= few.bound(64) == len(boundaries)
+    assert len(shapes) < len(fine_shapes)  # the point of it
+    assert fine_shapes and BATCH_SHAPES["fine"].bound(64) is None
 
 
 def test_one_encoding_counts_and_batches_every_batch_size(corpus, tokenizer):

@@ -6,7 +6,7 @@ import shutil
 import numpy as np
 import pytest
 
-from keras_transformer.data.pipeline import DataError, encode_pairs, read_parallel
+from keras_transformer.data.pipeline import BATCH_SHAPES, DataError, encode_pairs, read_parallel
 from keras_transformer.data.prepare import PrepareSettings, prepare
 from keras_transformer.data.shards import PreparedData
 from keras_transformer.data.tokenizer import EOS_ID, PAD_ID, train_sentencepiece
@@ -145,6 +145,26 @@ def test_readers_read_their_own_runs_of_shards_in_steps_of_one_shape(prepared, c
         data.part_pieces((0, 99999))
     with pytest.raises(ValueError, match="index must be in"):
         data.part_pieces((2, 2))
+
+
+def test_few_shapes_stream_one_shape_per_bucket_as_text_batches_do(text, prepared):
+    """With `few` shapes the stream's batches are those of the in-memory pipeline: the same
+    count an epoch, and every batch of a bucket at its full row count."""
+    few = BATCH_SHAPES["few"]
+    data = PreparedData(prepared, shapes=few)
+    pairs = encode_pairs(*read_parallel(text[0], text[1]), data.tokenizer(), 14, shapes=few)
+    per_epoch = data.batches_per_epoch(TOKENS_PER_BATCH)
+    assert per_epoch == pairs.batches(TOKENS_PER_BATCH)
+    boundaries = few.boundaries(14)
+    rows = dict(zip(boundaries, few.rows(boundaries, TOKENS_PER_BATCH), strict=True))
+    stream = data.batches(seed=0, tokens_per_batch=TOKENS_PER_BATCH)
+    shapes, real = set(), 0
+    for source, _, labels in itertools.islice(stream, 2 * per_epoch):
+        assert source.shape == (rows[source.shape[1]], source.shape[1])
+        shapes.add(source.shape)
+        real += int((labels != PAD_ID).any(axis=1).sum())
+    assert real == 2 * data.stats().kept_pairs
+    assert len(shapes) <= few.bound(14)
 
 
 def test_a_rerun_on_a_prepared_directory_does_nothing(text, prepared):

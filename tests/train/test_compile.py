@@ -29,3 +29,54 @@ def test_build_and_compile_builds_the_slots_so_the_first_step_is_traced_once():
     model.fit({"source_ids": ids, "target_ids": ids}, ids, batch_size=2, epochs=1, verbose=0)
     assert len(traces) == 1
     assert int(to_numpy(model.optimizer.iterations)) == 1  # two batches, one update
+
+
+@pytest.mark.jax
+@pytest.mark.skipif(keras.backend.backend() != "jax", reason="counts JAX's compilations")
+def test_under_jax_the_train_step_compiles_once_per_batch_shape_and_a_second_epoch_never():
+    """`few` batch shapes under JAX: the train step is jitted (compiled per shape, not op
+    by op), the shapes are at most one per length bucket, and the second epoch, with
+    its validation, compiles nothing new."""
+    import jax
+
+    from keras_transformer.config import TransformerConfig
+    from keras_transformer.data.pipeline import BATCH_SHAPES, batch_pairs, encode_pairs
+    from keras_transformer.data.tokenizer import train_sentencepiece
+    from keras_transformer.data.toy import generate_toy_corpus
+    from keras_transformer.train import build_and_compile
+
+    corpus = generate_toy_corpus(num_train=300, num_valid=30, num_test=1)
+    sources, targets = [s for s, _ in corpus.train], [t for _, t in corpus.train]
+    tokenizer = train_sentencepiece(sources + targets, vocabulary_size=331)
+    few = BATCH_SHAPES["few"]
+    train = batch_pairs(encode_pairs(sources, targets, tokenizer, 24, few), 192, seed=1)[0]
+    valid_pairs = [[s for s, _ in corpus.valid], [t for _, t in corpus.valid]]
+    valid = batch_pairs(encode_pairs(*valid_pairs, tokenizer, 24, few), 192, shuffle=False)[0]
+    shapes = {tuple(x["source_ids"].shape) for x, _ in train}
+    assert len(shapes) <= few.bound(24)
+    valid_shapes = {tuple(x["source_ids"].shape) for x, _ in valid}
+
+    compiles = []
+
+    def listen(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(event)
+
+    class Count(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            counts.append(len(compiles))
+
+    counts = []
+    config = TransformerConfig.from_preset("tiny", vocabulary_size=tokenizer.vocabulary_size)
+    model = build_and_compile(config, precision="float32", warmup_steps=10)
+    jax.monitoring.register_event_duration_secs_listener(listen)
+    try:
+        model.fit(train, validation_data=valid, epochs=2, verbose=0, callbacks=[Count()])
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listen)
+    assert counts[0] > 0
+    assert counts[1] == counts[0]  # nothing compiled in epoch 2
+    # One train step per training shape and one test step per validation shape, and a
+    # few small programs (15 on the machine this was written on). Op by op, every op of
+    # a step would compile for every shape: hundreds.
+    assert counts[0] <= len(shapes) + len(valid_shapes) + 8

@@ -6,6 +6,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import keras
@@ -143,4 +144,53 @@ def test_kill_9_in_the_middle_of_an_epoch_loses_at_most_one_span(prepared, tmp_p
     subprocess.run(_train_command(prepared, killed, steps), env=env, check=True,
                    capture_output=True)  # fmt: skip
     for a, b in zip(_weights(whole), _weights(killed), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5)
+
+
+def _signal_when_written(path, key, number=signal.SIGTERM):
+    """Sends `number` to this process once the JSON file `path` holds `key` (from a thread:
+    the handler runs in the main thread, inside `fit`)."""
+
+    def watch():
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if os.path.isfile(path):
+                with open(path, encoding="utf-8") as f:
+                    if key(json.load(f)):
+                        os.kill(os.getpid(), number)
+                        return
+            time.sleep(0.005)
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_sigterm_saves_the_span_in_flight_and_the_rerun_ends_as_an_unstopped_run(
+    prepared, tmp_path
+):
+    """SIGTERM after the first span: the run stops after the update in flight, saves it as
+    a span (its data position, checkpoint and backup), and returns; the same settings
+    then resume at the next batch and end with the weights of a run never stopped."""
+    whole, stopped = str(tmp_path / "whole"), str(tmp_path / "stopped")
+    steps = 8 * SPAN
+    train(_settings(prepared, max_steps=steps), whole, verbose=0)
+    positions = os.path.join(stopped, "data_position.json")
+    watcher = _signal_when_written(positions, lambda p: "1" in p)
+    result = train(_settings(prepared, max_steps=steps), stopped, verbose=0)
+    watcher.join()
+    assert result["stopped_by"] == "SIGTERM"
+    at = result["steps"]
+    assert SPAN < at < steps
+    with open(positions, encoding="utf-8") as f:
+        assert json.load(f) == {"1": SPAN, "2": at, "readers": 1}
+    with open(os.path.join(stopped, "history.json"), encoding="utf-8") as f:
+        history = json.load(f)
+    assert [e["steps"] for e in history] == [SPAN, at]
+    assert not os.path.exists(os.path.join(stopped, "model.keras"))  # not finished
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler is gone again
+
+    resumed = train(_settings(prepared, max_steps=steps), stopped, verbose=0)
+    assert resumed["steps"] == steps
+    for a, b in zip(_weights(whole), _weights(stopped), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-5)
