@@ -247,6 +247,48 @@ def test_killed_run_resumes_after_the_last_completed_epoch(corpus_files, tmp_pat
     assert metrics["final"]["chosen"] in {c["name"] for c in metrics["final"]["candidates"]}
 
 
+def test_sigterm_mid_epoch_of_text_files_keeps_the_last_epochs_backup_and_resumes_there(
+    corpus_files, tmp_path, capsys
+):
+    """Text files resume only at epoch ends: SIGTERM during epoch 2 drops its updates,
+    leaves epoch 1's backup, says so, and returns; the rerun trains epochs 2 and 3."""
+    import threading
+
+    from keras_transformer.train import TrainSettings, train
+
+    _, paths = corpus_files
+    settings = TrainSettings(
+        src_train=paths["train.src"], tgt_train=paths["train.tgt"],
+        src_valid=paths["valid.src"], tgt_valid=paths["valid.tgt"], preset="tiny",
+        vocab_size=400, tokens_per_batch=512, epochs=3, select_by="loss", precision="float32",
+    )  # fmt: skip
+    out = tmp_path / "run"
+
+    def signal_after_epoch_1():
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            if (out / "backup" / "training_metadata.json").exists():
+                time.sleep(0.05)  # into epoch 2
+                os.kill(os.getpid(), signal.SIGTERM)
+                return
+            time.sleep(0.005)
+
+    thread = threading.Thread(target=signal_after_epoch_1, daemon=True)
+    thread.start()
+    result = train(settings, str(out), verbose=1)
+    thread.join()
+    said = capsys.readouterr().out
+    assert result["stopped_by"] == "SIGTERM" and result["epochs"] == 1
+    assert result["steps"] > json.loads((out / "history.json").read_text())[0]["steps"]
+    assert "the epoch in flight is dropped" in said and "backup after epoch 1 stands" in said
+    assert json.loads((out / "backup" / "training_metadata.json").read_text())["epoch"] == 1
+    assert not (out / "model.keras").exists()
+
+    resumed = train(settings, str(out), verbose=0)
+    assert [e["epoch"] for e in resumed["history"]] == [1, 2, 3]
+    assert resumed["steps"] == 3 * resumed["train_data"]["batches"]
+
+
 def test_a_resumed_start_does_not_replay_the_first_starts_batches_and_masks(
     trained_run, corpus_files, tmp_path, capsys
 ):
