@@ -69,6 +69,12 @@ def quiet_tensorflow_start():
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
     with quiet_native_stderr():
         yield
+        # Under another backend Keras does not load TensorFlow, but the command's data
+        # pipeline does, later and on every process of a run: load it here, silenced.
+        try:
+            import tensorflow  # noqa: F401
+        except ImportError:
+            pass
 
 
 @contextlib.contextmanager

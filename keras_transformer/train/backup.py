@@ -48,7 +48,17 @@ def _sync(path: str) -> None:
 
 class AtomicBackupAndRestore(keras.callbacks.BackupAndRestore):
     """`keras.callbacks.BackupAndRestore` (once per epoch) whose weights and epoch are
-    replaced together or not at all."""
+    replaced together or not at all; an epoch that `stop` (a `PreemptionStop`) drops is
+    not backed up."""
+
+    def __init__(self, backup_dir, stop=None, **kwargs):
+        super().__init__(backup_dir, **kwargs)
+        self.stop = stop
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self.stop is not None and self.stop.drops_epoch:
+            return
+        super().on_epoch_end(epoch, logs)
 
     def on_train_begin(self, logs=None):
         settle_backup(self.backup_dir)

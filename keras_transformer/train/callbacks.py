@@ -79,8 +79,10 @@ class RunRecorder(keras.callbacks.Callback):
         select_by="loss",
         patience=None,
         epoch_fields=None,
+        stop=None,
     ):
         super().__init__()
+        self.stop = stop  # a `PreemptionStop`: the epoch it drops is not recorded
         self.epoch_fields = dict(epoch_fields or {})
         self.processes = processes
         self.out_dir = out_dir
@@ -118,6 +120,8 @@ class RunRecorder(keras.callbacks.Callback):
             self.model.stop_training = True
 
     def on_epoch_end(self, epoch, logs=None):
+        if self.stop is not None and self.stop.drops_epoch:
+            return
         seconds = time.perf_counter() - self.epoch_started
         entry = {"epoch": epoch + 1, "seconds": round(seconds, 2)}
         entry["steps"] = int(self.model.optimizer.iterations.numpy())

@@ -19,8 +19,9 @@ What is kept depends on what the run can resume from:
   written as at any span end (without validation, which could outlast the
   grace period). The rerun goes on from the next batch.
 - Text files resume only at epoch ends (their shuffled order is not
-  addressable by batch): the updates of the epoch in flight are dropped, the
-  backup of the last epoch stands, and the rerun redoes that epoch.
+  addressable by batch): the epoch in flight ends at the stop but is dropped
+  (`drops_epoch`: the recorder and the backup leave it out), the backup of
+  the last epoch stands, and the rerun redoes that epoch.
 
 A second signal on one process stops at once, as the signal's default does.
 """
@@ -38,10 +39,6 @@ from keras_transformer.train.data_parallel import SINGLE_PROCESS
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
-class Preempted(Exception):
-    """Raised out of `model.fit` when a run of text files stops mid-epoch."""
-
-
 class PreemptionStop(keras.callbacks.Callback):
     """Stops `model.fit` at the batch end after SIGTERM or SIGINT (see the module).
 
@@ -57,6 +54,7 @@ class PreemptionStop(keras.callbacks.Callback):
         self.resumes_mid_epoch = resumes_mid_epoch
         self.signal_name = None  # the signal that stopped the run, once it has
         self.stopped_at = None  # the optimizer's updates at the stop
+        self.drops_epoch = False  # the epoch cut short is not to be recorded or backed up
         self._noticed = None
         self._previous = {}
         self._batches = 0
@@ -103,8 +101,7 @@ class PreemptionStop(keras.callbacks.Callback):
             return
         self.signal_name = self._noticed
         self.stopped_at = int(self.model.optimizer.iterations.numpy())
-        if not self.resumes_mid_epoch:
-            raise Preempted(self.signal_name)
+        self.drops_epoch = not self.resumes_mid_epoch
         self.model.stop_training = True
         _skip_validation(self.model)
 

@@ -61,7 +61,7 @@ from keras_transformer.train.data_parallel import (
 )
 from keras_transformer.train.init_from import check_prepared_for, init_config
 from keras_transformer.train.peers import lost_peer
-from keras_transformer.train.preemption import Preempted, PreemptionStop, restore_validation
+from keras_transformer.train.preemption import PreemptionStop, restore_validation
 from keras_transformer.train.run_dir import (
     finished_epochs,
     load_or_train_tokenizer,
@@ -175,7 +175,7 @@ def _train_model(run, settings, data, recipe) -> dict:
     processes.leave()
     if not run.chief:
         shutil.rmtree(run.out_dir, ignore_errors=True)
-        return {}
+        return {"stopped_by": stop.signal_name} if stop.stopped else {}
     if stop.stopped:
         return _stopped(run, stop, data, history)
     if run.replicas > 1:
@@ -471,6 +471,7 @@ def _fit(run, settings, model, data, recipe) -> tuple[list, PreemptionStop]:
     """`model.fit` with the run's callbacks, unless the budget is spent; returns the history
     and the `PreemptionStop` that says whether a signal stopped it."""
     history = read_history(run)
+    stop = PreemptionStop(run.processes, resumes_mid_epoch=data.stream is not None)
     recorder = RunRecorder(
         run.out_dir,
         history,
@@ -482,6 +483,7 @@ def _fit(run, settings, model, data, recipe) -> tuple[list, PreemptionStop]:
         patience=settings.patience,
         # A resumed run may continue on another machine: each epoch says where it ran.
         epoch_fields={"precision": recipe.precision, "device": recipe.device},
+        stop=stop,
     )
     # Several processes: every one restores process 0's backup (restoring is a collective).
     backup = os.path.join(run.out_dir, "backup")
@@ -490,7 +492,7 @@ def _fit(run, settings, model, data, recipe) -> tuple[list, PreemptionStop]:
         # The recorder writes its checkpoint before the backup is taken: a
         # kill in between makes the resumed run redo that epoch, never skip it.
         recorder,
-        AtomicBackupAndRestore(backup, delete_checkpoint=False),
+        AtomicBackupAndRestore(backup, stop=stop, delete_checkpoint=False),
         keras.callbacks.TensorBoard(os.path.join(run.out_dir, "logs"), update_freq="epoch"),
         EpochProgress(settings.budget()),
     ]
@@ -498,7 +500,6 @@ def _fit(run, settings, model, data, recipe) -> tuple[list, PreemptionStop]:
     every = 1
     if settings.validate_every_steps:
         every = settings.validate_every_steps // settings.save_every_steps
-    stop = PreemptionStop(run.processes, resumes_mid_epoch=data.stream is not None)
     callbacks.append(stop)
     if settings.select_by == "bleu":
         callbacks.insert(
@@ -536,8 +537,6 @@ def _fit(run, settings, model, data, recipe) -> tuple[list, PreemptionStop]:
         with run.processes.scope():
             try:
                 _fit_model(run, settings, model, data, callbacks, fit_args)
-            except Preempted:
-                pass  # the backup of the last epoch stands (`preemption`)
             except Exception as error:
                 if run.processes.watch is not None:
                     lost_peer(run.processes.watch, error)  # ends the process if a peer died
