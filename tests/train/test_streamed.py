@@ -82,11 +82,24 @@ def test_prepared_data_refuses_what_it_cannot_serve(prepared, tmp_path):
     assert not os.path.exists(tmp_path / "run")
 
 
+EVERY = dict(validate_every_steps=2 * SPAN)  # validation at spans 2 and 4 only
+STEPS = 3 * SPAN + 1
+
+
+@pytest.fixture(scope="module")
+def whole_run(prepared, tmp_path_factory):
+    """A run of STEPS updates, never stopped: `(metrics, directory)`."""
+    whole = str(tmp_path_factory.mktemp("whole") / "run")
+    return train(_settings(prepared, max_steps=STEPS, **EVERY), whole, verbose=0), whole
+
+
 @pytest.mark.integration
-def test_a_resumed_run_continues_at_the_same_batch_with_the_same_weights(prepared, tmp_path):
-    whole, split = str(tmp_path / "whole"), str(tmp_path / "split")
-    every = dict(validate_every_steps=2 * SPAN)  # validation at spans 2 and 4 only
-    metrics = train(_settings(prepared, max_steps=3 * SPAN + 1, **every), whole, verbose=0)
+def test_a_resumed_run_continues_at_the_same_batch_with_the_same_weights(
+    prepared, whole_run, tmp_path
+):
+    split = str(tmp_path / "split")
+    every = EVERY
+    metrics, whole = whole_run
     train(_settings(prepared, max_steps=2 * SPAN, **every), split, verbose=0)
     with open(os.path.join(split, "data_position.json"), encoding="utf-8") as f:
         assert json.load(f) == {"1": SPAN, "2": 2 * SPAN, "readers": 1}
@@ -166,18 +179,19 @@ def _signal_when_written(path, key, number=signal.SIGTERM):
     return thread
 
 
+@pytest.mark.integration
 def test_sigterm_saves_the_span_in_flight_and_the_rerun_ends_as_an_unstopped_run(
-    prepared, tmp_path
+    prepared, whole_run, tmp_path
 ):
     """SIGTERM after the first span: the run stops after the update in flight, saves it as
     a span (its data position, checkpoint and backup), and returns; the same settings
     then resume at the next batch and end with the weights of a run never stopped."""
-    whole, stopped = str(tmp_path / "whole"), str(tmp_path / "stopped")
-    steps = 8 * SPAN
-    train(_settings(prepared, max_steps=steps), whole, verbose=0)
+    _, whole = whole_run
+    stopped = str(tmp_path / "stopped")
+    steps = STEPS
     positions = os.path.join(stopped, "data_position.json")
     watcher = _signal_when_written(positions, lambda p: "1" in p)
-    result = train(_settings(prepared, max_steps=steps), stopped, verbose=0)
+    result = train(_settings(prepared, max_steps=steps, **EVERY), stopped, verbose=0)
     watcher.join()
     assert result["stopped_by"] == "SIGTERM"
     at = result["steps"]
@@ -190,7 +204,7 @@ def test_sigterm_saves_the_span_in_flight_and_the_rerun_ends_as_an_unstopped_run
     assert not os.path.exists(os.path.join(stopped, "model.keras"))  # not finished
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handler is gone again
 
-    resumed = train(_settings(prepared, max_steps=steps), stopped, verbose=0)
+    resumed = train(_settings(prepared, max_steps=steps, **EVERY), stopped, verbose=0)
     assert resumed["steps"] == steps
     for a, b in zip(_weights(whole), _weights(stopped), strict=True):
         np.testing.assert_allclose(a, b, atol=1e-5)
