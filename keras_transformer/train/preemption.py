@@ -116,3 +116,21 @@ def _skip_validation(model) -> None:
 def restore_validation(model) -> None:
     """Undoes `_skip_validation` (the model is used again after a stop)."""
     model.__dict__.pop("_should_eval", None)
+
+
+def stopped_result(run, stop, history) -> dict:
+    """Says where a run stopped by a signal resumes; `{"stopped_by": ...}` for `train`."""
+    if not stop.drops_epoch:
+        kept = f"the updates up to {stop.stopped_at} are saved"
+    elif history:
+        kept = (
+            f"the epoch in flight is dropped (text files resume at epoch ends); the backup "
+            f"after epoch {len(history)} stands"
+        )
+    else:
+        kept = "the first epoch was not finished, so nothing is saved"
+    run.log(
+        f"Stopped by {stop.signal_name} after update {stop.stopped_at}: {kept}. "
+        "Rerun the same command to resume."
+    )
+    return {"stopped_by": stop.signal_name, "steps": stop.stopped_at, "epochs": len(history)}

@@ -3,13 +3,11 @@ build and fit, choose the final weights, validate and record."""
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import os
 import shutil
 import sys
-import tempfile
 import time
 import zlib
 
@@ -17,7 +15,6 @@ import keras
 
 from keras_transformer.config import TransformerConfig
 from keras_transformer.data.pipeline import (
-    DataError,
     batch_pairs,
     duplicate_rows,
     encode_pairs,
@@ -36,6 +33,7 @@ from keras_transformer.precision import (
 from keras_transformer.schedules import TransformerSchedule
 from keras_transformer.startup import onednn_enabled
 from keras_transformer.train.backup import AtomicBackupAndRestore
+from keras_transformer.train.batch_size import automatic_batch_rule, automatic_tokens_per_batch
 from keras_transformer.train.callbacks import (
     EpochProgress,
     RunRecorder,
@@ -53,15 +51,16 @@ from keras_transformer.train.checkpoints import (
     sort_key,
 )
 from keras_transformer.train.compile import build_and_compile
+from keras_transformer.train.compile_cache import compile_cache
 from keras_transformer.train.data_parallel import (
     SINGLE_PROCESS,
     share_backup,
     share_of_each_batch,
     start_data_parallel,
 )
-from keras_transformer.train.init_from import check_prepared_for, init_config
+from keras_transformer.train.init_from import init_config
 from keras_transformer.train.peers import lost_peer
-from keras_transformer.train.preemption import PreemptionStop, restore_validation
+from keras_transformer.train.preemption import PreemptionStop, restore_validation, stopped_result
 from keras_transformer.train.run_dir import (
     finished_epochs,
     load_or_train_tokenizer,
@@ -74,10 +73,13 @@ from keras_transformer.train.settings import (
     KEEP_CHECKPOINTS,
     MEASURES,
     TrainSettings,
-    automatic_batch_rule,
-    automatic_tokens_per_batch,
 )
-from keras_transformer.train.streamed import DataPosition, PreparedBatches, streamed_inputs
+from keras_transformer.train.streamed import (
+    DataPosition,
+    PreparedBatches,
+    check_prepared,
+    streamed_inputs,
+)
 from keras_transformer.translation import load_run
 
 
@@ -148,7 +150,7 @@ def train(settings: TrainSettings, out_dir: str, verbose: int = 1, strategy=None
         prepared = PreparedData(
             settings.data, check_inputs=True, shapes=settings.shapes(keras.backend.backend())
         )
-        _check_prepared(settings, prepared)
+        check_prepared(settings, prepared)
         run = open_run(settings, out_dir, verbose, strategy, processes)
         data = _load_prepared(run, settings, prepared)
     else:
@@ -177,7 +179,7 @@ def _train_model(run, settings, data, recipe) -> dict:
         shutil.rmtree(run.out_dir, ignore_errors=True)
         return {"stopped_by": stop.signal_name} if stop.stopped else {}
     if stop.stopped:
-        return _stopped(run, stop, data, history)
+        return stopped_result(run, stop, history)
     if run.replicas > 1:
         # Choose, decode and save on a one-device copy: the distributed
         # model's variables belong to the strategy.
@@ -189,47 +191,6 @@ def _train_model(run, settings, data, recipe) -> dict:
     atomic_save_model(model, os.path.join(run.out_dir, "model.keras"))
     atomic_write_json(os.path.join(run.out_dir, "config.json"), data.config.to_dict())
     return _validate_and_record(run, settings, model, data, history, recipe, final, greedy)
-
-
-def compile_cache_folder(settings, out_dir: str, process: int) -> str:
-    """Where a process of the run keeps JAX's compiled programs: `--compile-cache`, else
-    the run directory's `compile_cache` on process 0, and on the others a folder of the
-    system's temporary directory named after the run, which outlives the start."""
-    if settings.compile_cache is not None:
-        return settings.compile_cache
-    if process == 0:
-        return os.path.join(out_dir, "compile_cache")
-    run_name = zlib.crc32(os.path.abspath(out_dir).encode())
-    return os.path.join(
-        tempfile.gettempdir(), f"keras-transformer-compile-cache-{run_name:08x}-{process}"
-    )
-
-
-@contextlib.contextmanager
-def compile_cache(run, settings, out_dir: str):
-    """Under JAX, compiles through a persistent cache (`compile_cache_folder`) inside the
-    context: a restarted run loads its train and validation steps instead of compiling
-    them again. JAX's settings are restored after it."""
-    if keras.backend.backend() != "jax":
-        yield
-        return
-    import jax
-    from jax.experimental.compilation_cache import compilation_cache
-
-    names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs")
-    previous = {name: getattr(jax.config, name) for name in names}
-    folder = compile_cache_folder(settings, out_dir, run.processes.index)
-    compilation_cache.reset_cache()  # JAX opens its cache once per process otherwise
-    jax.config.update("jax_compilation_cache_dir", folder)
-    # Every program, even small ones: a restart then compiles nothing.
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    run.log(f"Compiled programs are kept in {folder}.")
-    try:
-        yield
-    finally:
-        compilation_cache.reset_cache()
-        for name, value in previous.items():
-            jax.config.update(name, value)
 
 
 def _strategy(settings, strategy):
@@ -329,27 +290,6 @@ def _load_data(run, settings, src_train, tgt_train, src_valid, tgt_valid) -> _Da
         (src_valid, tgt_valid),
         tokens_per_batch,
     )
-
-
-def _check_prepared(settings, prepared) -> None:
-    """Refuses settings that the prepared directory cannot serve, before the run is written."""
-    if settings.init_from is not None:
-        check_prepared_for(settings, prepared)
-        return
-    requested = prepared.manifest["identity"]["vocab_size"]
-    if settings.vocab_size != requested:
-        raise DataError(
-            f"{settings.data} was prepared with vocab_size {requested}, not {settings.vocab_size}: "
-            "its SentencePiece model is the run's. Omit --vocab-size or give that value."
-        )
-    limit = settings.model_config(settings.vocab_size).max_length
-    if prepared.max_length > limit:
-        raise DataError(
-            f"{settings.data} was prepared with max_length {prepared.max_length}, longer than "
-            f"the model's {limit}: prepare it again with --max-length {limit} or less."
-        )
-    if settings.subword_sampling() is not None:
-        raise ValueError("subword_alpha re-segments text, which --data does not hold.")
 
 
 def _load_prepared(run, settings, prepared) -> _Data:
@@ -546,24 +486,6 @@ def _fit(run, settings, model, data, recipe) -> tuple[list, PreemptionStop]:
     if run.chief and not history and not stop.stopped:
         raise RuntimeError("Training stopped before completing an epoch; nothing to save.")
     return history, stop
-
-
-def _stopped(run, stop, data, history) -> dict:
-    """Says where a run stopped by a signal resumes; `{"stopped_by": ...}` for `train`."""
-    if data.stream is not None:
-        kept = f"the updates up to {stop.stopped_at} are saved"
-    elif history:
-        kept = (
-            f"the epoch in flight is dropped (text files resume at epoch ends); the backup "
-            f"after epoch {len(history)} stands"
-        )
-    else:
-        kept = "the first epoch was not finished, so nothing is saved"
-    run.log(
-        f"Stopped by {stop.signal_name} after update {stop.stopped_at}: {kept}. "
-        "Rerun the same command to resume."
-    )
-    return {"stopped_by": stop.signal_name, "steps": stop.stopped_at, "epochs": len(history)}
 
 
 def _fit_model(run, settings, model, data, callbacks, fit_args):

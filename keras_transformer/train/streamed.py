@@ -28,6 +28,7 @@ import keras
 from keras_transformer.data.pipeline import DataError, batch_pairs, encode_pairs, read_parallel
 from keras_transformer.data.shards import PreparedData
 from keras_transformer.io_utils import atomic_write_json
+from keras_transformer.train.init_from import check_prepared_for
 
 POSITIONS = "data_position.json"
 READERS = "readers"  # the key of `data_position.json` that is not a span
@@ -192,3 +193,24 @@ class PreparedBatches:
 
     def batches(self, tokens_per_batch: int) -> int:
         return self.prepared.batches_per_epoch(tokens_per_batch)
+
+
+def check_prepared(settings, prepared) -> None:
+    """Refuses settings that the prepared directory cannot serve, before the run is written."""
+    if settings.init_from is not None:
+        check_prepared_for(settings, prepared)
+        return
+    requested = prepared.manifest["identity"]["vocab_size"]
+    if settings.vocab_size != requested:
+        raise DataError(
+            f"{settings.data} was prepared with vocab_size {requested}, not {settings.vocab_size}: "
+            "its SentencePiece model is the run's. Omit --vocab-size or give that value."
+        )
+    limit = settings.model_config(settings.vocab_size).max_length
+    if prepared.max_length > limit:
+        raise DataError(
+            f"{settings.data} was prepared with max_length {prepared.max_length}, longer than "
+            f"the model's {limit}: prepare it again with --max-length {limit} or less."
+        )
+    if settings.subword_sampling() is not None:
+        raise ValueError("subword_alpha re-segments text, which --data does not hold.")

@@ -45,7 +45,7 @@ def test_under_jax_the_train_step_compiles_once_per_batch_shape_and_a_second_epo
     from keras_transformer.data.toy import generate_toy_corpus
     from keras_transformer.train import build_and_compile
 
-    corpus = generate_toy_corpus(num_train=300, num_valid=30, num_test=1)
+    corpus = generate_toy_corpus(num_train=200, num_valid=20, num_test=1, max_words=6)
     sources, targets = [s for s, _ in corpus.train], [t for _, t in corpus.train]
     tokenizer = train_sentencepiece(sources + targets, vocabulary_size=331)
     few = BATCH_SHAPES["few"]
@@ -67,7 +67,9 @@ def test_under_jax_the_train_step_compiles_once_per_batch_shape_and_a_second_epo
             counts.append(len(compiles))
 
     counts = []
-    config = TransformerConfig.from_preset("tiny", vocabulary_size=tokenizer.vocabulary_size)
+    config = TransformerConfig.from_preset(
+        "tiny", vocabulary_size=tokenizer.vocabulary_size, num_layers=1, max_length=24
+    )
     model = build_and_compile(config, precision="float32", warmup_steps=10)
     jax.monitoring.register_event_duration_secs_listener(listen)
     try:

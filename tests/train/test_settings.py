@@ -9,17 +9,19 @@ import numpy as np
 import pytest
 
 from keras_transformer.data.pipeline import EncodedPairs, PipelineStats
-from keras_transformer.train.settings import (
+from keras_transformer.train.batch_size import (
     AUTO_TOKENS_PER_BATCH,
+    MIN_UPDATES_PER_EPOCH,
+    automatic_batch_rule,
+    automatic_tokens_per_batch,
+)
+from keras_transformer.train.settings import (
     DEFAULT_EPOCHS,
     GROUPS,
     KEEP_CHECKPOINTS,
-    MIN_UPDATES_PER_EPOCH,
     PAPER_WARMUP_STEPS,
     WARMUP_EPOCHS,
     TrainSettings,
-    automatic_batch_rule,
-    automatic_tokens_per_batch,
 )
 
 

@@ -247,6 +247,7 @@ def test_killed_run_resumes_after_the_last_completed_epoch(corpus_files, tmp_pat
     assert metrics["final"]["chosen"] in {c["name"] for c in metrics["final"]["candidates"]}
 
 
+@pytest.mark.slow  # two trainings; the span-saving SIGTERM test of tests/train/test_streamed.py runs in CI
 def test_sigterm_mid_epoch_of_text_files_keeps_the_last_epochs_backup_and_resumes_there(
     corpus_files, tmp_path, capsys
 ):
@@ -401,11 +402,10 @@ def test_automatic_batch_size_is_chosen_said_and_recorded(
     """Without --tokens-per-batch, the command takes `automatic_tokens_per_batch`'s choice
     (its rule is tested in tests/train/test_settings.py): here 4096, with one update an epoch
     enough, so that the choice differs from the tests' usual 1024."""
-    from keras_transformer.train import settings as settings_module
-    from keras_transformer.train import stages
+    from keras_transformer.train import batch_size, stages
 
     chosen = 4096
-    monkeypatch.setattr(settings_module, "MIN_UPDATES_PER_EPOCH", 1)
+    monkeypatch.setattr(batch_size, "MIN_UPDATES_PER_EPOCH", 1)
     encoded = []  # each side is tokenized once, however many sizes are tried
     encode = stages.encode_pairs
     monkeypatch.setattr(

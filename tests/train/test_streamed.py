@@ -18,7 +18,7 @@ from keras_transformer.data.prepare import PrepareSettings, prepare
 from keras_transformer.data.shards import PreparedData
 from keras_transformer.data.toy import generate_toy_corpus
 from keras_transformer.train import TrainSettings, train
-from keras_transformer.train.stages import _check_prepared
+from keras_transformer.train.streamed import check_prepared
 
 SPAN = 3  # updates between checkpoints
 
@@ -78,7 +78,7 @@ def test_prepared_data_refuses_what_it_cannot_serve(prepared, tmp_path):
     data = PreparedData(prepared)
     data.manifest["max_length"] = 99  # as if prepared for longer pairs than tiny's 48
     with pytest.raises(DataError, match="max_length 99, longer than the model's 48"):
-        _check_prepared(_settings(prepared), data)
+        check_prepared(_settings(prepared), data)
     assert not os.path.exists(tmp_path / "run")
 
 
