@@ -42,11 +42,13 @@ test: $(STAMP)
 # (each trains on the generated corpus) beside the tests on the shared
 # trained fixtures; the first's output is printed after the second's.
 # TRAIN_LANE_TOO: tests that need no shared fixture, run in the first process
-# to even out the two processes' times (on a 2-core Zen 4 the lanes vary by
-# 20% from run to run: 430 s against 515 s with the Marian fine-tuning test
-# here too). One-process tests only: a test of two processes slows both lanes.
+# to even out the two processes' times (on a 2-core Zen 4: 357 s against 265 s
+# without these two Marian tests; the lanes vary by 20% from run to run).
+# One-process tests only: a test of two processes slows both lanes.
 TRAIN_TESTS = tests/train/test_stages.py tests/test_demo.py
-TRAIN_LANE_TOO = tests/train/test_streamed.py
+TRAIN_LANE_TOO = tests/train/test_streamed.py \
+	tests/pretrained/test_marian.py::test_fine_tuning_an_imported_model_changes_weights_keeps_the_tokenizer_and_deploys \
+	tests/pretrained/test_marian.py::test_the_marian_shape_benchmark_builds_a_directory_that_imports_and_measures_its_cost
 integration: $(STAMP)
 	@KERAS_BACKEND=tensorflow $(PYTEST) --basetemp=.pytest-train-tmp -m "integration and not slow" \
 		$(TRAIN_TESTS) $(TRAIN_LANE_TOO) > .train-tests.log 2>&1 & train=$$!; \

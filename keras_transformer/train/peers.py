@@ -23,6 +23,7 @@ import shutil
 import sys
 import threading
 import time
+import traceback
 
 # How often each process writes its heartbeat, and how many it may miss.
 DEFAULT_INTERVAL = 5.0
@@ -124,6 +125,8 @@ def lost_peer(watch: PeerWatch, error: BaseException) -> None:
     text = str(error)
     if not any(mark in text for mark in ("Gloo", "Connection closed", "UNAVAILABLE", "heartbeat")):
         return
+    if "--verbose" in sys.argv:  # `keras-transformer --verbose train ...` keeps the details
+        traceback.print_exception(error)
     dead = watch.wait_for_dead()  # exits from the watch's thread when it finds the process
     named = f"process {dead}" if dead is not None else "another process"
     watch.exit(f"{named} of the run is gone: {_first_line(error)}")
