@@ -24,6 +24,7 @@ from keras_transformer_runtime.options import NO_MASKS
 from keras_transformer_runtime.spec import alignment_layer, banned_ids
 from keras_transformer_runtime.specials import BOS_ID, EOS_ID
 
+from keras_transformer.data.pipeline import BATCH_SHAPES
 from keras_transformer.model import TransformerParts, transformer_parts
 from keras_transformer.startup import DropMessages
 
@@ -162,13 +163,10 @@ def compiled_steps(model) -> CompiledSteps:
 
 
 def compiled_length(n: int, limit: int) -> int:
-    """`n` positions rounded up to one of few lengths (8, 10, 12, 15, 19, 24, 30, 38, ...,
-    25% apart) but not past `limit` (the model's positions), so that the compiled steps
-    see few distinct shapes."""
-    length = 8
-    while length < n:
-        length = max(length + 1, int(round(length * 1.25)))
-    return max(n, min(length, limit))
+    """`n` positions rounded up to a length bucket of the `few` batch shapes (8, 10, 12, 15,
+    19, 24, ..., 25% apart) but not past `limit` (the model's positions), so that the
+    compiled steps see few distinct shapes."""
+    return next((b for b in BATCH_SHAPES["few"].boundaries(limit) if b >= n), n)
 
 
 def compiled_rows(n: int) -> int:
