@@ -18,6 +18,8 @@ import os
 import sys
 import tempfile
 
+import numpy as np
+
 from benchmarks.data_scale import _marks, _peaks, run_measured
 from benchmarks.machine import SHARED_MULTI30K
 
@@ -73,17 +75,18 @@ def real_token_shares(run_dir, data, tokens_per_batch, max_length) -> dict:
         (len(tokenizer.encode(s)) + 1, len(tokenizer.encode_target(t)) + 1)
         for s, t in zip(sources, targets, strict=True)
     ]
-    lengths = [(s, t) for s, t in lengths if max(s, t) <= max_length]
-    real = sum(s + t for s, t in lengths)
+    lengths = np.asarray([(s, t) for s, t in lengths if max(s, t) <= max_length])
+    real = int(lengths.sum())
     shares = {}
     for name, shapes in BATCH_SHAPES.items():
         boundaries = shapes.boundaries(max_length)
         rows = bucket_rows(boundaries, tokens_per_batch)
-        counts = [0] * len(boundaries)
-        for s, t in lengths:
-            counts[next(i for i, b in enumerate(boundaries) if b >= max(s, t))] += 1
+        # The pipeline's bucket of a pair: the first boundary at or above its longer side.
+        counts = np.bincount(
+            np.searchsorted(boundaries, lengths.max(axis=1)), minlength=len(boundaries)
+        )
         padded = 0
-        for width, n, full in zip(boundaries, counts, rows, strict=True):
+        for width, n, full in zip(boundaries, counts.tolist(), rows, strict=True):
             batches, rest = divmod(n, full)
             last = (full if shapes.fixed_rows else rest) if rest else 0
             padded += 2 * width * (batches * full + last)

@@ -46,7 +46,9 @@ class PeerWatch:
         client: JAX's distributed runtime client (`jax._src.distributed.global_state.client`).
         index, count: this process and the run's processes.
         interval, missed: seconds between heartbeats, and how many missed mean dead.
-        cleanup: folders to remove before exiting (this process's temporary run folder).
+
+    `cleanup` lists the folders to remove before exiting (`open_run` adds this
+    process's temporary run folder).
     """
 
     def __init__(self, client, index, count, interval=DEFAULT_INTERVAL, missed=DEFAULT_MISSED):
