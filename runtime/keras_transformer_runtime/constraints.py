@@ -64,7 +64,7 @@ import numpy as np
 
 from keras_transformer_runtime.marian_vocabulary import MarianVocabulary
 from keras_transformer_runtime.options import SearchOptions
-from keras_transformer_runtime.spec import SentenceSearch, step_scores
+from keras_transformer_runtime.spec import SentenceSearch, banned_ids, step_scores
 from keras_transformer_runtime.specials import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 from keras_transformer_runtime.tokenizers import SentencePieceModel
 
@@ -117,37 +117,67 @@ class Constraints:
         return (0,) * len(self.phrases)
 
     def advance(self, progress, token):
-        """The progress after `token` is appended."""
-        new = []
-        for phrase, fallback, matched in zip(self.phrases, self._fallback, progress, strict=True):
-            if matched < len(phrase):
-                while matched and phrase[matched] != token:
-                    matched = fallback[matched - 1]
-                if phrase[matched] == token:
-                    matched += 1
-            new.append(matched)
-        return tuple(new)
-
-    def completes(self, progress, after):
-        """Whether the token that took `progress` to `after` ended a phrase."""
-        return any(a == n > m for m, a, n in zip(progress, after, self.lengths, strict=True))
+        """The progress after `token` is appended (one hypothesis: `advance_many`)."""
+        after = self.advance_many(np.array([progress], np.int64), np.array([[token]]))
+        return tuple(after[0, 0].tolist())
 
     def met_tokens(self, progress):
         """Tokens of met phrases, plus the longest partial match of the others (the bank)."""
-        met = sum(m for m, n in zip(progress, self.lengths, strict=True) if m == n)
-        partial = max((m for m, n in zip(progress, self.lengths, strict=True) if m < n), default=0)
-        return met + partial
+        return int(self.met_many(np.asarray(progress, np.int64)))
 
     def all_met(self, progress):
         return all(m == n for m, n in zip(progress, self.lengths, strict=True))
 
     def next_tokens(self, progress):
         """The tokens that advance an unmet phrase (each one's next token), in order."""
-        tokens = []
-        for phrase, matched in zip(self.phrases, progress, strict=True):
-            if matched < len(phrase) and phrase[matched] not in tokens:
-                tokens.append(phrase[matched])
-        return tokens
+        found = self.next_many(np.array([progress], np.int64))[0]
+        return [t for i, t in enumerate(found.tolist()) if t >= 0 and t not in found[:i]]
+
+    def arrays(self):
+        """The phrases as arrays for the batched rules: `(phrases, lengths,
+        fallback)`, the first and last `(count, longest)`, padded."""
+        if not hasattr(self, "_arrays"):
+            width = max(self.lengths, default=1)
+            phrases = np.full((len(self), width), -1, np.int64)
+            fallback = np.zeros((len(self), width), np.int64)
+            for i, (phrase, table) in enumerate(zip(self.phrases, self._fallback, strict=True)):
+                phrases[i, : len(phrase)] = phrase
+                fallback[i, : len(phrase)] = table
+            self._arrays = (phrases, np.array(self.lengths, np.int64), fallback)
+        return self._arrays
+
+    def advance_many(self, progress, tokens):
+        """The progress after each token: `progress (rows, phrases)` int, `tokens
+        (rows, width)`; returns `(rows, width, phrases)`. A met phrase stays met;
+        an unmet one extends its match, or falls back to the longest shorter
+        prefix of it that `token` extends (the failure table), or to 0."""
+        phrases, lengths, fallback = self.arrays()
+        width = phrases.shape[1]
+        count = len(self)
+        matched = np.broadcast_to(progress[:, None, :], tokens.shape + (count,)).copy()
+        token = tokens[..., None]
+        which = np.arange(count) * width  # each phrase's first cell, flattened
+        open_ = matched < lengths
+        while True:  # fall back while the next phrase token is not `token`
+            at = which + np.minimum(matched, width - 1)
+            falls = open_ & (matched > 0) & (phrases.flat[at] != token)
+            if not falls.any():
+                break
+            matched = np.where(falls, fallback.flat[which + np.maximum(matched - 1, 0)], matched)
+        at = which + np.minimum(matched, width - 1)
+        return matched + (open_ & (phrases.flat[at] == token))
+
+    def met_many(self, progress):
+        """`met_tokens` over the last axis of `progress`."""
+        lengths = self.arrays()[1]
+        met = np.where(progress == lengths, lengths, 0).sum(-1)
+        return met + np.where(progress < lengths, progress, 0).max(-1, initial=0)
+
+    def next_many(self, progress):
+        """Each phrase's next token for `progress (rows, phrases)`; -1 where met."""
+        phrases, lengths, _ = self.arrays()
+        at = np.minimum(progress, phrases.shape[1] - 1)
+        return np.where(progress < lengths, phrases[np.arange(len(self)), at], -1)
 
     def found_in(self, tokens):
         """Whether every phrase occurs in `tokens` as consecutive tokens."""
@@ -337,6 +367,12 @@ def top_tokens(scores, width):
     width = min(width, scores.shape[-1])
     part = np.argpartition(-scores, width - 1, axis=-1)[..., :width]
     values = np.take_along_axis(scores, part, axis=-1)
+    # Of tokens tied with the last one taken, the lower ids: argpartition may take any.
+    bar = values.min(-1, keepdims=True)
+    if (np.sum(scores >= bar, -1) > width).any():
+        ids = np.broadcast_to(np.arange(scores.shape[-1]), scores.shape)
+        order = np.lexsort((ids, -scores), axis=-1)[..., :width]
+        return order, np.take_along_axis(scores, order, axis=-1)
     order = np.lexsort((part, -values), axis=-1)
     return np.take_along_axis(part, order, axis=-1), np.take_along_axis(values, order, axis=-1)
 
@@ -371,80 +407,127 @@ class ConstrainedSearch(SentenceSearch):
         self.constraints = constraints
         if self.limit:
             check_fits(constraints, self.limit - len(self.prefix))
-        self.progress = [constraints.start()] * len(self.live)  # one per live hypothesis
-        self.ended_phrase = [False] * len(self.live)  # its last token ended a phrase
+        # Per live hypothesis: its progress, and whether its last token ended a phrase.
+        self.progress = np.zeros((len(self.live), len(constraints)), np.int64)
+        self.ended_phrase = np.zeros(len(self.live), bool)
         self.met = []  # the met tokens of each finished hypothesis
 
-    def _finish(self, t, tokens, total, steps, progress):
+    def _finish(self, t, tokens, total, steps, met):
         self.finished.append((total / self._penalty(t + 1), tokens, total, steps))
-        self.met.append(self.constraints.met_tokens(progress))
+        self.met.append(int(met))
 
-    def advance(self, rows):
-        """One step: `rows[j]` are the log-probabilities after `live[j]`; returns the
-        index of the live hypothesis each new one extends."""
-        t, k, rules = self.step, self.options.beam_size, self.constraints
-        scored = np.stack(
-            [
-                step_scores(row, tokens, self.options, self.prefix)
-                for row, (tokens, _, _) in zip(rows, self.live, strict=True)
-            ]
-        )
-        self.step += 1
-        if len(rules.continuations):
+    def _candidates(self, rows, top):
+        """Each live hypothesis's candidate tokens `(live, width)` (-1: none) and their
+        step scores: its `2 * beam_size` best tokens (EOS only once every phrase
+        is met), then its phrases' next tokens not among them."""
+        k, rules = self.options.beam_size, self.constraints
+        if top is None or self.rescored():
+            scored = np.stack(
+                [
+                    step_scores(row, tokens, self.options, self.prefix)
+                    for row, (tokens, _, _) in zip(rows, self.live, strict=True)
+                ]
+            )
+            ids = None
+        else:  # the decoder's selection holds each row's best tokens
+            scored = np.asarray(rows)
+            selected = np.asarray(top[1], np.int64)
+            ids = selected[:, : 2 * k].copy()
+        ended = np.flatnonzero(self.ended_phrase) if len(rules.continuations) else []
+        if len(ended):
             # A phrase stands as whole words: no piece continues its last word.
-            scored[np.ix_(np.flatnonzero(self.ended_phrase), rules.continuations)] = -np.inf
-        vocab = scored.shape[-1]
-        top_ids, top_values = top_tokens(scored, 2 * k)
-        candidates = {}  # beam * vocab + token -> summed score
-        for j, (_, total, _) in enumerate(self.live):
-            ends = rules.all_met(self.progress[j])
-            tokens = [int(i) for i in top_ids[j] if i != EOS_ID or ends]
-            tokens += rules.next_tokens(self.progress[j])
-            for token in tokens:
-                if np.isfinite(scored[j, token]):
-                    candidates[j * vocab + token] = total + float(scored[j, token])
-        banks = {}  # met tokens -> [(key, summed score, progress)], best first
-        for key, total in sorted(candidates.items(), key=lambda item: (-item[1], item[0])):
-            beam, token = divmod(key, vocab)
-            progress = self.progress[beam]
-            if token != EOS_ID:
-                progress = rules.advance(progress, token)
-            banks.setdefault(rules.met_tokens(progress), []).append((key, total, progress))
-        # The stripes: the best of each bank from the most met tokens down, then
-        # the second best of each, and so on. With one bank, the score order.
-        order = sorted(banks, reverse=True)
-        striped = [
-            banks[met][stripe]
-            for stripe in range(max(map(len, banks.values()), default=0))
-            for met in order
-            if stripe < len(banks[met])
-        ]
-        grown = []
-        for position, (key, total, progress) in enumerate(striped):
-            beam, token = divmod(key, vocab)
-            tokens, _, steps = self.live[beam]
-            if token == EOS_ID:
-                if position < k:
-                    self._finish(t, tokens, total, steps + [float(scored[beam, token])], progress)
-                continue
-            grown.append((key, total, progress))
-            if len(grown) == k:
-                break
-        grown.sort(key=lambda item: (-item[1], item[0]))  # score order, as plain beams
-        live, progress, ended, parents = [], [], [], []
-        for key, total, after in grown:
-            beam, token = divmod(key, vocab)
-            tokens, _, steps = self.live[beam]
-            live.append((tokens + [token], total, steps + [float(scored[beam, token])]))
-            progress.append(after)
-            ended.append(rules.completes(self.progress[beam], after))
-            parents.append(beam)
+            if ids is None:
+                scored[np.ix_(ended, rules.continuations)] = -np.inf
+            else:
+                ids = self._select_words(scored, selected, ended, ids)
+        if ids is None:
+            ids = top_tokens(scored, 2 * k)[0]
+        nexts = rules.next_many(self.progress)  # (live, phrases)
+        ids = np.where((ids == EOS_ID) & (nexts >= 0).any(1, keepdims=True), -1, ids)
+        # A next token is new if no selected token and no earlier next token is it.
+        seen = (nexts[:, :, None] == ids[:, None, :]).any(-1)
+        seen |= np.tril(nexts[:, :, None] == nexts[:, None, :], -1).any(-1)
+        tokens = np.concatenate([ids, np.where(seen, -1, nexts)], axis=1)
+        values = np.take_along_axis(scored, np.maximum(tokens, 0), axis=1).astype(np.float64)
+        return tokens, values
+
+    def _select_words(self, scored, selected, ended, ids):
+        """`ids` with the rows `ended` (whose last token ended a phrase) holding their
+        best tokens that continue no word: from the decoder's wider selection
+        `selected` when it holds enough of them (or every allowed token), else
+        from the whole row."""
+        rules, width = self.constraints, ids.shape[1]
+        whole = selected.shape[1] >= scored.shape[-1] - len(banned_ids())
+        for row in ended:
+            words = selected[row][~np.isin(selected[row], rules.continuations)][:width]
+            if len(words) < width and not whole:
+                banned = np.array(scored[row], np.float64)
+                banned[banned_ids()] = -np.inf
+                banned[rules.continuations] = -np.inf
+                words = top_tokens(banned[None], width)[0][0]
+                words = words[np.isfinite(banned[words])]
+            ids[row] = -1
+            ids[row, : len(words)] = words
+        return ids
+
+    def advance(self, rows, top=None):
+        """One step: `rows[j]` are the log-probabilities after `live[j]`, `top`
+        optionally the decoder's selection (as for `SentenceSearch.advance`);
+        returns the index of the live hypothesis each new one extends."""
+        t, k, rules = self.step, self.options.beam_size, self.constraints
+        tokens, values = self._candidates(rows, top)
+        self.step += 1
+        if len(rules.continuations) and self.ended_phrase.any():
+            ended = self.ended_phrase[:, None] & np.isin(tokens, rules.continuations)
+            values = np.where(ended, -np.inf, values)
+        valid = (tokens >= 0) & np.isfinite(values)
+        beams, places = np.nonzero(valid)
+        token = tokens[beams, places]
+        totals = np.array([total for _, total, _ in self.live])[beams] + values[beams, places]
+        vocab = np.asarray(rows[0]).shape[-1]
+        keys = beams * vocab + token
+        after = rules.advance_many(self.progress[beams], token[:, None])[:, 0]
+        eos = token == EOS_ID
+        after[eos] = self.progress[beams[eos]]
+        banks = rules.met_many(after)
+        # Within a bank, by summed score (ties: the lower key); a candidate's
+        # stripe is its rank in its bank. The stripes in order, each from the
+        # most met tokens down; with one bank, the score order.
+        order = np.lexsort((keys, -totals, -banks))
+        first = np.searchsorted(-banks[order], -banks[order], side="left")
+        stripe = np.empty(len(order), np.int64)
+        stripe[order] = np.arange(len(order)) - first
+        striped = np.lexsort((-banks, stripe))
+        position = np.arange(len(striped))
+        eos_at = eos[striped]
+        finishing = striped[eos_at & (position < k)]
+        growing = striped[~eos_at][:k]
+        for c in finishing:  # in stripe order
+            tokens_, _, steps = self.live[beams[c]]
+            self._finish(
+                t, tokens_, float(totals[c]), steps + [float(values[beams[c], places[c]])], banks[c]
+            )
+        growing = growing[np.lexsort((keys[growing], -totals[growing]))]  # as plain beams
+        live, parents = [], beams[growing].tolist()
+        for c in growing:
+            tokens_, _, steps = self.live[beams[c]]
+            live.append(
+                (
+                    tokens_ + [int(token[c])],
+                    float(totals[c]),
+                    steps + [float(values[beams[c], places[c]])],
+                )
+            )
+        progress = after[growing]
+        before = self.progress[beams[growing]]
+        ended = ((progress == rules.arrays()[1]) & (before < progress)).any(1)
         if t + 1 >= self.limit:  # out of room: live hypotheses end here, without EOS
-            for (tokens, total, steps), after in zip(live, progress, strict=True):
-                self._finish(t, tokens, total, steps, after)
+            for (tokens_, total, steps), met in zip(live, banks[growing], strict=True):
+                self._finish(t, tokens_, total, steps, met)
             live = []
         if self._ends(live, t):
-            self.done, self.live, self.progress, self.ended_phrase = True, [], [], []
+            self.done, self.live = True, []
+            self.progress, self.ended_phrase = self.progress[:0], self.ended_phrase[:0]
             return []
         self.live, self.progress, self.ended_phrase = live, progress, ended
         return parents

@@ -32,13 +32,20 @@ class DecoderState(Protocol):
         drops_finished: whether `reorder` takes fewer rows than the state
             holds (the rows of sentences still searched), so that the step
             shrinks as sentences finish (`search.search_loop`).
+        selects: whether `step` takes `top_k` (optional; False if absent).
     """
 
     drops_finished: bool
 
-    def step(self, last: np.ndarray, t: int) -> np.ndarray:
+    def step(self, last: np.ndarray, t: int, top_k: int = 0):
         """Runs the decoder on `last`, the int32 newest token of every row (BOS at `t`
-        0), and returns the next-token log-probabilities, `(rows, vocabulary)`."""
+        0), and returns the next-token log-probabilities, `(rows, vocabulary)`.
+
+        With `top_k` (where `selects`), returns `(log_probs, (values, ids))`:
+        also each row's `top_k` best tokens other than padding and BOS, best
+        first (ties: the lower id), and their log-probabilities, as the search
+        graphs select them; `search.search_loop` then skips its own selection
+        on the steps that no option rescores."""
 
     def reorder(self, rows: np.ndarray) -> None:
         """Row i of the state becomes row `rows[i]` of the previous state (its cache)."""

@@ -378,11 +378,22 @@ class OnnxDecoder:
                 feeds[name] = cache
         return self.run_log_probs(feeds)
 
-    def run_log_probs(self, feeds):
-        """The step's whole `log_probs` and new self caches, for complete `feeds`."""
-        feeds["top_k"] = np.array([1], np.int64)  # the selection is not read
-        log_probs, *new_caches = self.step_session.run(["log_probs", *self._new_self_names], feeds)
-        return log_probs, new_caches
+    def run_log_probs(self, feeds, top_k=0):
+        """The step's whole `log_probs` and new self caches, for complete `feeds`;
+        with `top_k`, also its selection: `(log_probs, (top_log_probs, top_ids),
+        new_caches)`, each row's `top_k` best tokens but padding and BOS (ties:
+        the lower id), at most all of those."""
+        if not top_k:
+            feeds["top_k"] = np.array([1], np.int64)  # the selection is not read
+            log_probs, *new_caches = self.step_session.run(
+                ["log_probs", *self._new_self_names], feeds
+            )
+            return log_probs, new_caches
+        feeds["top_k"] = np.array([min(top_k, self.vocabulary_size - 2)], np.int64)
+        log_probs, values, ids, *new_caches = self.step_session.run(
+            ["log_probs", "top_log_probs", "top_ids", *self._new_self_names], feeds
+        )
+        return log_probs, (values, ids), new_caches
 
     def search_feeds(self, mask, cross_caches):
         """The per-sentence feeds of the step and search graphs: the mask, the cross caches."""
@@ -574,6 +585,7 @@ class _OnnxState:
     sentence, the self caches per row; finished sentences leave (`drops_finished`)."""
 
     drops_finished = True
+    selects = True
 
     def __init__(self, decoder, source, rows):
         _, mask, cross = decoder.encode(source)
@@ -581,11 +593,14 @@ class _OnnxState:
         self.feeds = decoder.search_feeds(mask, cross)
         self.caches = decoder.empty_self_caches(len(mask) * rows)
 
-    def step(self, last, t):
+    def step(self, last, t, top_k=0):
         feeds = dict(self.feeds, token_ids=last[:, None].copy())
         feeds.update(zip(self.decoder.cache_names("self"), self.caches, strict=True))
-        log_probs, self.caches = self.decoder.run_log_probs(feeds)
-        return log_probs
+        if not top_k:
+            log_probs, self.caches = self.decoder.run_log_probs(feeds)
+            return log_probs
+        log_probs, top, self.caches = self.decoder.run_log_probs(feeds, top_k)
+        return log_probs, top
 
     def reorder(self, rows):
         self.caches = [cache[rows] for cache in self.caches]

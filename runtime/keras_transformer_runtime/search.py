@@ -31,6 +31,12 @@ from keras_transformer_runtime.specials import BOS_ID
 # saved (beam 4 at batch 32, docs/performance.md).
 DROP_FRACTION = 0.25
 
+# With `selects`, the loop asks each step for this many times `beam_size` best
+# tokens per row: a search reads the first `2 * beam_size`, and a constrained
+# hypothesis that just ended a phrase, barred from word-continuing pieces,
+# nearly always finds its `2 * beam_size` others among them.
+SELECTED_PER_BEAM = 4
+
 
 def search_loop(
     step,
@@ -41,6 +47,7 @@ def search_loop(
     indices=None,
     drop_finished=False,
     constraints=None,
+    selects=False,
 ):
     """The one search loop: `spec.SentenceSearch` for a batch of sentences.
 
@@ -71,6 +78,10 @@ def search_loop(
             than `DROP_FRACTION` of them are (`rows` then covers only the
             sentences still searched, in input order), for decoders whose
             step takes any batch; the results are the same either way.
+        selects: whether `step` takes `top_k` (`decoder.DecoderState.selects`):
+            each step then also gives every row's best tokens
+            (`SELECTED_PER_BEAM`), which the searches read in place of their own selection
+            at the steps no option rescores (the same results, less numpy).
 
     Returns:
         per sentence, the list of its `spec.Hypothesis` (`options.n_best` of
@@ -95,13 +106,18 @@ def search_loop(
     last = np.full(len(searches) * k, BOS_ID, np.int32)
     t = 0
     while not all(search.done for search in searches):
-        log_probs = np.asarray(step(last, t))
+        if selects:
+            log_probs, (top_values, top_ids) = step(last, t, top_k=SELECTED_PER_BEAM * k)
+        else:
+            log_probs, top_values = np.asarray(step(last, t)), None
         rows = np.repeat(np.arange(len(active)) * k, k)
         for p, b in enumerate(active):
             search = searches[b]
             if search.done:
                 continue
-            parents = search.advance(log_probs[p * k : p * k + len(search.live)])
+            at = slice(p * k, p * k + len(search.live))
+            top = None if top_values is None else (top_values[at], top_ids[at])
+            parents = search.advance(log_probs[at], top)
             for j, parent in enumerate(parents):
                 rows[p * k + j] = p * k + parent
                 last[p * k + j] = search.live[j][0][-1]

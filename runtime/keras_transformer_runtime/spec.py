@@ -44,6 +44,7 @@ Needs numpy only.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 
@@ -347,9 +348,32 @@ class SentenceSearch:
             length, self.options.length_penalty, self.options.length_penalty_form
         )
 
-    def advance(self, rows):
-        """One step: `rows[j]` are the log-probabilities after `live[j]`."""
-        t, k = self.step, self.options.beam_size
+    def rescored(self):
+        """Whether `step_scores` does more at this step than ban padding and BOS:
+        penalties, masks, sampling or a prefix still being forced. If not, a
+        step's best tokens (`advance`'s `top`) are all it needs."""
+        o = self.options
+        return bool(
+            o.repetition_penalty != 1
+            or o.disable_unk
+            or o.suppress_sequences
+            or o.no_repeat_ngram_size
+            or o.sampling
+            or self.step < max(len(self.prefix), o.min_length)
+        )
+
+    def advance(self, rows, top=None):
+        """One step: `rows[j]` are the log-probabilities after `live[j]`.
+
+        `top`, optional: `(values, ids)`, each row's best `2 * beam_size` (or
+        more) tokens other than padding and BOS, best first (ties: the lower id),
+        as the decoder step selects them; read instead of `rows` where no
+        option rescores the step (`rescored`), with the same results.
+        """
+        k = self.options.beam_size
+        if top is not None and not self.rescored():
+            self.step += 1
+            return self._advance_selected(rows.shape[-1], *top)
         scored = [
             step_scores(row, tokens, self.options, self.prefix)
             for row, (tokens, _, _) in zip(rows, self.live, strict=True)
@@ -365,25 +389,48 @@ class SentenceSearch:
         bar = np.partition(candidates, len(candidates) - width)[len(candidates) - width]
         chosen = np.flatnonzero(candidates >= bar)  # the 2k best, with every tie
         ranked = chosen[np.lexsort((chosen, -candidates[chosen]))][: 2 * k]
+        steps = [float(scored[key // vocabulary][key % vocabulary]) for key in ranked]
+        return self._take(candidates[ranked], ranked, steps, vocabulary)
+
+    def _advance_selected(self, vocabulary, values, ids):
+        """`advance` from each live row's best tokens (`values`, `ids`): the 2k best
+        candidates of the whole beam are among them, in the same order (summed
+        score, then `beam * vocabulary + token`)."""
+        width = 2 * self.options.beam_size
+        values, ids = np.asarray(values[:, :width], np.float64), ids[:, :width]
+        if self.options.beam_size == 1:
+            return self._advance_one_token(int(ids[0, 0]), float(values[0, 0]))
+        totals = np.array([total for _, total, _ in self.live])[:, None] + values
+        keys = np.arange(len(self.live))[:, None] * vocabulary + np.asarray(ids, np.int64)
+        totals, keys, values = totals.reshape(-1), keys.reshape(-1), values.reshape(-1)
+        order = np.lexsort((keys, -totals))[: 2 * self.options.beam_size]
+        return self._take(totals[order], keys[order], values[order].tolist(), vocabulary)
+
+    def _take(self, totals, keys, steps, vocabulary):
+        """The beam rule of step `self.step - 1` over the ranked candidates (the 2k
+        best): summed scores `totals`, `keys` (`beam * vocabulary + token`) and
+        step scores `steps`. Returns the parent of each new live hypothesis."""
+        t, k = self.step - 1, self.options.beam_size
         grown, parents = [], []
-        for rank, key in enumerate(ranked):
-            total = float(candidates[key])
-            if not np.isfinite(total):
+        for rank, (total, key, step) in enumerate(
+            zip(totals.tolist(), keys.tolist(), steps, strict=True)
+        ):
+            if not math.isfinite(total):
                 break
-            beam, token = divmod(int(key), vocabulary)
-            tokens, _, steps = self.live[beam]
-            steps = steps + [float(scored[beam][token])]
+            beam, token = divmod(key, vocabulary)
+            tokens, _, before = self.live[beam]
             if token == EOS_ID:
                 if rank < k:
-                    self.finished.append((total / self._penalty(t + 1), tokens, total, steps))
+                    finished = (total / self._penalty(t + 1), tokens, total, before + [step])
+                    self.finished.append(finished)
                 continue
-            grown.append((tokens + [token], total, steps))
+            grown.append((tokens + [token], total, before + [step]))
             parents.append(beam)
             if len(grown) == k:
                 break
         if t + 1 >= self.limit:  # out of room: live hypotheses end here, without EOS
-            for tokens, total, steps in grown:
-                self.finished.append((total / self._penalty(t + 1), tokens, total, steps))
+            for tokens, total, before in grown:
+                self.finished.append((total / self._penalty(t + 1), tokens, total, before))
             grown = []
         if self._ends(grown, t):
             self.done, self.live = True, []
@@ -397,12 +444,17 @@ class SentenceSearch:
             token = sample(scores, self.options, self.rng)
         else:
             token = int(scores.argmax())  # the lowest id of equal scores
-        if not np.isfinite(scores[token]):  # every token is masked: end here
+        return self._advance_one_token(token, float(scores[token]))
+
+    def _advance_one_token(self, token, score):
+        """A beam of one takes `token`, of step score `score`."""
+        tokens, total, steps = self.live[0]
+        if not np.isfinite(score):  # every token is masked: end here
             self.finished.append((total, tokens, total, steps))
             self.done, self.live = True, []
             return []
-        total += float(scores[token])
-        steps = steps + [float(scores[token])]
+        total += score
+        steps = steps + [score]
         if token != EOS_ID:
             tokens = tokens + [token]
         if token == EOS_ID or self.step >= self.limit:

@@ -221,6 +221,7 @@ class Translator:
             indices,
             drop_finished=state.drops_finished,
             constraints=constraints,
+            selects=getattr(state, "selects", False),
         )
 
     def search(self, source_ids, options=None, prefixes=None, indices=None, constraints=None):

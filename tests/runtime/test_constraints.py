@@ -285,3 +285,32 @@ def test_constraints_files_tab_separated_and_jsonl(tmp_path):
     with pytest.raises(ValueError, match="line 2 is not UTF-8"):
         read_constraints_file(path, 2)
     assert VOCAB == 12  # the phrases above are ids of the toy decoder's vocabulary
+
+
+@pytest.mark.parametrize("beam_size", [1, 3])
+def test_a_step_that_selects_gives_the_same_constrained_hypotheses(beam_size):
+    """The constrained search reads the decoder's selection where no option
+    rescores a step. A hypothesis that just ended a phrase takes its best tokens
+    that continue no word: from the selection when it holds enough of them,
+    else from its whole row (the narrow selection here). The same hypotheses
+    either way, ties included."""
+    limits = np.array([9, 0, 12, 12, 7, 10])
+    phrases = [[[4]], [], [[5, 5, 6], [7]], [[9, 10]], [[3], [8]], []]
+    continuations = [5, 6, 7, 10, 11]
+    rules = [Constraints(entry, continuations) for entry in phrases]
+    options = SearchOptions(beam_size=beam_size, n_best=beam_size, token_scores=True)
+    found = {}
+    for widest in (None, 2 * beam_size, 4 * beam_size):
+        decoder = ToyDecoder(len(limits), beam_size, ties=True, widest=widest)
+        found[widest] = search_loop(
+            decoder.step,
+            decoder.reorder,
+            limits,
+            options,
+            drop_finished=True,
+            constraints=rules,
+            selects=widest is not None,
+        )
+    assert found[2 * beam_size] == found[None] and found[4 * beam_size] == found[None]
+    for hypotheses, entry in zip(found[None], rules, strict=True):
+        assert entry.found_in(hypotheses[0].tokens)

@@ -28,25 +28,42 @@ def _log_probs(sentence, prefix, ties=False):
     return logits - np.log(np.exp(logits).sum())
 
 
-class ToyDecoder:
-    """A decoder state of prefixes, one per row, reordered like a KV cache."""
+def selection(log_probs, width):
+    """Each row's `width` best tokens but padding and BOS, best first, ties to the
+    lower id: `(values, ids)`, as the ONNX decoder step selects them."""
+    allowed = np.array(log_probs, np.float64)
+    allowed[:, banned_ids()] = -np.inf
+    ids = np.lexsort((np.broadcast_to(np.arange(VOCAB), allowed.shape), -allowed), axis=-1)
+    ids = ids[:, : min(width, VOCAB - len(banned_ids()))]
+    return np.take_along_axis(log_probs, ids, axis=-1), ids
 
-    def __init__(self, batch, beam_size, ties=False):
-        self.ties = ties
+
+class ToyDecoder:
+    """A decoder state of prefixes, one per row, reordered like a KV cache.
+
+    With `widest`, its step also selects (`search_loop(selects=True)`): at most
+    `widest` tokens per row, whatever the loop asks for.
+    """
+
+    def __init__(self, batch, beam_size, ties=False, widest=None):
+        self.ties, self.widest = ties, widest
         self.sentences = np.repeat(np.arange(batch), beam_size)
         self.prefixes = [[] for _ in self.sentences]
         self.batch_sizes = []
 
-    def step(self, last, t):
+    def step(self, last, t, top_k=0):
         assert len(last) == len(self.prefixes)
         self.batch_sizes.append(len(last))
         self.prefixes = [p + [int(token)] for p, token in zip(self.prefixes, last, strict=True)]
-        return np.stack(
+        log_probs = np.stack(
             [
                 _log_probs(s, p[1:], self.ties)
                 for s, p in zip(self.sentences, self.prefixes, strict=True)
             ]
         )
+        if not top_k:
+            return log_probs
+        return log_probs, selection(log_probs, min(top_k, self.widest))
 
     def reorder(self, rows):
         self.sentences = self.sentences[rows]
@@ -175,3 +192,36 @@ def test_source_array_pads_to_the_longest_row_rounded_to_the_multiple():
         assert not array[1].any() and array[2, :10].tolist() == [8] * 10
     # Never wider than the model's positions for a source that fits them.
     assert source_array([[5] * 12], model_max_length=12)[0].shape == (1, 12)
+
+
+@pytest.mark.parametrize("beam_size", [1, 2, 4])
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"n_best": 2, "token_scores": True},
+        {"length_penalty_form": "average"},
+        {"min_length": 3},
+    ],
+)
+def test_a_step_that_selects_gives_the_same_hypotheses(beam_size, options):
+    """Where no option rescores a step, the searches read the decoder's selection
+    (its best tokens) instead of choosing from whole rows: the same hypotheses,
+    ties included, with prefixes (forced steps choose from the rows)."""
+    limits = np.array([9, 0, 4, 12, 1, 7, 12, 3])
+    prefixes = [[], [], [5], [], [], [3, 4], [], []]
+    options = SearchOptions(beam_size, n_best=min(options.pop("n_best", 1), beam_size), **options)
+    found = {}
+    for widest in (None, 2 * beam_size, 3 * beam_size):
+        decoder = ToyDecoder(len(limits), beam_size, ties=True, widest=widest)
+        found[widest] = search_loop(
+            decoder.step,
+            decoder.reorder,
+            limits,
+            options,
+            prefixes=prefixes,
+            drop_finished=True,
+            selects=widest is not None,
+        )
+    assert found[2 * beam_size] == found[None] and found[3 * beam_size] == found[None]
+    assert found[None][5][0].tokens[:2] == [3, 4]
