@@ -95,6 +95,9 @@ class Constraints:
 
     def __init__(self, phrases=(), continuations=()):
         self.continuations = np.array(sorted({int(i) for i in continuations}), np.int64)
+        # continues[i]: whether id i continues a word (ids past the table do not).
+        self._continues = np.zeros(int(self.continuations.max(initial=-1)) + 2, bool)
+        self._continues[self.continuations] = True
         self.phrases = [tuple(int(t) for t in phrase) for phrase in phrases]
         for phrase in self.phrases:
             if not phrase:
@@ -172,6 +175,10 @@ class Constraints:
         lengths = self.arrays()[1]
         met = np.where(progress == lengths, lengths, 0).sum(-1)
         return met + np.where(progress < lengths, progress, 0).max(-1, initial=0)
+
+    def continue_words(self, tokens):
+        """Whether each of `tokens` (an int array; -1 for none) continues a word."""
+        return self._continues[np.clip(tokens, -1, len(self._continues) - 1)]
 
     def next_many(self, progress):
         """Each phrase's next token for `progress (rows, phrases)`; -1 where met."""
@@ -459,7 +466,7 @@ class ConstrainedSearch(SentenceSearch):
         rules, width = self.constraints, ids.shape[1]
         whole = selected.shape[1] >= scored.shape[-1] - len(banned_ids())
         for row in ended:
-            words = selected[row][~np.isin(selected[row], rules.continuations)][:width]
+            words = selected[row][~rules.continue_words(selected[row])][:width]
             if len(words) < width and not whole:
                 banned = np.array(scored[row], np.float64)
                 banned[banned_ids()] = -np.inf
@@ -478,7 +485,7 @@ class ConstrainedSearch(SentenceSearch):
         tokens, values = self._candidates(rows, top)
         self.step += 1
         if len(rules.continuations) and self.ended_phrase.any():
-            ended = self.ended_phrase[:, None] & np.isin(tokens, rules.continuations)
+            ended = self.ended_phrase[:, None] & rules.continue_words(tokens)
             values = np.where(ended, -np.inf, values)
         valid = (tokens >= 0) & np.isfinite(values)
         beams, places = np.nonzero(valid)
