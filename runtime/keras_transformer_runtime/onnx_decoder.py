@@ -603,7 +603,14 @@ class _OnnxState:
         return log_probs, top
 
     def reorder(self, rows):
-        self.caches = [cache[rows] for cache in self.caches]
+        if len(rows) == len(self.caches[0]):
+            # The caches are the step's own outputs: only rows that take another
+            # row's cache are copied, in place (a beam's best often extends itself).
+            moved = np.flatnonzero(rows != np.arange(len(rows)))
+            for cache in self.caches:
+                cache[moved] = cache[rows[moved]]
+        else:
+            self.caches = [cache[rows] for cache in self.caches]
         kept = rows[:: self.rows] // self.rows  # each sentence's first row names it
         if len(kept) != len(self.feeds["source_mask"]):
             self.feeds = {name: value[kept] for name, value in self.feeds.items()}
