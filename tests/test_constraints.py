@@ -6,7 +6,8 @@ import io
 
 import numpy as np
 import pytest
-from keras_transformer_runtime.constraints import Constraints, constrained_beam
+from keras_transformer_runtime.constrained_search import constrained_beam
+from keras_transformer_runtime.constraints import Constraints
 from keras_transformer_runtime.options import SearchOptions
 from keras_transformer_runtime.sources import output_limits
 

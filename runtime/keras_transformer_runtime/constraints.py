@@ -2,55 +2,12 @@
 
 A user gives, per sentence, a list of target phrases ("this source term
 must be translated as that target term"). Each phrase is tokenized with the
-target tokenizer; the search then keeps only finished translations that
-contain every phrase as a run of consecutive tokens.
-
-The search is the beam search of `spec.SentenceSearch` with constraints as
-one more per-hypothesis state (Post and Vilar 2018, "Fast Lexically
-Constrained Decoding with Dynamic Beam Allocation"; Hu et al. 2019,
-"Improved Lexically Constrained Decoding"): `ConstrainedSearch`, which
-`search.search_loop` runs for every sentence of a batch (for the Keras
-decoder and the ONNX Runtime translator) and `constrained_beam` for one
-sentence (the reference of the tests). The rules:
-
-- Progress. A hypothesis tracks, for every phrase, how many of its tokens
-  the end of the output matches (as a string search does: a mismatch falls
-  back to the longest matching shorter prefix, so an output may restart a
-  phrase). A phrase matched to its end is met, and stays met. The
-  hypothesis's *met tokens* are the lengths of its met phrases plus the
-  longest partial match of the others.
-- Candidates. Each live hypothesis ranks its next token by
-  `spec.step_scores` (so a prefix, masks and penalties apply as without
-  constraints) and is extended by its `2 * beam_size` best tokens and by
-  every token that advances one of its unmet phrases (the next token of
-  each), unless those rules forbid it. EOS is a candidate only for a
-  hypothesis that has met every phrase. Right after a token that ends a
-  phrase, no token that continues a word (`word_continuations`) is a
-  candidate: a phrase stands as whole words.
-- Dynamic beam allocation. The candidates are grouped in banks by their
-  met tokens (an EOS candidate: its hypothesis's), each bank ranked by
-  summed log-probability (ties: the earlier beam, then the lower id), and
-  put in stripe order: the best of each bank from the most met tokens
-  down, then the second best of each, and so on. A bank with fewer
-  candidates leaves its places to the others. So a phrase never needs the
-  whole beam, and the hypothesis that has met the most is always kept.
-- Finishing. In stripe order, an EOS among the first `beam_size`
-  candidates finishes its hypothesis, scored as plain beam search scores it
-  (summed log-probability divided by the length penalty); the first
-  `beam_size` others live on. With one bank (no phrases) the stripe order
-  is the score order, and these are plain beam search's rules.
-- Stopping, as `spec.SentenceSearch`: at the limit the live hypotheses
-  finish as they are; a sentence stops early when no live hypothesis can
-  beat the `n_best`-th best finished one, or when `beam_size` have
-  finished and none beats it at its current length.
-- The winner (the fallback rule): the finished hypothesis with the most met
-  tokens, then the best score (the first found of equal ones); the n best
-  are ranked the same way. Whenever the
-  phrases fit in the limit (their tokens together at most `limit - 1`, room
-  left for EOS), the hypothesis with the most met tokens gains one at every
-  step and is never dropped, so the winner has met every phrase; the
-  searches refuse phrases that do not fit (`check_fits`). With no phrases,
-  the rules are those of plain beam search (`spec.beam`), result for result.
+target tokenizer (`encode_constraints`, `sentence_constraints`, or a file:
+`read_constraints_file`); the search then keeps only finished translations
+that contain every phrase as a run of consecutive tokens. `Constraints` holds
+one sentence's phrases and `PhraseTable` many sentences', with the progress
+rules over them; the search that uses them is
+`constrained_search.ConstrainedSearch`, whose docstring has the rules.
 
 Needs numpy only.
 """
@@ -63,16 +20,13 @@ import os
 import numpy as np
 
 from keras_transformer_runtime.marian_vocabulary import MarianVocabulary
-from keras_transformer_runtime.options import SearchOptions
-from keras_transformer_runtime.spec import SentenceSearch, banned_ids, step_scores
 from keras_transformer_runtime.specials import BOS_ID, EOS_ID, PAD_ID, UNK_ID
 from keras_transformer_runtime.tokenizers import SentencePieceModel
 
 __all__ = [
-    "ConstrainedSearch",
     "Constraints",
+    "PhraseTable",
     "check_fits",
-    "constrained_beam",
     "encode_constraints",
     "read_constraints_file",
     "sentence_constraints",
@@ -94,7 +48,12 @@ class Constraints:
     """
 
     def __init__(self, phrases=(), continuations=()):
-        self.continuations = np.array(sorted({int(i) for i in continuations}), np.int64)
+        if not isinstance(continuations, np.ndarray):
+            continuations = np.fromiter(continuations, np.int64)
+        continuations = continuations.astype(np.int64, copy=False)
+        if np.any(continuations[1:] <= continuations[:-1]):  # not yet sorted and unique
+            continuations = np.unique(continuations)
+        self.continuations = continuations
         # continues[i]: whether id i continues a word (ids past the table do not).
         self._continues = np.zeros(int(self.continuations.max(initial=-1)) + 2, bool)
         self._continues[self.continuations] = True
@@ -119,72 +78,30 @@ class Constraints:
         """The progress of an empty output."""
         return (0,) * len(self.phrases)
 
+    def table(self):
+        """This sentence's `PhraseTable` (sentence 0 of it)."""
+        if not hasattr(self, "_table"):
+            self._table = PhraseTable([self])
+        return self._table
+
     def advance(self, progress, token):
-        """The progress after `token` is appended (one hypothesis: `advance_many`)."""
-        after = self.advance_many(np.array([progress], np.int64), np.array([[token]]))
+        """The progress after `token` is appended (`PhraseTable.advance` on one row)."""
+        after = self.table().advance(
+            np.zeros(1, np.int64), np.array([progress], np.int64), np.array([[token]])
+        )
         return tuple(after[0, 0].tolist())
 
     def met_tokens(self, progress):
         """Tokens of met phrases, plus the longest partial match of the others (the bank)."""
-        return int(self.met_many(np.asarray(progress, np.int64)))
+        return int(self.table().met(np.zeros(1, np.int64), np.array([progress], np.int64))[0])
 
     def all_met(self, progress):
         return all(m == n for m, n in zip(progress, self.lengths, strict=True))
 
     def next_tokens(self, progress):
         """The tokens that advance an unmet phrase (each one's next token), in order."""
-        found = self.next_many(np.array([progress], np.int64))[0]
+        found = self.table().next(np.zeros(1, np.int64), np.array([progress], np.int64))[0]
         return [t for i, t in enumerate(found.tolist()) if t >= 0 and t not in found[:i]]
-
-    def arrays(self):
-        """The phrases as arrays for the batched rules: `(phrases, lengths,
-        fallback)`, the first and last `(count, longest)`, padded."""
-        if not hasattr(self, "_arrays"):
-            width = max(self.lengths, default=1)
-            phrases = np.full((len(self), width), -1, np.int64)
-            fallback = np.zeros((len(self), width), np.int64)
-            for i, (phrase, table) in enumerate(zip(self.phrases, self._fallback, strict=True)):
-                phrases[i, : len(phrase)] = phrase
-                fallback[i, : len(phrase)] = table
-            self._arrays = (phrases, np.array(self.lengths, np.int64), fallback)
-        return self._arrays
-
-    def advance_many(self, progress, tokens):
-        """The progress after each token: `progress (rows, phrases)` int, `tokens
-        (rows, width)`; returns `(rows, width, phrases)`. A met phrase stays met;
-        an unmet one extends its match, or falls back to the longest shorter
-        prefix of it that `token` extends (the failure table), or to 0."""
-        phrases, lengths, fallback = self.arrays()
-        width = phrases.shape[1]
-        count = len(self)
-        matched = np.broadcast_to(progress[:, None, :], tokens.shape + (count,)).copy()
-        token = tokens[..., None]
-        which = np.arange(count) * width  # each phrase's first cell, flattened
-        open_ = matched < lengths
-        while True:  # fall back while the next phrase token is not `token`
-            at = which + np.minimum(matched, width - 1)
-            falls = open_ & (matched > 0) & (phrases.flat[at] != token)
-            if not falls.any():
-                break
-            matched = np.where(falls, fallback.flat[which + np.maximum(matched - 1, 0)], matched)
-        at = which + np.minimum(matched, width - 1)
-        return matched + (open_ & (phrases.flat[at] == token))
-
-    def met_many(self, progress):
-        """`met_tokens` over the last axis of `progress`."""
-        lengths = self.arrays()[1]
-        met = np.where(progress == lengths, lengths, 0).sum(-1)
-        return met + np.where(progress < lengths, progress, 0).max(-1, initial=0)
-
-    def continue_words(self, tokens):
-        """Whether each of `tokens` (an int array; -1 for none) continues a word."""
-        return self._continues[np.clip(tokens, -1, len(self._continues) - 1)]
-
-    def next_many(self, progress):
-        """Each phrase's next token for `progress (rows, phrases)`; -1 where met."""
-        phrases, lengths, _ = self.arrays()
-        at = np.minimum(progress, phrases.shape[1] - 1)
-        return np.where(progress < lengths, phrases[np.arange(len(self)), at], -1)
 
     def found_in(self, tokens):
         """Whether every phrase occurs in `tokens` as consecutive tokens."""
@@ -194,18 +111,100 @@ class Constraints:
         return self.all_met(progress)
 
 
+class PhraseTable:
+    """The phrases of several sentences' `Constraints` as arrays, and the progress
+    rules over them for many hypotheses at once.
+
+    Sentence s's phrases are rows `s, :len(constraints)` of `phrases (sentences,
+    most phrases, longest)` (padded with -1; a padding phrase has length 0 and
+    counts as met, with no tokens). A hypothesis's progress is a row of
+    `most phrases` matched-token counts; `sentence` arrays give each
+    hypothesis's sentence.
+    """
+
+    def __init__(self, sentences):
+        count = max((len(c) for c in sentences), default=0)
+        longest = max((n for c in sentences for n in c.lengths), default=1)
+        widest = max((len(c._continues) for c in sentences), default=1)
+        self.phrases = np.full((len(sentences), count, longest), -1, np.int64)
+        self.fallback = np.zeros((len(sentences), count, longest), np.int64)
+        self.lengths = np.zeros((len(sentences), count), np.int64)
+        # continues[s, i]: whether id i continues a word in sentence s (ids past
+        # the table do not; its last column is always False).
+        self.continues = np.zeros((len(sentences), widest + 1), bool)
+        for s, c in enumerate(sentences):
+            for i, (phrase, table) in enumerate(zip(c.phrases, c._fallback, strict=True)):
+                self.phrases[s, i, : len(phrase)] = phrase
+                self.fallback[s, i, : len(phrase)] = table
+                self.lengths[s, i] = len(phrase)
+            self.continues[s, : len(c._continues)] = c._continues
+
+    @property
+    def width(self):
+        """Phrases per progress row."""
+        return self.phrases.shape[1]
+
+    def advance(self, sentence, progress, tokens):
+        """The progress after each token: `sentence (rows,)`, `progress (rows,
+        phrases)`, `tokens (rows, width)`; returns `(rows, width, phrases)`. A
+        met phrase stays met; an unmet one extends its match, or falls back to
+        the longest shorter prefix of it that the token extends (the
+        Knuth-Morris-Pratt failure table), or to 0."""
+        count, longest = self.phrases.shape[1:]
+        matched = np.broadcast_to(progress[:, None, :], tokens.shape + (count,)).copy()
+        token = tokens[..., None]
+        # Each (row, phrase)'s first cell in the flattened tables: (rows, 1, phrases).
+        first = ((sentence[:, None] * count + np.arange(count)) * longest)[:, None, :]
+        open_ = matched < self.lengths[sentence][:, None, :]
+        while True:  # fall back while the next phrase token is not `token`
+            at = first + np.minimum(matched, longest - 1)
+            falls = open_ & (matched > 0) & (self.phrases.flat[at] != token)
+            if not falls.any():
+                break
+            back = self.fallback.flat[first + np.maximum(matched - 1, 0)]
+            matched = np.where(falls, back, matched)
+        at = first + np.minimum(matched, longest - 1)
+        return matched + (open_ & (self.phrases.flat[at] == token))
+
+    def met(self, sentence, progress):
+        """The met tokens (the bank) of each progress row `(rows, ..., phrases)`:
+        the lengths of its met phrases plus the longest partial match."""
+        lengths = self.lengths[sentence].reshape(
+            (len(sentence),) + (1,) * (progress.ndim - 2) + (self.width,)
+        )
+        met = np.where(progress == lengths, lengths, 0).sum(-1)
+        return met + np.where(progress < lengths, progress, 0).max(-1, initial=0)
+
+    def next(self, sentence, progress):
+        """Each phrase's next token for `progress (rows, phrases)`; -1 where met."""
+        lengths = self.lengths[sentence]
+        at = np.minimum(progress, self.phrases.shape[2] - 1)
+        tokens = self.phrases[sentence[:, None], np.arange(self.width), at]
+        return np.where(progress < lengths, tokens, -1)
+
+    def ends_phrase(self, sentence, before, after):
+        """Whether the token that took `before` to `after` (rows of progress) met a phrase."""
+        return ((after == self.lengths[sentence]) & (before < after)).any(-1)
+
+    def continue_words(self, sentence, tokens):
+        """Whether each of `tokens (rows, width)` (-1 for none) continues a word."""
+        at = np.clip(tokens, -1, self.continues.shape[1] - 1)
+        return self.continues[sentence[:, None], at]
+
+
 def word_continuations(tokenizer):
     """The ids of a SentencePiece vocabulary's pieces that continue a word: those
-    that do not start one ("▁") and begin with a letter or digit. None for a
-    word vocabulary, whose every token is a word."""
+    that do not start one ("▁") and begin with a letter or digit, as an int64
+    array; none for a word vocabulary, whose every token is a word."""
     if not isinstance(tokenizer, (SentencePieceModel, MarianVocabulary)):
-        return ()
+        return np.zeros(0, np.int64)
     pieces = tokenizer.pieces(range(len(tokenizer)))
-    return [
+    found = [
         i
         for i, piece in enumerate(pieces)
         if i > UNK_ID and not piece.startswith("\u2581") and piece[:1].isalnum()
     ]
+    return np.array(found, np.int64)
 
 
 def _failure_table(phrase):
@@ -364,198 +363,3 @@ def read_constraints_file(path, count=None):
             "of input line N (an empty line for none)."
         )
     return rows
-
-
-# --------------------------------------------------------------------------- the search rules
-
-
-def top_tokens(scores, width):
-    """Each row's `width` best tokens, best first (ties: the lower id): `(ids, scores)`."""
-    width = min(width, scores.shape[-1])
-    part = np.argpartition(-scores, width - 1, axis=-1)[..., :width]
-    values = np.take_along_axis(scores, part, axis=-1)
-    # Of tokens tied with the last one taken, the lower ids: argpartition may take any.
-    bar = values.min(-1, keepdims=True)
-    if (np.sum(scores >= bar, -1) > width).any():
-        ids = np.broadcast_to(np.arange(scores.shape[-1]), scores.shape)
-        order = np.lexsort((ids, -scores), axis=-1)[..., :width]
-        return order, np.take_along_axis(scores, order, axis=-1)
-    order = np.lexsort((part, -values), axis=-1)
-    return np.take_along_axis(part, order, axis=-1), np.take_along_axis(values, order, axis=-1)
-
-
-class ConstrainedSearch(SentenceSearch):
-    """`spec.SentenceSearch` with terminology constraints: the rules of this module.
-
-    Every other option applies as in `SentenceSearch`: each hypothesis ranks
-    its next token by `spec.step_scores` (a prefix is forced first, masks
-    and penalties apply), and a phrase token that those rules forbid is no
-    candidate. A beam of one follows the same rules as a wider beam (its
-    score is length-penalized). Sampling is refused: a constraint needs a
-    search. `results()` ranks by met tokens, then score (the fallback
-    rule), and returns `options.n_best`.
-
-    Args:
-        limit: the most tokens generated, EOS included; 0 for an empty source.
-        options: a `options.SearchOptions`.
-        constraints: a `Constraints` (or a list of token-id phrases).
-        prefix: target prefix ids, forced first.
-    """
-
-    def __init__(self, limit, options, constraints, prefix=()):
-        if options.sampling:
-            raise ValueError(
-                "constraints need a search, not sampling: set sampling_topk to 1. "
-                f"Received: sampling_topk={options.sampling_topk}"
-            )
-        super().__init__(limit, options, prefix)
-        if not isinstance(constraints, Constraints):
-            constraints = Constraints(constraints)
-        self.constraints = constraints
-        if self.limit:
-            check_fits(constraints, self.limit - len(self.prefix))
-        # Per live hypothesis: its progress, and whether its last token ended a phrase.
-        self.progress = np.zeros((len(self.live), len(constraints)), np.int64)
-        self.ended_phrase = np.zeros(len(self.live), bool)
-        self.met = []  # the met tokens of each finished hypothesis
-
-    def _finish(self, t, tokens, total, steps, met):
-        self.finished.append((total / self._penalty(t + 1), tokens, total, steps))
-        self.met.append(int(met))
-
-    def _candidates(self, rows, top):
-        """Each live hypothesis's candidate tokens `(live, width)` (-1: none) and their
-        step scores: its `2 * beam_size` best tokens (EOS only once every phrase
-        is met), then its phrases' next tokens not among them."""
-        k, rules = self.options.beam_size, self.constraints
-        if top is None or self.rescored():
-            scored = np.stack(
-                [
-                    step_scores(row, tokens, self.options, self.prefix)
-                    for row, (tokens, _, _) in zip(rows, self.live, strict=True)
-                ]
-            )
-            ids = None
-        else:  # the decoder's selection holds each row's best tokens
-            scored = np.asarray(rows)
-            selected = np.asarray(top[1], np.int64)
-            ids = selected[:, : 2 * k].copy()
-        ended = np.flatnonzero(self.ended_phrase) if len(rules.continuations) else []
-        if len(ended):
-            # A phrase stands as whole words: no piece continues its last word.
-            if ids is None:
-                scored[np.ix_(ended, rules.continuations)] = -np.inf
-            else:
-                ids = self._select_words(scored, selected, ended, ids)
-        if ids is None:
-            ids = top_tokens(scored, 2 * k)[0]
-        nexts = rules.next_many(self.progress)  # (live, phrases)
-        ids = np.where((ids == EOS_ID) & (nexts >= 0).any(1, keepdims=True), -1, ids)
-        # A next token is new if no selected token and no earlier next token is it.
-        seen = (nexts[:, :, None] == ids[:, None, :]).any(-1)
-        seen |= np.tril(nexts[:, :, None] == nexts[:, None, :], -1).any(-1)
-        tokens = np.concatenate([ids, np.where(seen, -1, nexts)], axis=1)
-        values = np.take_along_axis(scored, np.maximum(tokens, 0), axis=1).astype(np.float64)
-        return tokens, values
-
-    def _select_words(self, scored, selected, ended, ids):
-        """`ids` with the rows `ended` (whose last token ended a phrase) holding their
-        best tokens that continue no word: from the decoder's wider selection
-        `selected` when it holds enough of them (or every allowed token), else
-        from the whole row."""
-        rules, width = self.constraints, ids.shape[1]
-        whole = selected.shape[1] >= scored.shape[-1] - len(banned_ids())
-        for row in ended:
-            words = selected[row][~rules.continue_words(selected[row])][:width]
-            if len(words) < width and not whole:
-                banned = np.array(scored[row], np.float64)
-                banned[banned_ids()] = -np.inf
-                banned[rules.continuations] = -np.inf
-                words = top_tokens(banned[None], width)[0][0]
-                words = words[np.isfinite(banned[words])]
-            ids[row] = -1
-            ids[row, : len(words)] = words
-        return ids
-
-    def advance(self, rows, top=None):
-        """One step: `rows[j]` are the log-probabilities after `live[j]`, `top`
-        optionally the decoder's selection (as for `SentenceSearch.advance`);
-        returns the index of the live hypothesis each new one extends."""
-        t, k, rules = self.step, self.options.beam_size, self.constraints
-        tokens, values = self._candidates(rows, top)
-        self.step += 1
-        if len(rules.continuations) and self.ended_phrase.any():
-            ended = self.ended_phrase[:, None] & rules.continue_words(tokens)
-            values = np.where(ended, -np.inf, values)
-        valid = (tokens >= 0) & np.isfinite(values)
-        beams, places = np.nonzero(valid)
-        token = tokens[beams, places]
-        totals = np.array([total for _, total, _ in self.live])[beams] + values[beams, places]
-        vocab = np.asarray(rows[0]).shape[-1]
-        keys = beams * vocab + token
-        after = rules.advance_many(self.progress[beams], token[:, None])[:, 0]
-        eos = token == EOS_ID
-        after[eos] = self.progress[beams[eos]]
-        banks = rules.met_many(after)
-        # Within a bank, by summed score (ties: the lower key); a candidate's
-        # stripe is its rank in its bank. The stripes in order, each from the
-        # most met tokens down; with one bank, the score order.
-        order = np.lexsort((keys, -totals, -banks))
-        first = np.searchsorted(-banks[order], -banks[order], side="left")
-        stripe = np.empty(len(order), np.int64)
-        stripe[order] = np.arange(len(order)) - first
-        striped = np.lexsort((-banks, stripe))
-        position = np.arange(len(striped))
-        eos_at = eos[striped]
-        finishing = striped[eos_at & (position < k)]
-        growing = striped[~eos_at][:k]
-        for c in finishing:  # in stripe order
-            tokens_, _, steps = self.live[beams[c]]
-            self._finish(
-                t, tokens_, float(totals[c]), steps + [float(values[beams[c], places[c]])], banks[c]
-            )
-        growing = growing[np.lexsort((keys[growing], -totals[growing]))]  # as plain beams
-        live, parents = [], beams[growing].tolist()
-        for c in growing:
-            tokens_, _, steps = self.live[beams[c]]
-            live.append(
-                (
-                    tokens_ + [int(token[c])],
-                    float(totals[c]),
-                    steps + [float(values[beams[c], places[c]])],
-                )
-            )
-        progress = after[growing]
-        before = self.progress[beams[growing]]
-        ended = ((progress == rules.arrays()[1]) & (before < progress)).any(1)
-        if t + 1 >= self.limit:  # out of room: live hypotheses end here, without EOS
-            for (tokens_, total, steps), met in zip(live, banks[growing], strict=True):
-                self._finish(t, tokens_, total, steps, met)
-            live = []
-        if self._ends(live, t):
-            self.done, self.live = True, []
-            self.progress, self.ended_phrase = self.progress[:0], self.ended_phrase[:0]
-            return []
-        self.live, self.progress, self.ended_phrase = live, progress, ended
-        return parents
-
-    def results(self):
-        """The `n_best` finished hypotheses with the most met tokens, then the best
-        scores (the first found of equal ones), best first."""
-        if not self.limit or not self.finished:
-            return super().results()
-        order = sorted(
-            range(len(self.finished)), key=lambda i: (-self.met[i], -self.finished[i][0])
-        )
-        return self._hypotheses([self.finished[i] for i in order[: self.options.n_best]])
-
-
-def constrained_beam(log_probs, limit, beam_size, constraints, length_penalty=0.6):
-    """Constrained beam search for one sentence: `(tokens, length-penalized score)`.
-
-    The reference the batched searches are tested against, shaped as
-    `spec.beam`: the model is queried one hypothesis at a time.
-    """
-    options = SearchOptions(beam_size=beam_size, length_penalty=length_penalty)
-    best = ConstrainedSearch(limit, options, constraints).run(log_probs)[0]
-    return best.tokens, best.score

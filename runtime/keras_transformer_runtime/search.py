@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from keras_transformer_runtime.constraints import ConstrainedSearch
+from keras_transformer_runtime.constrained_search import ConstrainedBatch, ConstrainedSearch
 from keras_transformer_runtime.spec import (
     Hypothesis,
     SentenceSearch,
@@ -54,7 +54,8 @@ def search_loop(
     Greedy, beam, sampling and constrained search, every decoding option and
     both decoders (Keras and ONNX Runtime) go through this loop whenever a
     graph-resident search does not run them. Each sentence's
-    `SentenceSearch` (or `constraints.ConstrainedSearch`) decides: the rules
+    `SentenceSearch` (or `constrained_search.ConstrainedSearch`, stepped
+    with the batch's others by one `ConstrainedBatch`) decides: the rules
     are written once, there. This loop only runs the model for every live hypothesis of
     every sentence at once and keeps the decoder state in step. Row
     `p * options.beam_size + j` of the state is live hypothesis j of
@@ -73,7 +74,7 @@ def search_loop(
             sampling generator (`spec.sentence_rng`); default 0, 1, ...
         constraints: per-sentence terminology constraints (a
             `constraints.Constraints`, or a list of token-id phrases), or
-            None: a sentence with phrases runs `constraints.ConstrainedSearch`.
+            None: a sentence with phrases runs `constrained_search.ConstrainedSearch`.
         drop_finished: leave finished sentences out of the state once more
             than `DROP_FRACTION` of them are (`rows` then covers only the
             sentences still searched, in input order), for decoders whose
@@ -102,6 +103,8 @@ def search_loop(
         )
         for limit, prefix, i, phrases in zip(limits, prefixes, indices, constraints, strict=True)
     ]
+    constrained = [s for s in searches if isinstance(s, ConstrainedSearch)]
+    batch = ConstrainedBatch(constrained) if constrained else None
     active = np.arange(len(searches))  # the sentences the state holds, in state order
     last = np.full(len(searches) * k, BOS_ID, np.int32)
     t = 0
@@ -111,16 +114,28 @@ def search_loop(
         else:
             log_probs, top_values = np.asarray(step(last, t)), None
         rows = np.repeat(np.arange(len(active)) * k, k)
+        stepped = {}  # state position -> parents
+        members, starts = [], []
         for p, b in enumerate(active):
             search = searches[b]
             if search.done:
                 continue
+            if isinstance(search, ConstrainedSearch):  # stepped together, below
+                members.append(search.index)
+                starts.append(p * k)
+                continue
             at = slice(p * k, p * k + len(search.live))
             top = None if top_values is None else (top_values[at], top_ids[at])
-            parents = search.advance(log_probs[at], top)
+            stepped[p] = search.advance(log_probs[at], top)
+        if members:
+            top = None if top_values is None else (top_values, top_ids)
+            found = batch.advance(members, log_probs, starts, top)
+            stepped.update(zip((start // k for start in starts), found, strict=True))
+        for p, parents in stepped.items():
+            live = searches[active[p]].live
             for j, parent in enumerate(parents):
                 rows[p * k + j] = p * k + parent
-                last[p * k + j] = search.live[j][0][-1]
+                last[p * k + j] = live[j][0][-1]
         t += 1
         if all(search.done for search in searches):
             break

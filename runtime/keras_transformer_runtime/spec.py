@@ -207,7 +207,7 @@ def step_scores(log_probs, tokens, options, prefix=()):
     token keeps its penalized score, whatever the masks say). No
     renormalization: the plain search's scores stay the model's
     log-probabilities. Terminology constraints choose among these scores
-    (`constraints.ConstrainedSearch`): a phrase token they forbid stays out.
+    (`constrained_search.ConstrainedSearch`): a phrase token they forbid stays out.
     """
     scores = np.array(log_probs, np.float64)
     if options.repetition_penalty != 1 and tokens:

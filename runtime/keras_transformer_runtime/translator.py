@@ -236,7 +236,7 @@ class Translator:
             constraints: per-sentence terminology constraints, each a list
                 of target phrases as token-id lists (or a
                 `constraints.Constraints`), or None: every output holds its
-                phrases (`constraints.ConstrainedSearch`).
+                phrases (`constrained_search.ConstrainedSearch`).
 
         Returns:
             per sentence, its `spec.Hypothesis` list (`options.n_best` at most),

@@ -7,10 +7,9 @@ import json
 import numpy as np
 import pytest
 from keras_transformer_runtime import spec
+from keras_transformer_runtime.constrained_search import ConstrainedSearch, constrained_beam
 from keras_transformer_runtime.constraints import (
-    ConstrainedSearch,
     Constraints,
-    constrained_beam,
     encode_constraints,
     read_constraints_file,
 )
@@ -293,9 +292,11 @@ def test_a_step_that_selects_gives_the_same_constrained_hypotheses(beam_size):
     rescores a step. A hypothesis that just ended a phrase takes its best tokens
     that continue no word: from the selection when it holds enough of them,
     else from its whole row (the narrow selection here). The same hypotheses
-    either way, ties included."""
-    limits = np.array([9, 0, 12, 12, 7, 10])
-    phrases = [[[4]], [], [[5, 5, 6], [7]], [[9, 10]], [[3], [8]], []]
+    either way, ties included, and with sentences forcing a prefix (their
+    rows rescored) in the same batch step as sentences reading the selection."""
+    limits = np.array([9, 0, 12, 12, 7, 10, 11])
+    phrases = [[[4]], [], [[5, 5, 6], [7]], [[9, 10]], [[3], [8]], [], [[4, 8]]]
+    prefixes = [[], [], [3], [], [], [], [9, 9]]
     continuations = [5, 6, 7, 10, 11]
     rules = [Constraints(entry, continuations) for entry in phrases]
     options = SearchOptions(beam_size=beam_size, n_best=beam_size, token_scores=True)
@@ -307,10 +308,12 @@ def test_a_step_that_selects_gives_the_same_constrained_hypotheses(beam_size):
             decoder.reorder,
             limits,
             options,
+            prefixes=prefixes,
             drop_finished=True,
             constraints=rules,
             selects=widest is not None,
         )
     assert found[2 * beam_size] == found[None] and found[4 * beam_size] == found[None]
+    assert found[None][6][0].tokens[:2] == [9, 9]
     for hypotheses, entry in zip(found[None], rules, strict=True):
         assert entry.found_in(hypotheses[0].tokens)
