@@ -230,37 +230,31 @@ class ConstrainedBatch:
         )
 
         # Per search: its finished and new live hypotheses, in that order.
-        parents = []
-        lists = (
-            owner.tolist(),
-            local[row].tolist(),
-            token.tolist(),
-            totals.tolist(),
-            step.tolist(),
-            banks.tolist(),
+        new_progress = after[growing]
+        finishing_at = np.searchsorted(owner[finishing], np.arange(len(searches) + 1)).tolist()
+        growing_at = np.searchsorted(owner[growing], np.arange(len(searches) + 1)).tolist()
+        f_beam, f_total, f_step, f_bank = (
+            a[finishing].tolist() for a in (local[row], totals, step, banks)
         )
-        owner_, beam_, token_, total_, step_, bank_ = lists
-        finishing, growing = finishing.tolist(), growing.tolist()
-        f = g = 0
+        g_beam, g_token, g_total, g_step, g_bank = (
+            a[growing].tolist() for a in (local[row], token, totals, step, banks)
+        )
+        parents = []
         for m, search in enumerate(searches):
             t = search.step
             search.step += 1
-            while f < len(finishing) and owner_[finishing[f]] == m:
-                c = finishing[f]
-                tokens_, _, steps = search.live[beam_[c]]
-                search._finish(t, tokens_, total_[c], steps + [step_[c]], bank_[c])
-                f += 1
-            first = g
-            while g < len(growing) and owner_[growing[g]] == m:
-                g += 1
-            chosen = growing[first:g]
+            before = search.live
+            for c in range(finishing_at[m], finishing_at[m + 1]):
+                tokens_, _, steps = before[f_beam[c]]
+                search._finish(t, tokens_, f_total[c], steps + [f_step[c]], f_bank[c])
+            chosen = range(growing_at[m], growing_at[m + 1])
             live = []
             for c in chosen:
-                tokens_, _, steps = search.live[beam_[c]]
-                live.append((tokens_ + [token_[c]], total_[c], steps + [step_[c]]))
+                tokens_, _, steps = before[g_beam[c]]
+                live.append((tokens_ + [g_token[c]], g_total[c], steps + [g_step[c]]))
             if t + 1 >= search.limit:  # out of room: live hypotheses end here, without EOS
                 for (tokens_, total, steps), c in zip(live, chosen, strict=True):
-                    search._finish(t, tokens_, total, steps, bank_[c])
+                    search._finish(t, tokens_, total, steps, g_bank[c])
                 live = []
             if search._ends(live, t):
                 search.done, search.live = True, []
@@ -268,9 +262,9 @@ class ConstrainedBatch:
                 parents.append([])
                 continue
             search.live = live
-            search.progress = after[chosen]
-            search.ended_phrase = met_phrase[first:g]
-            parents.append([beam_[c] for c in chosen])
+            search.progress = new_progress[chosen.start : chosen.stop]
+            search.ended_phrase = met_phrase[chosen.start : chosen.stop]
+            parents.append(g_beam[chosen.start : chosen.stop])
         return parents
 
     def _selected(self, searches, log_probs, rows, top, k, offsets, ended):

@@ -59,7 +59,8 @@ def search_loop(
     are written once, there. This loop only runs the model for every live hypothesis of
     every sentence at once and keeps the decoder state in step. Row
     `p * options.beam_size + j` of the state is live hypothesis j of
-    sentence p (rows of fewer live hypotheses repeat the sentence's first).
+    sentence p (the rows of a sentence with fewer live hypotheses, or done,
+    keep their own state: they are stepped, never read, and cost no copy).
 
     Args:
         step: `step(last, t) -> log_probs`: `last` is the int32 newest token
@@ -113,7 +114,7 @@ def search_loop(
             log_probs, (top_values, top_ids) = step(last, t, top_k=SELECTED_PER_BEAM * k)
         else:
             log_probs, top_values = np.asarray(step(last, t)), None
-        rows = np.repeat(np.arange(len(active)) * k, k)
+        rows = np.arange(len(active) * k)
         stepped = {}  # state position -> parents
         members, starts = [], []
         for p, b in enumerate(active):
