@@ -186,7 +186,7 @@ class ConstrainedBatch:
         ended = np.concatenate([s.ended_phrase for s in searches])
         vocabulary = log_probs.shape[-1]
 
-        ids, rescored = self._selected(searches, log_probs, rows, top, k, offsets, ended)
+        ids, rescored = self._selected(searches, log_probs, rows, top, k, offsets, ended, member)
         # The phrases' next tokens not already selected; EOS only once all are met.
         nexts = self.table.next(sentence, progress)
         ids = np.where((ids == EOS_ID) & (nexts >= 0).any(1, keepdims=True), -1, ids)
@@ -267,7 +267,7 @@ class ConstrainedBatch:
             parents.append(g_beam[chosen.start : chosen.stop])
         return parents
 
-    def _selected(self, searches, log_probs, rows, top, k, offsets, ended):
+    def _selected(self, searches, log_probs, rows, top, k, offsets, ended, member):
         """Each row's `2 * k` best tokens `(rows, 2k)` (-1: none), after the bans,
         and `{member: scored rows}` for the members whose options rescore the step
         (their candidates take those scores)."""
@@ -297,10 +297,8 @@ class ConstrainedBatch:
         # Rows after a met phrase, that read the selection: its best tokens that
         # continue no word, from the wider selection when it holds enough of
         # them (or every allowed token), else from the whole row.
-        if top is not None:
-            member = np.searchsorted(offsets, np.arange(len(rows)), side="right") - 1
-            reading = ended & ~np.isin(member, list(rescored))
-            at = np.flatnonzero(reading)
+        if top is not None and ended.any():
+            at = np.flatnonzero(ended & ~np.isin(member, list(rescored)) if rescored else ended)
             sentence = np.asarray([s.index for s in searches])[member[at]]
             words = ~self.table.continue_words(sentence, selected[at])
             # The first 2k words of each row, in selection order, then -1.
