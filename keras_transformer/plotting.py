@@ -44,7 +44,7 @@ def attention_figure_data(model, tokenizer, source_text: str, beam_size: int = 4
             f"layer={layer} is out of range: the model has {len(all_layers)} decoder layers."
         ) from None
     weights = np.mean(ops.convert_to_numpy(chosen)[0], axis=0)  # (T, S)
-    source_pieces = tokenizer.pieces(source[:-1]) + ["</s>"]
+    source_pieces = tokenizer.source_pieces(source[:-1]) + ["</s>"]
     target_pieces = ["</s>" if t == tokenizer.eos_id else tokenizer.pieces([t])[0] for t in rows]
     return weights, source_pieces, target_pieces, tokenizer.decode(output)
 

@@ -183,7 +183,15 @@ class MarianVocabulary:
 
     def pieces(self, ids) -> list[str]:
         """Target pieces of `ids`; our specials by their own names."""
-        pieces = self.target.pieces
+        return self._side_pieces(self.target, ids)
+
+    def source_pieces(self, ids) -> list[str]:
+        """Source pieces of `ids` (the source side's numbering)."""
+        return self._side_pieces(self.source, ids)
+
+    @staticmethod
+    def _side_pieces(side, ids):
+        pieces = side.pieces
         return [
             pieces[int(i)] if 0 <= int(i) < len(pieces) else SPECIAL_PIECES[UNK_ID] for i in ids
         ]

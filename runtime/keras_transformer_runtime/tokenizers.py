@@ -86,6 +86,10 @@ class SentencePieceModel:
     def pieces(self, ids) -> list[str]:
         return [self.id_to_piece(i) for i in ids]
 
+    def source_pieces(self, ids) -> list[str]:
+        """Pieces of source ids: one joint model, so `pieces`."""
+        return self.pieces(ids)
+
 
 class WordVocabulary:
     """A whitespace word vocabulary: `tokens[i]` is the word of id i.
@@ -123,6 +127,10 @@ class WordVocabulary:
     def pieces(self, ids) -> list[str]:
         unknown = SPECIAL_PIECES[UNK_ID]
         return [self.tokens[int(i)] if int(i) < len(self.tokens) else unknown for i in ids]
+
+    def source_pieces(self, ids) -> list[str]:
+        """Words of source ids: one vocabulary, so `pieces`."""
+        return self.pieces(ids)
 
     def decode(self, ids) -> str:
         """Words of `ids` joined by spaces; stops at the first EOS and skips pad and BOS."""

@@ -49,6 +49,25 @@ def test_the_tokenizer_gives_marians_ids_in_our_numbering(marian_dir):
     assert tokenizer.decode(target + [2, 7]) == TARGET_EXTRA[0]
 
 
+def test_attention_plots_name_source_ids_by_the_source_vocabulary(tmp_path):
+    """Separate vocabularies number source and target pieces apart: a plot's columns
+    are the source model's pieces (<unk> where vocab.json lacks one)."""
+    import sentencepiece as spm
+
+    from keras_transformer.plotting import attention_figure_data
+
+    marian_dir = str(tmp_path)
+    numpy_checkpoint(marian_dir, "gelu-separate-bias")
+    model, tokenizer = from_marian(marian_dir)
+    with open(os.path.join(marian_dir, "vocab.json")) as f:
+        vocabulary = json.load(f)
+    source = spm.SentencePieceProcessor(model_file=os.path.join(marian_dir, "source.spm"))
+    text = TEXTS[-1]
+    _, columns, _, _ = attention_figure_data(model, tokenizer, text, beam_size=1)
+    pieces = source.encode(text, out_type=str)
+    assert columns == [p if p in vocabulary else "<unk>" for p in pieces] + ["</s>"]
+
+
 def test_the_tf_data_tokenizer_gives_the_python_ids(marian_dir):
     import tensorflow as tf
 
