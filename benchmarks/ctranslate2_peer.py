@@ -78,8 +78,12 @@ def ctranslate2_spec(model, tokenizer):
 
     parts = transformer_parts(model)
     c = parts.config
-    if parts.output_projection is not None:
-        raise ValueError("Only models with the shared (tied) embedding are converted.")
+    if parts.output_projection is not None or not c.tie_embeddings:
+        raise ValueError(
+            "Only models with one embedding for source, target and output are converted "
+            "here; convert a model with separate vocabularies from its marian-hf export "
+            "(--marian-hf: CTranslate2's TransformersConverter)."
+        )
     for layer in parts.encoder_layers + parts.decoder_layers:
         if getattr(layer.feed_forward.activation, "__name__", "") != "relu":
             raise ValueError("Only the ReLU feed-forward of the paper is converted.")
