@@ -18,7 +18,7 @@ from keras_transformer_runtime.search import search_loop
 from keras_transformer_runtime.spec import SentenceSearch
 from keras_transformer_runtime.specials import BOS_ID, EOS_ID, UNK_ID
 
-from tests.runtime.test_search import VOCAB, ToyDecoder, _log_probs
+from tests.runtime.test_search import VOCAB, ToyDecoder, _log_probs, searched_with_selections
 
 
 def _contains(tokens, phrase):
@@ -300,19 +300,9 @@ def test_a_step_that_selects_gives_the_same_constrained_hypotheses(beam_size):
     continuations = [5, 6, 7, 10, 11]
     rules = [Constraints(entry, continuations) for entry in phrases]
     options = SearchOptions(beam_size=beam_size, n_best=beam_size, token_scores=True)
-    found = {}
-    for widest in (None, 2 * beam_size, 4 * beam_size):
-        decoder = ToyDecoder(len(limits), beam_size, ties=True, widest=widest)
-        found[widest] = search_loop(
-            decoder.step,
-            decoder.reorder,
-            limits,
-            options,
-            prefixes=prefixes,
-            drop_finished=True,
-            constraints=rules,
-            selects=widest is not None,
-        )
+    found = searched_with_selections(
+        limits, options, (2 * beam_size, 4 * beam_size), prefixes=prefixes, constraints=rules
+    )
     assert found[2 * beam_size] == found[None] and found[4 * beam_size] == found[None]
     assert found[None][6][0].tokens[:2] == [9, 9]
     for hypotheses, entry in zip(found[None], rules, strict=True):

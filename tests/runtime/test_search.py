@@ -194,6 +194,24 @@ def test_source_array_pads_to_the_longest_row_rounded_to_the_multiple():
     assert source_array([[5] * 12], model_max_length=12)[0].shape == (1, 12)
 
 
+def searched_with_selections(limits, options, widths, **loop_options):
+    """`search_loop`'s hypotheses on the tied toy decoder: at key None from whole
+    rows, and at each of `widths` from a step selecting at most that many."""
+    found = {}
+    for widest in (None, *widths):
+        decoder = ToyDecoder(len(limits), options.beam_size, ties=True, widest=widest)
+        found[widest] = search_loop(
+            decoder.step,
+            decoder.reorder,
+            limits,
+            options,
+            drop_finished=True,
+            selects=widest is not None,
+            **loop_options,
+        )
+    return found
+
+
 @pytest.mark.parametrize("beam_size", [1, 2, 4])
 @pytest.mark.parametrize(
     "options",
@@ -211,17 +229,8 @@ def test_a_step_that_selects_gives_the_same_hypotheses(beam_size, options):
     limits = np.array([9, 0, 4, 12, 1, 7, 12, 3])
     prefixes = [[], [], [5], [], [], [3, 4], [], []]
     options = SearchOptions(beam_size, n_best=min(options.pop("n_best", 1), beam_size), **options)
-    found = {}
-    for widest in (None, 2 * beam_size, 3 * beam_size):
-        decoder = ToyDecoder(len(limits), beam_size, ties=True, widest=widest)
-        found[widest] = search_loop(
-            decoder.step,
-            decoder.reorder,
-            limits,
-            options,
-            prefixes=prefixes,
-            drop_finished=True,
-            selects=widest is not None,
-        )
+    found = searched_with_selections(
+        limits, options, (2 * beam_size, 3 * beam_size), prefixes=prefixes
+    )
     assert found[2 * beam_size] == found[None] and found[3 * beam_size] == found[None]
     assert found[None][5][0].tokens[:2] == [3, 4]
