@@ -33,6 +33,7 @@ from keras_transformer_runtime.onnx_sessions import (
     make_session,
     spins,
 )
+from keras_transformer_runtime.onnx_state import OnnxSearchState
 from keras_transformer_runtime.options import NO_MASKS
 from keras_transformer_runtime.shortlist import Shortlist
 from keras_transformer_runtime.specials import EOS_ID, PAD_ID
@@ -424,7 +425,7 @@ class OnnxDecoder:
     def start(self, source, rows, steps):
         """Encodes `source` once per sentence; a state of `rows` hypotheses per sentence
         (its caches grow step by step: `steps` is not needed)."""
-        return _OnnxState(self, source, rows)
+        return OnnxSearchState(self, source, rows)
 
     def greedy(self, source, limits, masks=NO_MASKS):
         """Greedy search under the stateless `masks` as one call of a search graph
@@ -578,39 +579,3 @@ class OnnxDecoder:
     def alignment_weights(self, source, target_inputs):
         """`alignment.onnx`'s weights: the alignment layer's cross-attention, heads averaged."""
         return self.teacher_forced("alignment", source, target_inputs)
-
-
-class _OnnxState:
-    """`search.search_loop`'s state on `decoder_step.onnx`: the cross caches once per
-    sentence, the self caches per row; finished sentences leave (`drops_finished`)."""
-
-    drops_finished = True
-    selects = True
-
-    def __init__(self, decoder, source, rows):
-        _, mask, cross = decoder.encode(source)
-        self.decoder, self.rows = decoder, rows
-        self.feeds = decoder.search_feeds(mask, cross)
-        self.caches = decoder.empty_self_caches(len(mask) * rows)
-
-    def step(self, last, t, top_k=0):
-        feeds = dict(self.feeds, token_ids=last[:, None].copy())
-        feeds.update(zip(self.decoder.cache_names("self"), self.caches, strict=True))
-        if not top_k:
-            log_probs, self.caches = self.decoder.run_log_probs(feeds)
-            return log_probs
-        log_probs, top, self.caches = self.decoder.run_log_probs(feeds, top_k)
-        return log_probs, top
-
-    def reorder(self, rows):
-        if len(rows) == len(self.caches[0]):
-            # The caches are the step's own outputs: only rows that take another
-            # row's cache are copied, in place (a beam's best often extends itself).
-            moved = np.flatnonzero(rows != np.arange(len(rows)))
-            for cache in self.caches:
-                cache[moved] = cache[rows[moved]]
-        else:
-            self.caches = [cache[rows] for cache in self.caches]
-        kept = rows[:: self.rows] // self.rows  # each sentence's first row names it
-        if len(kept) != len(self.feeds["source_mask"]):
-            self.feeds = {name: value[kept] for name, value in self.feeds.items()}
