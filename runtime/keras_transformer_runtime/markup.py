@@ -53,6 +53,12 @@ VOID = frozenset("area base br col embed hr img input link meta param source tra
 _WORD = re.compile(r"\S+")
 # Attributes whose values are text for people to read: translated as sentences.
 TRANSLATED_ATTRIBUTES = frozenset({"alt", "title", "placeholder", "aria-label"})
+# A button's label (`<input type=submit value=...>`) and a page's description for
+# search results and link previews (`<meta name=description content=...>`).
+BUTTON_TYPES = frozenset({"button", "submit", "reset"})
+DESCRIPTIONS = frozenset(
+    {"description", "og:title", "og:description", "twitter:title", "twitter:description"}
+)
 _ATTRIBUTE = re.compile(r"""\s([^\s"'<>/=]+)\s*=\s*(?:(["'])(.*?)\2|([^\s"'=<>`]+))""", re.DOTALL)
 _ENTITY_REF = re.compile(r"&(#[0-9]+|#[xX][0-9a-fA-F]+|[A-Za-z][A-Za-z0-9]*);?")
 
@@ -254,11 +260,19 @@ def html_document(page, language="en", split_long=None):
 
 
 def _attribute_sentences(token, page, language, split_long):
-    """The sentences of a tag's `TRANSLATED_ATTRIBUTES` values, each its own run of
-    text, whose translations go back escaped for the value's quotes."""
+    """The sentences of a tag's `TRANSLATED_ATTRIBUTES` values (and a button's
+    `value`, a description's `content`), each its own run of text, whose
+    translations go back escaped for the value's quotes."""
     found = []
-    for match in _ATTRIBUTE.finditer(page, token.start, token.end):
-        if match.group(1).lower() not in TRANSLATED_ATTRIBUTES:
+    matches = list(_ATTRIBUTE.finditer(page, token.start, token.end))
+    values = {m.group(1).lower(): (m.group(3) or m.group(4) or "").strip().lower() for m in matches}
+    translated = set(TRANSLATED_ATTRIBUTES)
+    if token.tag == "input" and values.get("type") in BUTTON_TYPES:
+        translated.add("value")
+    if token.tag == "meta" and DESCRIPTIONS & {values.get("name"), values.get("property")}:
+        translated.add("content")
+    for match in matches:
+        if match.group(1).lower() not in translated:
             continue
         quote = match.group(2) or ""
         group = 3 if match.group(2) else 4

@@ -238,6 +238,25 @@ def test_inline_code_and_translate_no_stay_in_their_sentence_whole():
     assert found.endswith('translate="no">Foo Bar</span> SEHR.</p><p>OPEN <code>never closed')
 
 
+def test_button_labels_and_page_descriptions_are_translated_other_values_kept():
+    page = (
+        '<head><meta name="Description" content="Ein Hund.">'
+        '<meta property=og:title content=Hunde><meta name=keywords content="Hund, Katze">'
+        '<meta charset=utf-8></head><form><input type=SUBMIT value="Senden">'
+        '<input type=text value="Hund"><input value=Nein><button>Los</button></form>'
+    )
+    document = html_document(page, "de")
+    assert document.sentences == ["Ein Hund.", "Hunde", "Senden", "Los"]
+    assert document.rebuild(document.sentences) == page
+    found = document.rebuild([s.upper() for s in document.sentences], _identity_links(document))
+    assert found == (
+        '<head><meta name="Description" content="EIN HUND.">'
+        '<meta property=og:title content="HUNDE"><meta name=keywords content="Hund, Katze">'
+        '<meta charset=utf-8></head><form><input type=SUBMIT value="SENDEN">'
+        '<input type=text value="Hund"><input value=Nein><button>LOS</button></form>'
+    )
+
+
 def test_alt_title_and_placeholder_values_are_translated_and_stay_valid():
     page = (
         '<p title="Ein Titel. Zwei.">Ein <img src=a.png alt=Bild> und '
