@@ -125,6 +125,32 @@ class ConstrainedSearch(SentenceSearch):
         self.finished.append((total / self._penalty(t + 1), tokens, total, steps))
         self.met.append(met)
 
+    def settle(self, finished, grown, progress, ended_phrase):
+        """Ends a step chosen by `ConstrainedBatch.advance`: `finished` candidates
+        `(beam, summed score, step score, met tokens)` finish (EOS), in stripe
+        order; `grown` ones `(beam, token, summed score, step score, met tokens)`,
+        in score order, live on with their `progress` and `ended_phrase` rows.
+        Returns the parents of the new live hypotheses."""
+        t = self.step
+        self.step += 1
+        for beam, total, step, met in finished:
+            tokens, _, steps = self.live[beam]
+            self._finish(t, tokens, total, steps + [step], met)
+        live = [
+            (self.live[beam][0] + [token], total, self.live[beam][2] + [step])
+            for beam, token, total, step, _ in grown
+        ]
+        if t + 1 >= self.limit:  # out of room: live hypotheses end here, without EOS
+            for (tokens, total, steps), (*_, met) in zip(live, grown, strict=True):
+                self._finish(t, tokens, total, steps, met)
+            live = []
+        if self._ends(live, t):
+            self.done, self.live = True, []
+            self.progress, self.ended_phrase = progress[:0], ended_phrase[:0]
+            return []
+        self.live, self.progress, self.ended_phrase = live, progress, ended_phrase
+        return [beam for beam, *_ in grown]
+
     def advance(self, rows, top=None):
         """One step of this search alone: `rows[j]` are the log-probabilities after
         `live[j]`, `top` optionally the decoder's selection (as for
@@ -241,30 +267,15 @@ class ConstrainedBatch:
         )
         parents = []
         for m, search in enumerate(searches):
-            t = search.step
-            search.step += 1
-            before = search.live
-            for c in range(finishing_at[m], finishing_at[m + 1]):
-                tokens_, _, steps = before[f_beam[c]]
-                search._finish(t, tokens_, f_total[c], steps + [f_step[c]], f_bank[c])
-            chosen = range(growing_at[m], growing_at[m + 1])
-            live = []
-            for c in chosen:
-                tokens_, _, steps = before[g_beam[c]]
-                live.append((tokens_ + [g_token[c]], g_total[c], steps + [g_step[c]]))
-            if t + 1 >= search.limit:  # out of room: live hypotheses end here, without EOS
-                for (tokens_, total, steps), c in zip(live, chosen, strict=True):
-                    search._finish(t, tokens_, total, steps, g_bank[c])
-                live = []
-            if search._ends(live, t):
-                search.done, search.live = True, []
-                search.progress, search.ended_phrase = progress[:0], ended[:0]
-                parents.append([])
-                continue
-            search.live = live
-            search.progress = new_progress[chosen.start : chosen.stop]
-            search.ended_phrase = met_phrase[chosen.start : chosen.stop]
-            parents.append(g_beam[chosen.start : chosen.stop])
+            finished = [
+                (f_beam[c], f_total[c], f_step[c], f_bank[c])
+                for c in range(finishing_at[m], finishing_at[m + 1])
+            ]
+            at = slice(growing_at[m], growing_at[m + 1])
+            grown = list(
+                zip(g_beam[at], g_token[at], g_total[at], g_step[at], g_bank[at], strict=True)
+            )
+            parents.append(search.settle(finished, grown, new_progress[at], met_phrase[at]))
         return parents
 
     def _selected(self, searches, log_probs, rows, top, k, offsets, ended, member):
