@@ -22,13 +22,23 @@ class OnnxSearchState:
         self.caches = decoder.empty_self_caches(len(mask) * rows)
 
     def step(self, last, t, top_k=0):
+        # The first step reads BOS alone in every row of a sentence: it runs one
+        # row per sentence, and the rows copy its outputs.
+        first = t == 0 and self.rows > 1
+        if first:
+            last, self.caches = last[:: self.rows], [c[:: self.rows] for c in self.caches]
         feeds = dict(self.feeds, token_ids=last[:, None].copy())
         feeds.update(zip(self.decoder.cache_names("self"), self.caches, strict=True))
         if not top_k:
             log_probs, self.caches = self.decoder.run_log_probs(feeds)
-            return log_probs
-        log_probs, top, self.caches = self.decoder.run_log_probs(feeds, top_k)
-        return log_probs, top
+            top = None
+        else:
+            log_probs, top, self.caches = self.decoder.run_log_probs(feeds, top_k)
+        if first:
+            log_probs = np.repeat(log_probs, self.rows, axis=0)
+            self.caches = [np.repeat(c, self.rows, axis=0) for c in self.caches]
+            top = None if top is None else tuple(np.repeat(a, self.rows, axis=0) for a in top)
+        return log_probs if top is None else (log_probs, top)
 
     def reorder(self, rows):
         if len(rows) == len(self.caches[0]):
