@@ -89,8 +89,8 @@ class ConstrainedSearch(SentenceSearch):
     search. `results()` ranks by met tokens, then score (the fallback
     rule), and returns `options.n_best`.
 
-    A search is stepped by the `ConstrainedBatch` it belongs to (its own,
-    of one sentence, unless a batch took it): `advance` steps it alone.
+    A search is stepped by the `ConstrainedBatch` it joined; `advance` steps
+    it alone (in a batch of its own, made at its first step, if none took it).
 
     Args:
         limit: the most tokens generated, EOS included; 0 for an empty source.
@@ -112,7 +112,7 @@ class ConstrainedSearch(SentenceSearch):
         if self.limit:
             check_fits(constraints, self.limit - len(self.prefix))
         self.met = []  # the met tokens of each finished hypothesis
-        ConstrainedBatch([self])
+        self.batch = None  # the ConstrainedBatch that steps it (`join`)
 
     def join(self, batch, index, width):
         """Becomes sentence `index` of `batch`, whose progress rows are `width` wide:
@@ -156,8 +156,9 @@ class ConstrainedSearch(SentenceSearch):
         `live[j]`, `top` optionally the decoder's selection (as for
         `SentenceSearch.advance`); returns the index of the live hypothesis
         each new one extends."""
-        rows = np.asarray(rows)
-        return self.batch.advance([self.index], rows, [0], top)[0]
+        if self.batch is None:
+            ConstrainedBatch([self])
+        return self.batch.advance([self.index], np.asarray(rows), [0], top)[0]
 
     def results(self):
         """The `n_best` finished hypotheses with the most met tokens, then the best
