@@ -34,7 +34,7 @@ DROP_FRACTION = 0.25
 # With `selects`, the loop asks each step for this many times `beam_size` best
 # tokens per row: a search reads the first `2 * beam_size`, and a constrained
 # hypothesis that just ended a phrase, barred from word-continuing pieces,
-# finds its `2 * beam_size` others among them in 92% of cases (Multi30k test,
+# finds its `2 * beam_size` others among them in over 91% of cases (Multi30k test,
 # beam 5); 8 x beam slowed the step more than it saved (docs/performance.md).
 SELECTED_PER_BEAM = 4
 
