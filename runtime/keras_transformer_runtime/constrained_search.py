@@ -213,7 +213,9 @@ class ConstrainedBatch:
         ended = np.concatenate([s.ended_phrase for s in searches])
         vocabulary = log_probs.shape[-1]
 
-        ids, rescored = self._selected(searches, log_probs, rows, top, k, offsets, ended, member)
+        ids, rescored = self._selected(
+            searches, log_probs, rows, top, k, offsets, ended, member, sentence
+        )
         # The phrases' next tokens not already selected; EOS only once all are met.
         nexts = self.table.next(sentence, progress)
         ids = np.where((ids == EOS_ID) & (nexts >= 0).any(1, keepdims=True), -1, ids)
@@ -279,7 +281,7 @@ class ConstrainedBatch:
             parents.append(search.settle(finished, grown, new_progress[at], met_phrase[at]))
         return parents
 
-    def _selected(self, searches, log_probs, rows, top, k, offsets, ended, member):
+    def _selected(self, searches, log_probs, rows, top, k, offsets, ended, member, sentence):
         """Each row's `2 * k` best tokens `(rows, 2k)` (-1: none), after the bans,
         and `{member: scored rows}` for the members whose options rescore the step
         (their candidates take those scores)."""
@@ -311,8 +313,7 @@ class ConstrainedBatch:
         # them (or every allowed token), else from the whole row.
         if top is not None and ended.any():
             at = np.flatnonzero(ended & ~np.isin(member, list(rescored)) if rescored else ended)
-            sentence = np.asarray([s.index for s in searches])[member[at]]
-            words = ~self.table.continue_words(sentence, selected[at])
+            words = ~self.table.continue_words(sentence[at], selected[at])
             # The first 2k words of each row, in selection order, then -1.
             taken = words & (np.cumsum(words, axis=1) <= 2 * k)
             order = np.argsort(~taken, axis=1, kind="stable")[:, : 2 * k]

@@ -403,7 +403,7 @@ class SentenceSearch:
         totals = np.array([total for _, total, _ in self.live])[:, None] + values
         keys = np.arange(len(self.live))[:, None] * vocabulary + np.asarray(ids, np.int64)
         totals, keys, values = totals.reshape(-1), keys.reshape(-1), values.reshape(-1)
-        order = np.lexsort((keys, -totals))[: 2 * self.options.beam_size]
+        order = np.lexsort((keys, -totals))[:width]
         return self._take(totals[order], keys[order], values[order].tolist(), vocabulary)
 
     def _take(self, totals, keys, steps, vocabulary):
