@@ -17,11 +17,6 @@ The graphs, each built node by node from the layer weights:
   `new_self_value_i` of length `past_len + 1`. The step index is the cache
   length: the first step gets caches of length 0, so one graph serves every
   step and the two can never disagree.
-- `decoder_step_staggered.onnx`: the same step for rows that started at
-  different steps (the server's continuous batching), with `first_slots
-  (batch,) int64`, the cache slot of each row's first token: a row's new
-  token is at position `past_len - first_slots[row]`, and its
-  self-attention skips the slots before its first.
 - `forced_scores.onnx`, `alignment.onnx` and `teacher_forced.onnx` (built
   node by node, `keras_transformer.export.forced_graph`): the encoder's
   outputs and `target_ids (batch, target_len)` (and `labels` for the first)
@@ -84,7 +79,7 @@ from keras_transformer.export.step_graph import (
 )
 from keras_transformer.export.weights import ExportError, drop_unused_initializers, share_weights
 
-GRAPHS = ("encoder", "decoder_step", "decoder_step_staggered", *FORCED_GRAPHS)
+GRAPHS = ("encoder", "decoder_step", *FORCED_GRAPHS)
 # `format_version` in the manifest is the one the runtime reads: one number,
 # defined beside the reader. 2: the step graph's top_k input and outputs; 3:
 # the greedy_search graph; 4: the beam_search graph, and the weights of the
@@ -94,7 +89,6 @@ GRAPHS = ("encoder", "decoder_step", "decoder_step_staggered", *FORCED_GRAPHS)
 SHARED_WEIGHT_GRAPHS = (
     "encoder",
     "decoder_step",
-    "decoder_step_staggered",
     "greedy_search",
     "greedy_batch_search",
     "beam_search",
@@ -276,7 +270,6 @@ def _write_graphs(model, folder, opset, precision, shortlist=None):
     converted = {
         "encoder": build_encoder(parts, opset),
         "decoder_step": build_decoder_step(parts, opset),
-        "decoder_step_staggered": build_decoder_step(parts, opset, staggered=True),
     }
     for name, output in FORCED_GRAPHS.items():
         converted[name] = build_teacher_forced(parts, output, opset)
@@ -329,12 +322,6 @@ def _write_graphs(model, folder, opset, precision, shortlist=None):
             "new_self_key_i/new_self_value_i of length t + 1, and for top_k (1,) int64, "
             "top_log_probs and top_ids (batch, top_k), the best tokens other than padding "
             "and BOS."
-        ),
-        "decoder_step_staggered": (
-            "decoder_step for rows that start at different steps (continuous batching): "
-            "also feed first_slots (batch,) int64, the cache slot of each row's first "
-            "token; its new token is at position t - first_slots[row], and its "
-            "self-attention skips the slots before its first."
         ),
         "greedy_search": (
             "The whole greedy search, the decoder step inside an ONNX Loop: feed source_mask "

@@ -354,15 +354,8 @@ def cross_cache_inputs(g, parts):
     return inputs
 
 
-def build_decoder_step(parts, opset=17, shortlist=False, staggered=False):
+def build_decoder_step(parts, opset=17, shortlist=False):
     """Returns the decoder-step `onnx.ModelProto` for a float32 model's `TransformerParts`.
-
-    With `staggered`, rows may start at different steps (the server's
-    continuous batching): an input `first_slots (batch,) int64` gives the
-    cache slot of each row's first token. A row's new token is at position
-    `past_len - first_slots[row]`, and its self-attention skips the cache
-    slots before its first (a row that joins a running batch has zeros
-    there). With every first slot 0 it computes what the plain step does.
 
     With `shortlist`, the step scores only the vocabulary ids of its input
     `shortlist (shortlist,) int64` (ascending, so that ties still go to the
@@ -395,10 +388,6 @@ def build_decoder_step(parts, opset=17, shortlist=False, staggered=False):
     # Embedding of the new token at position past_len (read off the first cache).
     tokens = g.node("Reshape", ["token_ids", g.const("shape_flat", np.array([-1], np.int64))])
     position = g.node("Shape", ["self_key_0"], start=2, end=3)  # (1,) int64
-    slot_bias = None
-    if staggered:
-        slot_bias = staggered_slot_bias(g, position)
-        position = g.node("Sub", [position, "first_slots"])  # (batch,)
     x, encoding = target_embedding(g, parts, tokens, position)
     x = g.node("Add", [x, encoding])
 
@@ -422,10 +411,7 @@ def build_decoder_step(parts, opset=17, shortlist=False, staggered=False):
         values = g.node("Concat", [f"self_value_{i}", v], [f"new_self_value_{i}"], axis=2)
         outputs.extend([keys, values])
         keys_t = g.node("Transpose", [keys], perm=[0, 1, 3, 2])  # fused into the product
-        scores = g.node("MatMul", [q, keys_t])  # (B, N, 1, L)
-        if slot_bias is not None:
-            scores = g.node("Add", [scores, slot_bias])
-        weights = g.node("Softmax", [scores], axis=-1)
+        weights = g.node("Softmax", [g.node("MatMul", [q, keys_t])], axis=-1)  # (B, N, 1, L)
         attended = g.node("Reshape", [g.node("MatMul", [weights, values]), merged])
         return gemm(g, attended, *projection_weights(sa.output_dense, d), f"{p}.self_out")
 
@@ -453,8 +439,6 @@ def build_decoder_step(parts, opset=17, shortlist=False, staggered=False):
             cache_value(g, f"self_value_{i}", "past_len", parts),
         ]
     inputs.append(g.value_info("top_k", TensorProto.INT64, [1]))
-    if staggered:
-        inputs.append(g.value_info("first_slots", TensorProto.INT64, ["batch"]))
     if shortlist:
         inputs.append(g.value_info("shortlist", TensorProto.INT64, ["shortlist"]))
     scored = "shortlist" if shortlist else c.vocabulary_size
@@ -464,20 +448,6 @@ def build_decoder_step(parts, opset=17, shortlist=False, staggered=False):
         g.value_info("top_ids", TensorProto.INT64, ["batch", "top_k"]),
     ] + [cache_value(g, name, "past_len_plus_1", parts) for name in outputs]
     return g.model("decoder_step", inputs, graph_outputs, opset=opset)
-
-
-def staggered_slot_bias(g, past_len):
-    """The additive self-attention mask of a staggered step, `(batch, 1, 1, past_len + 1)`:
-    `MASKED_SCORE` on the cache slots before each row's `first_slots`, 0 from it on."""
-    length = g.node("Reshape", [g.node("Add", [past_len, g.int64s([1])]), g.int64s([])])
-    slots = g.node("Range", [g.int64s(0), length, g.int64s(1)])  # (L + 1,)
-    first = g.node("Unsqueeze", ["first_slots", g.int64s([1])])  # (batch, 1)
-    before = g.node("Less", [g.node("Unsqueeze", [slots, g.int64s([0])]), first])
-    bias = g.node(
-        "Where",
-        [before, g.const("masked", np.float32(MASKED_SCORE)), g.const("zero", np.float32(0.0))],
-    )  # (batch, L + 1)
-    return g.node("Unsqueeze", [bias, g.int64s([1, 2])])
 
 
 def step_vocabulary_size(step):

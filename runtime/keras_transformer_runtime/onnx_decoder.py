@@ -33,7 +33,7 @@ from keras_transformer_runtime.onnx_sessions import (
     make_session,
     spins,
 )
-from keras_transformer_runtime.onnx_state import OnnxSearchState, StaggeredState
+from keras_transformer_runtime.onnx_state import OnnxSearchState
 from keras_transformer_runtime.options import NO_MASKS
 from keras_transformer_runtime.shortlist import Shortlist
 from keras_transformer_runtime.specials import EOS_ID, PAD_ID
@@ -379,19 +379,19 @@ class OnnxDecoder:
                 feeds[name] = cache
         return self.run_log_probs(feeds)
 
-    def run_log_probs(self, feeds, top_k=0, graph="decoder_step"):
+    def run_log_probs(self, feeds, top_k=0):
         """The step's whole `log_probs` and new self caches, for complete `feeds`;
         with `top_k`, also its selection: `(log_probs, (top_log_probs, top_ids),
         new_caches)`, each row's `top_k` best tokens but padding and BOS (ties:
-        the lower id), at most all of those. `graph`: the step graph to run
-        (`decoder_step_staggered` takes `first_slots` too)."""
-        session = self.step_session if graph == "decoder_step" else self.session(graph)
+        the lower id), at most all of those."""
         if not top_k:
             feeds["top_k"] = np.array([1], np.int64)  # the selection is not read
-            log_probs, *new_caches = session.run(["log_probs", *self._new_self_names], feeds)
+            log_probs, *new_caches = self.step_session.run(
+                ["log_probs", *self._new_self_names], feeds
+            )
             return log_probs, new_caches
         feeds["top_k"] = np.array([min(top_k, self.vocabulary_size - 2)], np.int64)
-        log_probs, values, ids, *new_caches = session.run(
+        log_probs, values, ids, *new_caches = self.step_session.run(
             ["log_probs", "top_log_probs", "top_ids", *self._new_self_names], feeds
         )
         return log_probs, (values, ids), new_caches
@@ -426,16 +426,6 @@ class OnnxDecoder:
         """Encodes `source` once per sentence; a state of `rows` hypotheses per sentence
         (its caches grow step by step: `steps` is not needed)."""
         return OnnxSearchState(self, source, rows)
-
-    @property
-    def staggers(self):
-        """Whether the export has `decoder_step_staggered.onnx` (sentences may join a
-        running search: `start_staggered`)."""
-        return "decoder_step_staggered" in self._graph_files
-
-    def start_staggered(self, rows):
-        """An empty `onnx_state.StaggeredState` of `rows` hypotheses per sentence."""
-        return StaggeredState(self, rows)
 
     def greedy(self, source, limits, masks=NO_MASKS):
         """Greedy search under the stateless `masks` as one call of a search graph

@@ -18,7 +18,6 @@ CPU = "CPUExecutionProvider"
 # spinning on while a search runs leaves more busy threads than cores.
 SPINNING_GRAPHS = (
     "decoder_step",
-    "decoder_step_staggered",
     "greedy_search",
     "greedy_batch_search",
     "beam_search",

@@ -54,9 +54,14 @@ def search_loop(
 
     Greedy, beam, sampling and constrained search, every decoding option and
     both decoders (Keras and ONNX Runtime) go through this loop whenever a
-    graph-resident search does not run them: a `SearchLoop` over all the
-    sentences from the start. The server's continuous batching runs the same
-    `SearchLoop`, admitting sentences between steps.
+    graph-resident search does not run them. Each sentence's
+    `SentenceSearch` (or `constrained_search.ConstrainedSearch`, stepped
+    with the batch's others by one `ConstrainedBatch`) decides: the rules
+    are written once, there. This loop only runs the model for every live hypothesis of
+    every sentence at once and keeps the decoder state in step. Row
+    `p * options.beam_size + j` of the state is live hypothesis j of
+    sentence p (the rows of a sentence with fewer live hypotheses, or done,
+    keep their own state: they are stepped, never read, and cost no copy).
 
     Args:
         step: `step(last, t) -> log_probs`: `last` is the int32 newest token
@@ -86,22 +91,12 @@ def search_loop(
         them at most), best first.
     """
     limits = np.asarray(limits)
+    k = options.beam_size
     prefixes = prefixes if prefixes is not None else [()] * len(limits)
     indices = indices if indices is not None else range(len(limits))
     constraints = constraints if constraints is not None else [()] * len(limits)
     if len(constraints) != len(limits):
         raise ValueError(f"{len(constraints)} constraint lists for {len(limits)} sentences.")
-    searches = sentence_searches(limits, options, prefixes, indices, constraints)
-    loop = SearchLoop(step, reorder, options, searches, drop_finished, selects)
-    while loop.live:
-        loop.step()
-    return [search.results() for search in searches]
-
-
-def sentence_searches(limits, options, prefixes, indices, constraints):
-    """Each sentence's search: a `ConstrainedSearch` where it has phrases (the
-    constrained ones of the call stepped together by one `ConstrainedBatch`),
-    else a `SentenceSearch`."""
     searches = [
         ConstrainedSearch(limit, options, phrases, prefix)
         if len(phrases)
@@ -111,121 +106,49 @@ def sentence_searches(limits, options, prefixes, indices, constraints):
         for limit, prefix, i, phrases in zip(limits, prefixes, indices, constraints, strict=True)
     ]
     constrained = [s for s in searches if isinstance(s, ConstrainedSearch)]
-    if constrained:
-        ConstrainedBatch(constrained)
-    return searches
-
-
-class SearchLoop:
-    """The searches of a batch stepped together over one decoder state.
-
-    Row `p * options.beam_size + j` of the state is live hypothesis j of the
-    sentence at position p (the rows of a sentence with fewer live
-    hypotheses, or done, keep their own state: they are stepped, never
-    read, and cost no copy). Each sentence's search decides (the rules are
-    written once, there); the loop only runs the model for every live
-    hypothesis at once and keeps the state in step.
-
-    Args:
-        step, reorder, options, drop_finished, selects: as for `search_loop`.
-        searches: the searches the state holds from its start, in state order
-            (`sentence_searches`).
-
-    `admit` places more searches between steps (continuous batching) where the
-    state takes new sentences (`admit_state`).
-    """
-
-    def __init__(self, step, reorder, options, searches, drop_finished=False, selects=False):
-        self._step, self._reorder = step, reorder
-        self.options, self.k = options, options.beam_size
-        self.drop_finished, self.selects = drop_finished, selects
-        self.searches = list(searches)  # per state position
-        self.last = np.full(len(self.searches) * self.k, BOS_ID, np.int32)
-        self.t = 0
-        self._rows = None  # the reorder of the last step, not yet applied
-
-    @property
-    def live(self):
-        """The searches still running."""
-        return sum(not search.done for search in self.searches)
-
-    def step(self):
-        """One decoder step of every live hypothesis; returns `(position, search)` for
-        the searches that ended."""
-        self._settle(0)
-        k = self.k
-        if self.selects:
-            log_probs, (top_values, top_ids) = self._step(
-                self.last, self.t, top_k=SELECTED_PER_BEAM * k
-            )
+    batch = ConstrainedBatch(constrained) if constrained else None
+    active = np.arange(len(searches))  # the sentences the state holds, in state order
+    last = np.full(len(searches) * k, BOS_ID, np.int32)
+    t = 0
+    while not all(search.done for search in searches):
+        if selects:
+            log_probs, (top_values, top_ids) = step(last, t, top_k=SELECTED_PER_BEAM * k)
         else:
-            log_probs, top_values = np.asarray(self._step(self.last, self.t)), None
-        rows = np.arange(len(self.searches) * k)
+            log_probs, top_values = np.asarray(step(last, t)), None
+        rows = np.arange(len(active) * k)
         stepped = {}  # state position -> parents
-        together = {}  # constrained batch -> (members, starts, positions)
-        for p, search in enumerate(self.searches):
+        members, starts = [], []
+        for p, b in enumerate(active):
+            search = searches[b]
             if search.done:
                 continue
             if isinstance(search, ConstrainedSearch):  # stepped together, below
-                members, starts, positions = together.setdefault(search.batch, ([], [], []))
                 members.append(search.index)
                 starts.append(p * k)
-                positions.append(p)
                 continue
             at = slice(p * k, p * k + len(search.live))
             top = None if top_values is None else (top_values[at], top_ids[at])
             stepped[p] = search.advance(log_probs[at], top)
-        for batch, (members, starts, positions) in together.items():
+        if members:
             top = None if top_values is None else (top_values, top_ids)
             found = batch.advance(members, log_probs, starts, top)
-            stepped.update(zip(positions, found, strict=True))
-        ended = []
+            stepped.update(zip((start // k for start in starts), found, strict=True))
         for p, parents in stepped.items():
-            search = self.searches[p]
+            live = searches[active[p]].live
             for j, parent in enumerate(parents):
                 rows[p * k + j] = p * k + parent
-                self.last[p * k + j] = search.live[j][0][-1]
-            if search.done:
-                ended.append((p, search))
-        self.t += 1
-        self._rows = rows
-        return ended
-
-    def _settle(self, refill):
-        """Applies the last step's reorder, leaving out finished sentences (`drop_finished`)
-        once more than `DROP_FRACTION` of the positions are, bar `refill` of them
-        that new searches are about to take."""
-        if self._rows is None:
-            return
-        rows, self._rows = self._rows, None
-        k = self.k
-        done = np.flatnonzero([search.done for search in self.searches])
-        if self.drop_finished and len(done) - refill > DROP_FRACTION * len(self.searches):
-            dropped = set(done[refill:].tolist()) if refill > 0 else set(done.tolist())
-            keep = [p for p in range(len(self.searches)) if p not in dropped]
-            rows = rows.reshape(len(self.searches), k)[keep].reshape(-1)
-            self.last = self.last.reshape(len(self.searches), k)[keep].reshape(-1)
-            self.searches = [self.searches[p] for p in keep]
-        self._reorder(rows.astype(np.int32))
-
-    def admit(self, searches, admit_state):
-        """Places `searches` (fresh, none done) between steps: in the positions of
-        finished sentences first, then after the others. `admit_state(positions)`
-        readies the state's rows of those positions (their sentences' encoder
-        outputs, an empty history). Returns the positions."""
-        self._settle(len(searches))
-        free = [p for p, search in enumerate(self.searches) if search.done][: len(searches)]
-        positions = free + list(
-            range(len(self.searches), len(self.searches) + len(searches) - len(free))
-        )
-        grown = len(positions) - len(free)
-        self.searches += [None] * grown
-        self.last = np.concatenate([self.last, np.empty(grown * self.k, np.int32)])
-        for p, search in zip(positions, searches, strict=True):
-            self.searches[p] = search
-            self.last[p * self.k : (p + 1) * self.k] = BOS_ID
-        admit_state(positions)
-        return positions
+                last[p * k + j] = live[j][0][-1]
+        t += 1
+        if all(search.done for search in searches):
+            break
+        if drop_finished:
+            keep = np.flatnonzero([not searches[b].done for b in active])
+            if len(active) - len(keep) > DROP_FRACTION * len(active):
+                rows = rows.reshape(len(active), k)[keep].reshape(-1)
+                last = last.reshape(len(active), k)[keep].reshape(-1)
+                active = active[keep]
+        reorder(rows.astype(np.int32))
+    return [search.results() for search in searches]
 
 
 def plain_hypotheses(tokens, scores, token_scores, limits, options):
