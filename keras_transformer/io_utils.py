@@ -39,9 +39,47 @@ def atomic_write_json(path: str, data) -> None:
 
 
 def atomic_save_model(model, path: str) -> None:
-    """`model.save(path)` through a temporary `.keras` file and a rename."""
+    """`model.save(path)` through a temporary `.keras` file and a rename.
+
+    Keras builds a `.keras` archive's weights in memory (an HDF5 file in a
+    `BytesIO`: a second copy of every weight at once); the model is saved
+    unzipped instead, its weights written straight to disk, and the files
+    stored into the archive from there, as Keras stores them (uncompressed).
+    """
+    import zipfile
+
     with atomic_path(path, suffix=".keras") as tmp:
-        model.save(tmp)
+        unzipped = tempfile.mkdtemp(dir=os.path.dirname(tmp), prefix=".unzipped-")
+        try:
+            model.save(unzipped, zipped=False)
+            with zipfile.ZipFile(tmp, "w", zipfile.ZIP_STORED) as archive:
+                for folder, _, files in sorted(os.walk(unzipped)):
+                    for name in sorted(files):
+                        full = os.path.join(folder, name)
+                        archive.write(full, os.path.relpath(full, unzipped))
+        finally:
+            shutil.rmtree(unzipped, ignore_errors=True)
+
+
+def load_keras_archive(path: str, **kwargs):
+    """`keras.saving.load_model(path, **kwargs)` for a `.keras` archive, read from disk.
+
+    Keras reads an archive's whole weights file into memory before it loads
+    a single weight (a second copy of every weight, and briefly a third);
+    the archive is unpacked into a temporary folder instead, which Keras
+    loads weight by weight from disk.
+    """
+    import zipfile
+
+    import keras
+
+    unpacked = tempfile.mkdtemp(prefix="keras-model-")
+    try:
+        with zipfile.ZipFile(path) as archive:
+            archive.extractall(unpacked)
+        return keras.saving.load_model(unpacked, **kwargs)
+    finally:
+        shutil.rmtree(unpacked, ignore_errors=True)
 
 
 @contextlib.contextmanager

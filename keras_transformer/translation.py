@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import os
 
-import keras
-
 from keras_transformer.decoding import translator
+from keras_transformer.io_utils import load_keras_archive
 
 
 def load_run(run_dir: str):
@@ -35,7 +34,7 @@ def load_run(run_dir: str):
     tokenizer = load_tokenizer(run_dir)
     check_keras_archive(model_path)
     try:
-        model = keras.saving.load_model(model_path, compile=False)
+        model = load_keras_archive(model_path, compile=False)
     except Exception as error:  # a truncated or foreign file
         raise ValueError(f"Cannot load {model_path}: {error}") from error
     return model, tokenizer

@@ -148,21 +148,21 @@ def marian_config(hf: dict, tokenizer) -> TransformerConfig:
         ) from error
 
 
-def read_tensors(folder: str) -> dict[str, np.ndarray]:
-    """The checkpoint's tensors as float32 numpy arrays, by transformers' names."""
+def read_tensors(folder: str):
+    """The checkpoint's tensors by transformers' names, as float32 numpy arrays: a
+    safetensors file's read one at a time as asked for (`CheckpointTensors`), a
+    PyTorch file's all at once."""
     path = os.path.join(folder, SAFETENSORS)
     if os.path.isfile(path):
-        from safetensors import SafetensorError
-        from safetensors.numpy import load_file
+        from keras_transformer.pretrained.checkpoint_files import CheckpointTensors
 
         try:
-            tensors = load_file(path)
-        except (SafetensorError, OSError, ValueError) as error:
+            return CheckpointTensors(path)
+        except ValueError as error:
             raise MarianImportError(
                 f"{path} is not a whole safetensors file ({os.path.getsize(path)} bytes): "
                 f"{error}. Download or copy it again."
             ) from error
-        return {name: np.asarray(value, np.float32) for name, value in tensors.items()}
     path = os.path.join(folder, TORCH_BIN)
     if os.path.isfile(path):
         try:
@@ -216,13 +216,19 @@ def from_marian(path: str):
     return model, tokenizer
 
 
-def _zero_start_row(hf: dict, tensors: dict) -> bool:
-    """Whether the checkpoint's decoder-start row is all zeros."""
+def _zero_start_row(hf: dict, tensors) -> bool:
+    """Whether the checkpoint's decoder-start row is all zeros (that row alone is read)."""
     start = hf.get("decoder_start_token_id", hf.get("pad_token_id"))
-    embedding = tensors.get("model.decoder.embed_tokens.weight", tensors.get("model.shared.weight"))
-    if embedding is None or start is None or not 0 <= start < len(embedding):
+    names = ("model.decoder.embed_tokens.weight", "model.shared.weight")
+    name = next((n for n in names if n in tensors), None)
+    if name is None or start is None:
         return False
-    return not np.any(embedding[start])
+    if hasattr(tensors, "rows"):  # a CheckpointTensors: read no more than the row
+        if not 0 <= start < tensors.shape(name)[0]:
+            return False
+        return not np.any(tensors.rows(name, start, start + 1))
+    embedding = tensors[name]
+    return 0 <= start < len(embedding) and not np.any(embedding[start])
 
 
 def local_directory(path: str) -> str:
@@ -258,7 +264,7 @@ def import_marian(source: str, out_dir: str, overwrite: bool = False) -> str:
     The run is built in a staging folder beside `out_dir` and renamed into
     place when whole, so a failure leaves `out_dir` as it was.
     """
-    from keras_transformer.io_utils import atomic_write_json, staged_directory
+    from keras_transformer.io_utils import atomic_save_model, atomic_write_json, staged_directory
 
     out_dir = os.fspath(out_dir)
     if os.path.isfile(out_dir):
@@ -271,7 +277,7 @@ def import_marian(source: str, out_dir: str, overwrite: bool = False) -> str:
 
     model, tokenizer = from_marian(source)
     with staged_directory(out_dir, "import") as staging:
-        model.save(os.path.join(staging, "model.keras"))
+        atomic_save_model(model, os.path.join(staging, "model.keras"))
         tokenizer.save(staging)
         atomic_write_json(os.path.join(staging, "imported.json"), source_record(source))
     return out_dir

@@ -82,12 +82,11 @@ def marian_hf_config(config, tokenizer) -> dict:
 def export_marian_hf(run_dir: str, out_dir: str, overwrite: bool = False) -> list[str]:
     """Writes the Hugging Face MarianMT directory `out_dir` for the run `run_dir`;
     returns the files written. Built in a staging folder and renamed into place."""
-    from safetensors.numpy import save_file
-
     from keras_transformer.data.marian_tokenizer import MarianTokenizer
     from keras_transformer.io_utils import staged_directory
     from keras_transformer.model import transformer_parts
-    from keras_transformer.pretrained.marian_weights import marian_state
+    from keras_transformer.pretrained.checkpoint_files import write_safetensors
+    from keras_transformer.pretrained.marian_weights import marian_tensors, weight_table
     from keras_transformer.translation import load_run
 
     out_dir = os.path.abspath(os.fspath(out_dir))
@@ -111,11 +110,17 @@ def export_marian_hf(run_dir: str, out_dir: str, overwrite: bool = False) -> lis
         )
     parts = transformer_parts(model)
     config = marian_hf_config(parts.config, tokenizer)
-    state = marian_state(parts, tokenizer)
-    if config["share_encoder_decoder_embeddings"] and "model.shared.weight" not in state:
-        # One vocabulary, an output of its own: transformers then keeps the encoder's
-        # and decoder's embeddings apart from the shared module, and saves all three.
-        state["model.shared.weight"] = state["model.encoder.embed_tokens.weight"].copy()
+    names = {entry.names[0] for entry in weight_table(parts, tokenizer)}
+    # One vocabulary, an output of its own: transformers then keeps the encoder's
+    # and decoder's embeddings apart from the shared module, and saves all three.
+    add_shared = config["share_encoder_decoder_embeddings"] and "model.shared.weight" not in names
+
+    def tensors():
+        for name, value in marian_tensors(parts, tokenizer):
+            yield name, value
+            if add_shared and name == "model.encoder.embed_tokens.weight":
+                yield "model.shared.weight", value
+
     generation = {
         key: config[key]
         for key in ("pad_token_id", "eos_token_id", "decoder_start_token_id", "bad_words_ids")
@@ -132,7 +137,7 @@ def export_marian_hf(run_dir: str, out_dir: str, overwrite: bool = False) -> lis
         "model_max_length": config["max_position_embeddings"],
     }
     with staged_directory(out_dir, "marian") as staging:
-        save_file(state, os.path.join(staging, SAFETENSORS), metadata={"format": "pt"})
+        write_safetensors(os.path.join(staging, SAFETENSORS), tensors(), {"format": "pt"})
         for name, data in (
             (CONFIG, config),
             ("generation_config.json", generation),

@@ -37,6 +37,9 @@ class Entry:
     names: tuple[str, ...]  # the checkpoint's name for it, and aliases tried in order
     to_keras: Callable[[np.ndarray], np.ndarray]
     to_marian: Callable[[np.ndarray], np.ndarray]
+    # For a vocabulary matrix: `to_keras` is `_rows_in(rows)`, which
+    # `_assign_rows` can do block by block from the file.
+    rows: np.ndarray | None = None
 
 
 def _rows_in(to_marian):
@@ -68,10 +71,10 @@ def weight_table(parts, tokenizer) -> list[Entry]:
     head_dim = d // heads
     table = []
 
-    def add(variable, names, to_keras, to_marian):
+    def add(variable, names, to_keras, to_marian, rows=None):
         if isinstance(names, str):
             names = (names,)
-        table.append(Entry(variable, tuple(names), to_keras, to_marian))
+        table.append(Entry(variable, tuple(names), to_keras, to_marian, rows))
 
     def linear(dense, name):
         add(dense.kernel, f"{name}.weight", lambda w: w.T, lambda k: k.T)
@@ -132,6 +135,7 @@ def weight_table(parts, tokenizer) -> list[Entry]:
             ("model.shared.weight", "model.encoder.embed_tokens.weight"),
             _rows_in(source),
             _rows_out(source),
+            np.asarray(source),
         )
     else:
         add(
@@ -139,12 +143,14 @@ def weight_table(parts, tokenizer) -> list[Entry]:
             ("model.encoder.embed_tokens.weight", "model.shared.weight"),
             _rows_in(source),
             _rows_out(source),
+            np.asarray(source),
         )
         add(
             parts.target_embedding.embeddings,
             ("model.decoder.embed_tokens.weight", "model.shared.weight"),
             _rows_in(target),
             _rows_out(target),
+            np.asarray(target),
         )
     bias_rows_in, bias_rows_out = _rows_in(target), _rows_out(target)
     if parts.output_projection is not None:
@@ -183,18 +189,17 @@ def assign_weights(parts, tensors: dict, tokenizer, hf_config: dict) -> None:
         if name is None:
             raise MarianWeightError(f"The checkpoint has no tensor {entry.names[0]}.")
         expected = tuple(entry.variable.shape)
-        try:
-            value = entry.to_keras(np.asarray(tensors[name], np.float32))
-        except (ValueError, IndexError):  # a reshape or a row lookup that cannot fit
-            value = None
-        if value is None or value.shape != expected:
-            raise MarianWeightError(
-                f"The checkpoint's {name} has shape {tuple(tensors[name].shape)}; the model "
-                f"its config.json describes needs {expected} (after renumbering the vocabulary): "
-                "the config, the vocabulary and the weights disagree."
-            )
-        entry.variable.assign(value)
-        del value
+        if entry.rows is not None and hasattr(tensors, "rows"):
+            _assign_rows(entry.variable, tensors, name, entry.rows)
+        else:
+            try:
+                value = entry.to_keras(np.asarray(tensors[name], np.float32))
+            except (ValueError, IndexError):  # a reshape or a row lookup that cannot fit
+                value = None
+            if value is None or value.shape != expected:
+                _refuse_shape(name, tensors[name].shape, expected)
+            entry.variable.assign(value)
+            del value
         used.add(name)
         uses[name] -= 1
         if not uses[name]:  # its last use: freed now, so that peak memory stays low
@@ -217,15 +222,65 @@ def assign_weights(parts, tensors: dict, tokenizer, hf_config: dict) -> None:
         )
 
 
+def _refuse_shape(name, shape, expected):
+    raise MarianWeightError(
+        f"The checkpoint's {name} has shape {tuple(shape)}; the model its config.json "
+        f"describes needs {expected} (after renumbering the vocabulary): the config, the "
+        "vocabulary and the weights disagree."
+    )
+
+
+# Rows of a vocabulary matrix read and assigned at once by `_assign_rows`.
+ROW_BLOCK = 4096
+
+
+def _assign_rows(variable, tensors, name, to_marian):
+    """`variable.assign(_rows_in(to_marian)(tensors[name]))`, read from the file and
+    assigned `ROW_BLOCK` rows at a time (under TensorFlow; other backends assign
+    the whole matrix once built): an import then never holds the checkpoint's
+    largest tensor twice beside the model."""
+    import keras
+
+    expected = tuple(variable.shape)
+    shape = tensors.shape(name)
+    if (
+        shape[1:] != expected[1:]
+        or len(to_marian) != expected[0]
+        or to_marian[1:].max() >= shape[0]
+    ):
+        _refuse_shape(name, shape, expected)
+    whole = None if keras.backend.backend() == "tensorflow" else np.zeros(expected, np.float32)
+    for start in range(0, len(to_marian), ROW_BLOCK):
+        wanted = to_marian[start : start + ROW_BLOCK]
+        block = np.zeros((len(wanted), *expected[1:]), np.float32)  # padding stays 0
+        places = np.arange(1 if start == 0 else 0, len(wanted))  # our row 0: padding
+        sources = wanted[places]
+        # Consecutive source rows, read as one slice each (the renumbering moves few rows).
+        breaks = np.flatnonzero(np.diff(sources) != 1) + 1
+        for run_places, run in zip(
+            np.split(places, breaks), np.split(sources, breaks), strict=True
+        ):
+            block[run_places] = tensors.rows(name, int(run[0]), int(run[-1]) + 1)
+        if whole is None:
+            variable.value[start : start + len(wanted)].assign(block)
+        else:
+            whole[start : start + len(wanted)] = block
+    if whole is not None:
+        variable.assign(whole)
+
+
 def marian_state(parts, tokenizer) -> dict[str, np.ndarray]:
     """The model's weights as a transformers MarianMT state dict (numpy, float32)."""
+    return dict(marian_tensors(parts, tokenizer))
+
+
+def marian_tensors(parts, tokenizer):
+    """`marian_state`'s `(name, array)` pairs, made one at a time as they are taken."""
     from keras import ops
 
-    state = {}
     for entry in weight_table(parts, tokenizer):
         value = np.asarray(ops.convert_to_numpy(entry.variable), np.float32)
-        state[entry.names[0]] = np.ascontiguousarray(entry.to_marian(value))
-    return state
+        yield entry.names[0], np.ascontiguousarray(entry.to_marian(value))
 
 
 def source_record(source: str) -> dict:
