@@ -245,7 +245,16 @@ class KerasDecoder:
             token_scores.append(step_scores[i, :taken].tolist())
         return outputs, token_scores
 
-    def beam(self, source, limits, beam_size, length_penalty, n_best=1, masks=NO_MASKS):
+    def beam(
+        self,
+        source,
+        limits,
+        beam_size,
+        length_penalty,
+        n_best=1,
+        masks=NO_MASKS,
+        length_penalty_form="gnmt",
+    ):
         """None: beam search runs the one loop over the compiled step."""
         return None
 

@@ -21,14 +21,16 @@ step runs one row per sentence, its beams all starting from BOS):
   finishes its beam; the first `k` other candidates are the new beams;
 - at a sentence's length limit the new beams finish as they are;
 - a finished hypothesis is scored by its summed log-probability over
-  the length penalty `((5 + length) / 6) ** alpha`, and the `n_best`
+  the length penalty `((5 + length) / 6) ** alpha` (GNMT's), or with
+  `length_penalty_form` 1, `length ** alpha` (transformers' average form);
+  the `n_best`
   best are kept, best first (the first found among equals, as a stable
   sort does), with the count of those finished;
 - a sentence is done when no live beam can beat its `n_best`-th best
   finished hypothesis even at its maximum length, or when `k` have
-  finished and no live beam beats it at its current length (with
-  `n_best` 1: `spec.beam`'s rule; above: `spec.SentenceSearch`'s); the
-  loop stops when every sentence is done.
+  finished and no live beam beats it at its current length (GNMT's form
+  only; with `n_best` 1: `spec.beam`'s rule; above:
+  `spec.SentenceSearch`'s); the loop stops when every sentence is done.
 
 In `beam_search`, finished sentences stay in the state until the loop ends
 (their rows are computed and ignored), which suits small batches;
@@ -41,7 +43,10 @@ values from encoder.onnx (one row per sentence), `limits (sentences,)
 int64` (each sentence's maximum output length, EOS included; 0 for an
 empty source), `beam_size ()` int64 (2 * beam_size at most the vocabulary
 less padding and BOS) and `length_penalty ()` double (alpha; 0 turns it
-off) and `n_best ()` int64 (at most `beam_size`). Outputs, per sentence its
+off) and `n_best ()` int64 (at most `beam_size`); optionally
+`length_penalty_form ()` int64, 0 (GNMT's, the default) or 1 (average),
+an input with a default value, so that a caller of an older export's
+inputs still runs. Outputs, per sentence its
 `n_best` best hypotheses, best first: `tokens (sentences, n_best, steps)
 int64` and `lengths (sentences, n_best) int64` (a hypothesis is its first
 `lengths` tokens, EOS excluded), `scores (sentences, n_best) double`, the
@@ -54,6 +59,10 @@ length-penalized score (-inf where fewer finished), and `token_scores
 from __future__ import annotations
 
 import numpy as np
+from keras_transformer_runtime.export_format import (
+    LENGTH_PENALTY_FORM_IDS,
+    LENGTH_PENALTY_FORM_INPUT,
+)
 from keras_transformer_runtime.specials import EOS_ID
 
 from keras_transformer.export.graph_builder import GraphBuilder, copied_nodes
@@ -96,12 +105,30 @@ def build_beam_batch_search(step, blocked=True):
     return _build(step, compact=True, blocked=blocked)
 
 
-def _gnmt_penalty(g, length, name):
-    """`((5 + length) / 6) ** length_penalty` in double, for `length` (int64)."""
+FORM_INPUT, FORMS = LENGTH_PENALTY_FORM_INPUT, LENGTH_PENALTY_FORM_IDS
+
+
+def _penalty_form(o):
+    """The outer graph's `penalty_offset` (5 for GNMT's form, 0 for the average form),
+    `penalty_divisor` (offset + 1) and `gnmt_stop` (whether GNMT's early stop holds),
+    from the `length_penalty_form` input."""
+    average = o.node("Equal", [FORM_INPUT, o.int64s(FORMS["average"])], "average_form")
+    offset = o.node(
+        "Where",
+        [average, o.const("zero_offset", 0.0, np.float64), o.const("five", 5.0, np.float64)],
+        "penalty_offset",
+    )
+    o.node("Add", [offset, o.const("one_d", 1.0, np.float64)], "penalty_divisor")
+    o.node("Not", [average], "gnmt_stop")
+
+
+def _length_penalty(g, length, name):
+    """`((offset + length) / (offset + 1)) ** length_penalty` in double, for `length`
+    (int64): GNMT's `((5 + length) / 6) ** alpha`, or `length ** alpha`."""
     from onnx import TensorProto
 
-    base = g.node("Add", [g.cast(length, TensorProto.DOUBLE), g.const("five", 5.0, np.float64)])
-    ratio = g.node("Div", [base, g.const("six", 6.0, np.float64)])
+    base = g.node("Add", [g.cast(length, TensorProto.DOUBLE), g.name("penalty_offset")])
+    ratio = g.node("Div", [base, g.name("penalty_divisor")])
     return g.node("Pow", [ratio, "length_penalty"], name)
 
 
@@ -122,7 +149,8 @@ def _first_state(o, step, heads, head_dim, cache_type):
     positions = o.node("Range", [zero, two_k, one], "positions")  # ranks 0 .. 2k - 1
     o.node("Add", [positions, two_k], "positions_after")
     o.node("Less", [positions, "beam_size"], "first_k")
-    _gnmt_penalty(o, "limits", "limit_penalty")  # (S,): at each sentence's limit
+    _penalty_form(o)
+    _length_penalty(o, "limits", "limit_penalty")  # (S,): at each sentence's limit
     first_token_ids(o, sentences_1d)  # (S, 1)
     beam_index = o.node("Range", [zero, "beam_size", one], "beam_index")
     is_first_beam = o.node("Equal", [beam_index, zero], "is_first_beam")
@@ -211,7 +239,7 @@ def _beam_step_rules(b, self_names):
     made = b.node("Add", [v("iteration"), one], "made")
     at_limit = b.node("GreaterOrEqual", [made, "limits"], "at_limit")  # (S,)
     at_limit_2d = b.unsqueeze(at_limit, [1], "at_limit_2d")
-    penalty = _gnmt_penalty(b, made, "penalty")  # ()
+    penalty = _length_penalty(b, made, "penalty")  # ()
     # Hypotheses finished at this step: EOS ones in rank order, then (at the
     # limit) the new beams; the best is the first of the highest.
     ranked_normalized = b.node("Div", [ranked, penalty], "ranked_normalized")
@@ -271,7 +299,8 @@ def _beam_step_rules(b, self_names):
     top_now = b.node("Div", [top_live, penalty], "top_now")
     none_better = b.node("LessOrEqual", [top_now, bar], "none_better")
     enough = b.node("GreaterOrEqual", [count_next, "beam_size"], "enough")
-    settled = b.node("And", [enough, none_better], "settled")
+    settled = b.node("And", [enough, none_better])
+    settled = b.node("And", [settled, v("gnmt_stop")], "settled")  # GNMT's form only
     stops = b.node("Or", [settled, hopeless], "stops")
     done_next = b.node("Or", [v("done"), stops], "done_next")
     b.any_true(b.node("Not", [done_next]), "keep_going")
@@ -447,6 +476,7 @@ def _build(step, compact, blocked):
         value("beam_size", INT64, []),
         value("length_penalty", DOUBLE, []),
         value("n_best", INT64, []),
+        value(FORM_INPUT, INT64, []),
         *mask_input_values(o),
         *shortlist_input_values(step),
     ]
@@ -456,4 +486,11 @@ def _build(step, compact, blocked):
         value("scores", DOUBLE, ["sentences", "n_best"]),
         value("token_scores", DOUBLE, ["sentences", "n_best", "steps"]),
     ]
-    return o.model("beam_search", outer_inputs, outer_outputs, like=step)
+    model = o.model("beam_search", outer_inputs, outer_outputs, like=step)
+    from onnx import numpy_helper
+
+    # Its default: an initializer of the input's name (callers may leave it out).
+    model.graph.initializer.append(
+        numpy_helper.from_array(np.array(FORMS["gnmt"], np.int64), FORM_INPUT)
+    )
+    return model

@@ -88,8 +88,10 @@ class Decoder(Protocol):
         length_penalty: float,
         n_best: int = 1,
         masks: Masks = NO_MASKS,
+        length_penalty_form: str = "gnmt",
     ) -> tuple | None:
-        """Beam search on a fast path under the stateless `masks`: `(tokens, scores,
+        """Beam search on a fast path under the stateless `masks` and the length
+        penalty's form (`options.SearchOptions.length_penalty_form`): `(tokens, scores,
         token_scores)`, per sentence a list of its `n_best` best hypotheses' (best
         first; the first as `spec.beam` gives it, all as `spec.SentenceSearch`
         with `n_best` and the masks): tokens, score and step log-probabilities

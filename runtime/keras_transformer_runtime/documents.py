@@ -231,3 +231,22 @@ def sentence_terms(sentences, terms):
                 phrases.append(target)
         found.append(phrases)
     return found
+
+
+def sentence_places(docs):
+    """A function that rewrites a message about the sentences of `docs` as a list
+    ("line N", "3 of 40 lines") to name each by its line in its text (and its
+    text's number, if there are several)."""
+    places = []
+    for number, document in enumerate(docs, 1):
+        for start in document.starts:
+            line = document.text.count("\n", 0, start) + 1
+            places.append(f"text {number}, line {line}" if len(docs) > 1 else f"line {line}")
+
+    def located(message):
+        message = re.sub(
+            r"\bline (\d+)", lambda m: f"the sentence at {places[int(m[1]) - 1]}", message
+        )
+        return re.sub(r"\b(\d+) of (\d+) lines\b", r"\1 of \2 sentences", message)
+
+    return located

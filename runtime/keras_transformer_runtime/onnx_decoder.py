@@ -20,6 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from keras_transformer_runtime.export_format import (
+    LENGTH_PENALTY_FORM_IDS,
+    LENGTH_PENALTY_FORM_INPUT,
     MANIFEST,
     ExportFileError,
     check_weights,
@@ -37,6 +39,7 @@ from keras_transformer_runtime.onnx_state import OnnxSearchState
 from keras_transformer_runtime.options import NO_MASKS
 from keras_transformer_runtime.shortlist import Shortlist
 from keras_transformer_runtime.specials import EOS_ID, PAD_ID
+from keras_transformer_runtime.split_batches import length_runs
 
 # Greedy batches of at most this many sentences run as one call of the
 # greedy_search graph (which computes a finished sentence's row to the end);
@@ -50,55 +53,6 @@ BEAM_GRAPH_MAX_SENTENCES = 4
 # rows (sentences x beam): a step's operators are too small to share
 # threads well (docs/performance.md, "Runtime choices").
 SPLIT_MIN_ROWS = 8
-# A part's time is estimated as (rows + this) x its longest source: the
-# rows' work plus the fixed cost of every step's operators, in rows.
-SPLIT_STEP_ROWS = 8
-
-
-def length_runs(lengths, parts, step_rows=SPLIT_STEP_ROWS):
-    """Indices of `lengths` cut into `parts` runs in order of length (shortest first), each
-    non-empty, that make the longest estimated part time, `(rows + step_rows) x longest
-    length`, as short as it can be.
-
-    Against dealing the sentences out in turn (every part then runs as long as
-    the longest sentence of the whole batch), a part of short sentences takes
-    more of them and ends with the part of long ones: the padding of a batch
-    of mixed lengths is not computed.
-    """
-    lengths = np.asarray(lengths)
-    order = np.argsort(lengths, kind="stable")
-    ordered = np.maximum(lengths[order], 1).astype(np.float64)
-    count = len(order)
-    parts = max(1, min(parts, count))
-
-    def cuts_within(limit):
-        """Ends of the runs, made greedily from the shortest, none over `limit`; or None."""
-        ends, start = [], 0
-        while start < count:
-            end = start + 1
-            if (1 + step_rows) * ordered[start] > limit:
-                return None
-            while end < count and (end + 1 - start + step_rows) * ordered[end] <= limit:
-                end += 1
-            ends.append(end)
-            start = end
-        return ends if len(ends) <= parts else None
-
-    low, high = 0.0, (count + step_rows) * ordered[-1]
-    for _ in range(50):  # bisection on the longest part time
-        middle = (low + high) / 2
-        if cuts_within(middle) is None:
-            low = middle
-        else:
-            high = middle
-    ends = cuts_within(high)
-    # Fewer runs than parts: split the largest runs so that every part has work.
-    runs = [order[a:b] for a, b in zip([0, *ends[:-1]], ends, strict=True)]
-    while len(runs) < parts:
-        largest = max(range(len(runs)), key=lambda i: len(runs[i]))
-        run = runs.pop(largest)
-        runs[largest:largest] = [run[: len(run) // 2], run[len(run) // 2 :]]
-    return runs
 
 
 def check_ids(name, array, rank=2):
@@ -496,23 +450,43 @@ class OnnxDecoder:
             step_scores[: steps[i], i].astype(np.float64).tolist() for i in range(len(limits))
         ]
 
-    def _beam_graph(self, sentences, beam_size, masks=NO_MASKS):
-        """The beam graph that searches `sentences` at `beam_size` under `masks`, or None.
+    def _beam_graph(self, sentences, beam_size, masks=NO_MASKS, form="gnmt"):
+        """The beam graph that searches `sentences` at `beam_size` under `masks` and the
+        length penalty `form`, or None.
 
         A graph selects block by block, so it takes `2 * beam_size` (and one
         more per token the masks may drop) up to its number of blocks (the
-        manifest's `max_top_k`); wider beams run the loop.
+        manifest's `max_top_k`); wider beams run the loop, as the average form
+        does in exports older than the graphs' `length_penalty_form` input.
         """
         names = [self._listed("beam_batch_search")]
         if sentences <= BEAM_GRAPH_MAX_SENTENCES:
             names.insert(0, self._listed("beam_search"))
-        return next((name for name in names if self._takes(name, 2 * beam_size, masks)), None)
+        graphs = self.manifest["graphs"]
+        return next(
+            (
+                name
+                for name in names
+                if self._takes(name, 2 * beam_size, masks)
+                and (form == "gnmt" or LENGTH_PENALTY_FORM_INPUT in graphs[name]["inputs"])
+            ),
+            None,
+        )
 
-    def beam(self, source, limits, beam_size, length_penalty, n_best=1, masks=NO_MASKS):
+    def beam(
+        self,
+        source,
+        limits,
+        beam_size,
+        length_penalty,
+        n_best=1,
+        masks=NO_MASKS,
+        length_penalty_form="gnmt",
+    ):
         """Beam search as one call of a search graph: `(tokens, scores, token_scores)`,
         each per sentence a list of its `n_best` best hypotheses' (best first); None
-        where no graph takes the beam."""
-        graph = self._beam_graph(len(source), beam_size, masks)
+        where no graph takes the beam or the form."""
+        graph = self._beam_graph(len(source), beam_size, masks, length_penalty_form)
         if graph is None:
             return None
         parts = self.split_parts(len(source), beam_size)
@@ -522,10 +496,12 @@ class OnnxDecoder:
                 limits,
                 parts,
                 lambda worker, part, lims: worker.beam(
-                    part, lims, beam_size, length_penalty, n_best, masks
+                    part, lims, beam_size, length_penalty, n_best, masks, length_penalty_form
                 ),
             )
-        return self.run_beam_graph(source, limits, beam_size, length_penalty, graph, n_best, masks)
+        return self.run_beam_graph(
+            source, limits, beam_size, length_penalty, graph, n_best, masks, length_penalty_form
+        )
 
     def run_beam_graph(
         self,
@@ -536,6 +512,7 @@ class OnnxDecoder:
         graph="beam_search",
         n_best=1,
         masks=NO_MASKS,
+        length_penalty_form="gnmt",
     ):
         """Beam search as one call of the search graph `graph`: `(tokens, scores,
         token_scores)`, per sentence its `n_best` best hypotheses' (fewer where fewer
@@ -549,6 +526,9 @@ class OnnxDecoder:
         feeds["beam_size"] = np.array(beam_size, np.int64)
         feeds["length_penalty"] = np.array(length_penalty, np.float64)
         feeds["n_best"] = np.array(n_best, np.int64)
+        if length_penalty_form != "gnmt":  # the input's default is GNMT's form
+            form = LENGTH_PENALTY_FORM_IDS[length_penalty_form]
+            feeds[LENGTH_PENALTY_FORM_INPUT] = np.array(form, np.int64)
         feeds.update(self.mask_feeds(masks))
         feeds.update(self.shortlist_feeds(graph, source, 2 * beam_size, masks))
         tokens, lengths, scores, steps = self.session(graph).run(None, feeds)

@@ -204,9 +204,10 @@ class SearchOptions:
 
         Beside the plain options, the graphs take n-best lists, token scores and
         the stateless masks: `disable_unk`, `min_length` and one-token
-        `suppress_sequences`. Sampling, the repetition penalty, no-repeat
-        n-grams, longer suppressed sequences and the average length form
-        depend on each hypothesis's tokens, or stop otherwise: the loop runs those.
+        `suppress_sequences`, and either length penalty form (a decoder whose
+        graphs lack the average form runs the loop). Sampling, the repetition
+        penalty, no-repeat n-grams and longer suppressed sequences depend on
+        each hypothesis's tokens: the loop runs those.
         """
         single = [s[0] for s in self.suppress_sequences if len(s) == 1]
         rest = dataclasses.replace(
@@ -216,6 +217,7 @@ class SearchOptions:
             disable_unk=False,
             min_length=0,
             suppress_sequences=tuple(s for s in self.suppress_sequences if len(s) > 1),
+            length_penalty_form="gnmt",
         )
         if not rest.is_plain():
             return None

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import queue
-import re
 
 import numpy as np
 
@@ -27,6 +26,7 @@ from keras_transformer_runtime.constraints import sentence_constraints, word_con
 from keras_transformer_runtime.documents import (
     parse_document,
     rebuild_documents,
+    sentence_places,
     sentence_terms,
 )
 from keras_transformer_runtime.export_format import ExportFileError
@@ -67,25 +67,6 @@ def _check_pairs(what, given, sources):
             f"{len(given)} {what} for {len(sources)} sentences: give one per sentence "
             "(an empty one for none)."
         )
-
-
-def _sentence_places(docs):
-    """A function that rewrites a message about the sentences of `docs` as a list
-    ("line N", "3 of 40 lines") to name each by its line in its text (and its
-    text's number, if there are several)."""
-    places = []
-    for number, document in enumerate(docs, 1):
-        for start in document.starts:
-            line = document.text.count("\n", 0, start) + 1
-            places.append(f"text {number}, line {line}" if len(docs) > 1 else f"line {line}")
-
-    def located(message):
-        message = re.sub(
-            r"\bline (\d+)", lambda m: f"the sentence at {places[int(m[1]) - 1]}", message
-        )
-        return re.sub(r"\b(\d+) of (\d+) lines\b", r"\1 of \2 sentences", message)
-
-    return located
 
 
 class Translator:
@@ -167,6 +148,7 @@ class Translator:
         ignore_eos=False,
         n_best=1,
         masks=NO_MASKS,
+        length_penalty_form="gnmt",
     ):
         """The plain search of a prepared batch under the stateless `masks`:
         `(tokens, scores, token_scores)`, per sentence a list of its `n_best` best
@@ -187,7 +169,9 @@ class Translator:
                     [[row] for row in steps],
                 )
         else:
-            found = self.decoder.beam(source, limits, beam_size, length_penalty, n_best, masks)
+            found = self.decoder.beam(
+                source, limits, beam_size, length_penalty, n_best, masks, length_penalty_form
+            )
             if found is not None:
                 return found
         options = SearchOptions(
@@ -197,6 +181,7 @@ class Translator:
             token_scores=True,
             suppress_sequences=tuple((i,) for i in masks.suppressed),
             min_length=masks.min_length,
+            length_penalty_form=length_penalty_form,
         )
         found = self._loop(source, limits, options)
         return (
@@ -273,6 +258,7 @@ class Translator:
                 options.length_penalty,
                 n_best=options.n_best,
                 masks=masks,
+                length_penalty_form=options.length_penalty_form,
             )
             return plain_hypotheses(*found, limits, options)
         limits = prefixed_limits(limits, prefixes, options.max_length)
@@ -554,7 +540,7 @@ class Translator:
         docs = self.documents(texts, input_format, language, options.max_input_length)
         sentences = [sentence for document in docs for sentence in document.sentences]
         tagged = [flag for document in docs for flag in document.tagged]
-        located = _sentence_places(docs)
+        located = sentence_places(docs)
         if warn is not None:
             told = warn
 

@@ -19,10 +19,10 @@ pytestmark = pytest.mark.skipif(
 
 from keras_transformer_runtime import ExportFileError, OnnxTranslator  # noqa: E402
 from keras_transformer_runtime.export_format import FORMAT_VERSION  # noqa: E402
-from keras_transformer_runtime.onnx_decoder import length_runs  # noqa: E402
 from keras_transformer_runtime.options import SearchOptions  # noqa: E402
 from keras_transformer_runtime.sources import source_array  # noqa: E402
 from keras_transformer_runtime.specials import PAD_ID  # noqa: E402
+from keras_transformer_runtime.split_batches import length_runs  # noqa: E402
 
 from keras_transformer.decoding import beam_search, greedy_search  # noqa: E402
 from keras_transformer.translation import translate_lines  # noqa: E402

@@ -74,12 +74,20 @@ def test_onnx_and_keras_follow_the_specification_with_options(options, toy):
 
 @pytest.mark.parametrize("beam_size", [1, 3])
 @pytest.mark.parametrize("max_length", [None, 4])
-def test_token_scores_come_from_the_fast_searches(toy, monkeypatch, beam_size, max_length):
+@pytest.mark.parametrize("form", ["gnmt", "average"])
+def test_token_scores_come_from_the_fast_searches(toy, monkeypatch, beam_size, max_length, form):
     """Token scores are the step scores the search graphs (and, greedy, the Keras
     compiled loop) already return: no step-by-step loop runs, and they are the
-    specification's (EOS included when produced; none at the limit)."""
+    specification's (EOS included when produced; none at the limit), under
+    either length penalty form."""
     model, tokenizer, translator = toy
-    options = SearchOptions(beam_size=beam_size, token_scores=True, max_length=max_length)
+    options = SearchOptions(
+        beam_size=beam_size,
+        token_scores=True,
+        max_length=max_length,
+        length_penalty=1.0,
+        length_penalty_form=form,
+    )
     sources = source_ids(tokenizer, held_out_lines(7, seed=67)) + [[]]
     from_keras = decoding.search(model, sources, options)  # beam: Keras runs the loop
 
@@ -96,6 +104,36 @@ def test_token_scores_come_from_the_fast_searches(toy, monkeypatch, beam_size, m
         _assert_same(a, expected)
         _assert_same(b, expected)
         assert a[0].log_prob == pytest.approx(sum(a[0].token_scores))
+
+
+def test_an_export_without_the_forms_input_searches_the_average_form_in_the_loop(toy, monkeypatch):
+    """Beam graphs exported before their `length_penalty_form` input: the average form
+    then runs the loop, with the same hypotheses as the graphs that take it."""
+    from keras_transformer_runtime.export_format import LENGTH_PENALTY_FORM_INPUT
+
+    _, tokenizer, translator = toy
+    options = SearchOptions(
+        beam_size=3, n_best=2, length_penalty=1.0, length_penalty_form="average"
+    )
+    sources = source_ids(tokenizer, held_out_lines(8, seed=71))
+    # Three sentences take the beam_search graph, eight beam_batch_search.
+    in_graph = [translator.search(batch, options) for batch in (sources[:3], sources)]
+    ran = []
+    monkeypatch.setattr(
+        translator_module,
+        "search_loop",
+        lambda *args, search_loop=translator_module.search_loop, **kwargs: (
+            ran.append(1) or search_loop(*args, **kwargs)
+        ),
+    )
+    for entry in translator.decoder.manifest["graphs"].values():
+        if LENGTH_PENALTY_FORM_INPUT in entry.get("inputs", {}):
+            monkeypatch.delitem(entry["inputs"], LENGTH_PENALTY_FORM_INPUT)
+    in_loop = [translator.search(batch, options) for batch in (sources[:3], sources)]
+    assert len(ran) == 2
+    for graph_batch, loop_batch in zip(in_graph, in_loop, strict=True):
+        for a, b in zip(graph_batch, loop_batch, strict=True):
+            _assert_same(a, b)
 
 
 def test_n_best_starts_with_the_plain_beam_and_scores_are_forced_decoding(toy):
