@@ -43,10 +43,9 @@ values from encoder.onnx (one row per sentence), `limits (sentences,)
 int64` (each sentence's maximum output length, EOS included; 0 for an
 empty source), `beam_size ()` int64 (2 * beam_size at most the vocabulary
 less padding and BOS) and `length_penalty ()` double (alpha; 0 turns it
-off) and `n_best ()` int64 (at most `beam_size`); optionally
-`length_penalty_form ()` int64, 0 (GNMT's, the default) or 1 (average),
-an input with a default value, so that a caller of an older export's
-inputs still runs. Outputs, per sentence its
+off), `n_best ()` int64 (at most `beam_size`) and `length_penalty_form
+()` int64, 0 (GNMT's) or 1 (average; exports of format 8 made before this
+input lack it). Outputs, per sentence its
 `n_best` best hypotheses, best first: `tokens (sentences, n_best, steps)
 int64` and `lengths (sentences, n_best) int64` (a hypothesis is its first
 `lengths` tokens, EOS excluded), `scores (sentences, n_best) double`, the
@@ -486,11 +485,4 @@ def _build(step, compact, blocked):
         value("scores", DOUBLE, ["sentences", "n_best"]),
         value("token_scores", DOUBLE, ["sentences", "n_best", "steps"]),
     ]
-    model = o.model("beam_search", outer_inputs, outer_outputs, like=step)
-    from onnx import numpy_helper
-
-    # Its default: an initializer of the input's name (callers may leave it out).
-    model.graph.initializer.append(
-        numpy_helper.from_array(np.array(FORMS["gnmt"], np.int64), FORM_INPUT)
-    )
-    return model
+    return o.model("beam_search", outer_inputs, outer_outputs, like=step)

@@ -21,9 +21,9 @@ MANIFEST = "manifest.json"
 # `alignment` and `teacher_forced` over the encoder's outputs replace `model.onnx`,
 # and the beam search graphs return each sentence's `n_best` best hypotheses.
 FORMAT_VERSION = 8
-# The beam search graphs' optional input that picks the length penalty's form
-# (an input with a default value: exports of format 8 written before it lack it,
-# and the runtime then searches the average form in its loop), and its values.
+# The beam search graphs' input that picks the length penalty's form, and its
+# values (exports of format 8 written before it lack it: the runtime then
+# searches the average form in its loop).
 LENGTH_PENALTY_FORM_INPUT = "length_penalty_form"
 LENGTH_PENALTY_FORM_IDS = {"gnmt": 0, "average": 1}
 

@@ -526,7 +526,7 @@ class OnnxDecoder:
         feeds["beam_size"] = np.array(beam_size, np.int64)
         feeds["length_penalty"] = np.array(length_penalty, np.float64)
         feeds["n_best"] = np.array(n_best, np.int64)
-        if length_penalty_form != "gnmt":  # the input's default is GNMT's form
+        if LENGTH_PENALTY_FORM_INPUT in self.manifest["graphs"][graph]["inputs"]:
             form = LENGTH_PENALTY_FORM_IDS[length_penalty_form]
             feeds[LENGTH_PENALTY_FORM_INPUT] = np.array(form, np.int64)
         feeds.update(self.mask_feeds(masks))

@@ -296,6 +296,7 @@ def test_the_search_graphs_with_blocked_selection_find_what_the_full_topk_finds(
             beam_feeds = dict(feeds, beam_size=np.array(beam, np.int64))
             beam_feeds["length_penalty"] = np.array(0.6, np.float64)
             beam_feeds["n_best"] = np.array(min(beam, 2), np.int64)
+            beam_feeds["length_penalty_form"] = np.array(beam % 2, np.int64)  # both forms
             expected, found = full.run(None, beam_feeds), blocked.run(None, beam_feeds)
             np.testing.assert_array_equal(found[0], expected[0])
             np.testing.assert_array_equal(found[1], expected[1])
