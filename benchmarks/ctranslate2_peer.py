@@ -169,9 +169,8 @@ def _translate_batches(translator, batches, options, parallel, full=False):
     pending = [
         translator.translate_batch(
             batch,
-            max_decoding_length=max(len(s) for s in batch) + 50,
             asynchronous=parallel,
-            **options,
+            **{"max_decoding_length": max(len(s) for s in batch) + 50, **options},
         )
         for batch in batches
     ]
@@ -280,10 +279,12 @@ class CTranslate2Translator:
             self._process.join(30)
             self._process = None
 
-    def translate(self, lines, beam_size=4, batch_size=32, parallel_batches=1):
+    def translate(self, lines, beam_size=4, batch_size=32, parallel_batches=1, **decoding):
         """Batches of `batch_size` sorted by length, as `OnnxTranslator.translate` makes them;
-        the batches and their length limits are the same at any `parallel_batches`."""
+        the batches and their length limits are the same at any `parallel_batches`.
+        `decoding`: more of `translate_batch`'s arguments (`min_decoding_length`, ...)."""
         options = {"beam_size": beam_size, "length_penalty": 0.6 if beam_size > 1 else 0.0}
+        options.update(decoding)
         if self.use_vmap:
             options["use_vmap"] = True
         chunks, hypotheses = self._translated(lines, options, batch_size, parallel_batches)

@@ -26,6 +26,11 @@ keeps each batch one search on T threads, as CTranslate2 does.
 itself with its `TransformersConverter` (needs transformers and torch), as
 a user of both would (docs/pretrained.md).
 
+`--output-length N` makes every output exactly N tokens long in both systems
+(minimum and maximum decoding length): the same work per sentence for a
+model whose own outputs have no sensible lengths (random weights at a
+pretrained model's shape, docs/pretrained.md).
+
 `--options` measures the output options instead of the cells: beam 4 on
 batches of 32, the plain search and then each option asked for, with the
 same request to both systems (`OPTIONS`), side by side in each repetition.
@@ -93,6 +98,13 @@ def build_parser():
         "converts it with its TransformersConverter instead of our weights' spec",
     )
     parser.add_argument("--repeats", type=int, default=3, help="interleaved repetitions")
+    parser.add_argument(
+        "--output-length",
+        type=int,
+        help="every output exactly this many tokens in both systems (minimum and maximum "
+        "length): the same work whatever the model says, for a model not trained to "
+        "sensible lengths",
+    )
     parser.add_argument(
         "--cells",
         type=_cells,
@@ -212,9 +224,7 @@ def run(args):
         for _ in range(args.repeats):
             for name in SYSTEMS:
                 start = time.perf_counter()
-                outputs[name] = systems[name].translate(
-                    lines, beam_size=beam, batch_size=batch, parallel_batches=args.parallel_batches
-                )
+                outputs[name] = _translate(systems[name], lines, beam, batch, args)
                 times[name].append(time.perf_counter() - start)
         cell = {"search": label, "beam_size": beam, "batch_size": batch, "systems": {}}
         for name in SYSTEMS:
@@ -256,6 +266,37 @@ def run(args):
     )
     print(table(report))
     return report
+
+
+def _translate(system, lines, beam, batch, args):
+    """`system.translate` of `lines`, with every output `args.output_length` tokens long
+    where that is given."""
+    if args.output_length is None:
+        return system.translate(
+            lines, beam_size=beam, batch_size=batch, parallel_batches=args.parallel_batches
+        )
+    length = args.output_length
+    if hasattr(system, "decoder"):  # ours: EOS suppressed, `length` tokens at most
+        from keras_transformer_runtime.options import SearchOptions
+        from keras_transformer_runtime.specials import EOS_ID
+
+        options = SearchOptions(
+            beam_size=beam,
+            length_penalty=0.6 if beam > 1 else 0.0,
+            max_length=length,
+            suppress_sequences=((EOS_ID,),),
+        )
+        return system.translate(
+            lines, batch_size=batch, parallel_batches=args.parallel_batches, options=options
+        )
+    return system.translate(
+        lines,
+        beam_size=beam,
+        batch_size=batch,
+        parallel_batches=args.parallel_batches,
+        min_decoding_length=length,
+        max_decoding_length=length,
+    )
 
 
 def run_options(args):
