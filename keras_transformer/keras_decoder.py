@@ -245,17 +245,9 @@ class KerasDecoder:
             token_scores.append(step_scores[i, :taken].tolist())
         return outputs, token_scores
 
-    def beam(
-        self,
-        source,
-        limits,
-        beam_size,
-        length_penalty,
-        n_best=1,
-        masks=NO_MASKS,
-        length_penalty_form="gnmt",
-    ):
-        """None: beam search runs the one loop over the compiled step."""
+    def beam(self, *args, **kwargs):
+        """None, whatever the search (`decoder.Decoder.beam`'s arguments): beam search
+        runs the one loop over the compiled step."""
         return None
 
     def label_log_probs(self, source, target_inputs, labels):
