@@ -23,8 +23,7 @@ step runs one row per sentence, its beams all starting from BOS):
 - a finished hypothesis is scored by its summed log-probability over
   the length penalty `((5 + length) / 6) ** alpha` (GNMT's), or with
   `length_penalty_form` 1, `length ** alpha` (transformers' average form);
-  the `n_best`
-  best are kept, best first (the first found among equals, as a stable
+  the `n_best` best are kept, best first (the first found among equals, as a stable
   sort does), with the count of those finished;
 - a sentence is done when no live beam can beat its `n_best`-th best
   finished hypothesis even at its maximum length, or when `k` have
@@ -104,14 +103,12 @@ def build_beam_batch_search(step, blocked=True):
     return _build(step, compact=True, blocked=blocked)
 
 
-FORM_INPUT, FORMS = LENGTH_PENALTY_FORM_INPUT, LENGTH_PENALTY_FORM_IDS
-
-
 def _penalty_form(o):
     """The outer graph's `penalty_offset` (5 for GNMT's form, 0 for the average form),
     `penalty_divisor` (offset + 1) and `gnmt_stop` (whether GNMT's early stop holds),
     from the `length_penalty_form` input."""
-    average = o.node("Equal", [FORM_INPUT, o.int64s(FORMS["average"])], "average_form")
+    average_id = o.int64s(LENGTH_PENALTY_FORM_IDS["average"])
+    average = o.node("Equal", [LENGTH_PENALTY_FORM_INPUT, average_id], "average_form")
     offset = o.node(
         "Where",
         [average, o.const("zero_offset", 0.0, np.float64), o.const("five", 5.0, np.float64)],
@@ -475,7 +472,7 @@ def _build(step, compact, blocked):
         value("beam_size", INT64, []),
         value("length_penalty", DOUBLE, []),
         value("n_best", INT64, []),
-        value(FORM_INPUT, INT64, []),
+        value(LENGTH_PENALTY_FORM_INPUT, INT64, []),
         *mask_input_values(o),
         *shortlist_input_values(step),
     ]
