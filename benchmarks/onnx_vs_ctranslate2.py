@@ -224,7 +224,7 @@ def run(args):
         for _ in range(args.repeats):
             for name in SYSTEMS:
                 start = time.perf_counter()
-                outputs[name] = _translate(systems[name], lines, beam, batch, args)
+                outputs[name] = _translate(name, systems[name], lines, beam, batch, args)
                 times[name].append(time.perf_counter() - start)
         cell = {"search": label, "beam_size": beam, "batch_size": batch, "systems": {}}
         for name in SYSTEMS:
@@ -268,24 +268,19 @@ def run(args):
     return report
 
 
-def _translate(system, lines, beam, batch, args):
-    """`system.translate` of `lines`, with every output `args.output_length` tokens long
-    where that is given."""
+def _translate(name, system, lines, beam, batch, args):
+    """`system.translate` of `lines` (system `name` of `SYSTEMS`), with every output
+    `args.output_length` tokens long where that is given."""
     if args.output_length is None:
         return system.translate(
             lines, beam_size=beam, batch_size=batch, parallel_batches=args.parallel_batches
         )
     length = args.output_length
-    if hasattr(system, "decoder"):  # ours: EOS suppressed, `length` tokens at most
+    if name.startswith("ort"):  # ours: EOS suppressed, `length` tokens at most
         from keras_transformer_runtime.options import SearchOptions
         from keras_transformer_runtime.specials import EOS_ID
 
-        options = SearchOptions(
-            beam_size=beam,
-            length_penalty=0.6 if beam > 1 else 0.0,
-            max_length=length,
-            suppress_sequences=((EOS_ID,),),
-        )
+        options = SearchOptions(beam, max_length=length, suppress_sequences=((EOS_ID,),))
         return system.translate(
             lines, batch_size=batch, parallel_batches=args.parallel_batches, options=options
         )
