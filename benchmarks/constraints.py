@@ -28,20 +28,12 @@ settings on val; test_2016_flickr is the reported split.
 from __future__ import annotations
 
 import argparse
-import gzip
 import os
 import sys
-import time
 
-from benchmarks.machine import write_report
+from benchmarks import harness
 
-DEFAULT_DATA = os.path.normpath(
-    os.path.join(
-        os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared", "data", "multi30k"
-    )
-)
 PUNCTUATION = ".,;:!?\"'()[]"
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
 
 def words(text):
@@ -77,30 +69,14 @@ def coverage(outputs, constraints):
     return total, as_text, as_word
 
 
-def _read(path):
-    with (
-        gzip.open(path, "rt", encoding="utf-8")
-        if path.endswith(".gz")
-        else open(path, encoding="utf-8") as f
-    ):
-        return [line.rstrip("\n") for line in f]
-
-
 def run_split(translator, sources, references, beam, length_penalty, batch_size):
     from keras_transformer_runtime.specials import UNK_ID
 
     from keras_transformer.evaluation import score_translations
 
     def translate(constraints=None):
-        start = time.perf_counter()
-        outputs = translator.translate(
-            sources,
-            beam_size=beam,
-            length_penalty=length_penalty,
-            batch_size=batch_size,
-            constraints=constraints,
-        )
-        return outputs, time.perf_counter() - start
+        settings = dict(beam_size=beam, length_penalty=length_penalty, batch_size=batch_size)
+        return harness.timed(translator.translate, sources, constraints=constraints, **settings)
 
     def spells(word):
         ids = translator.tokenizer.encode(word)
@@ -141,7 +117,7 @@ def main(argv=None):
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="python -m benchmarks.constraints", description=__doc__)
     parser.add_argument("onnx_dir")
-    parser.add_argument("--data", default=DEFAULT_DATA)
+    parser.add_argument("--data", default=harness.SHARED_MULTI30K)
     parser.add_argument("--src", default="de")
     parser.add_argument("--tgt", default="en")
     parser.add_argument("--splits", nargs="+", default=["val", "test_2016_flickr"])
@@ -150,7 +126,7 @@ def main(argv=None):
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--threads", type=int, help="ONNX Runtime intra-op threads")
     parser.add_argument("--limit", type=int, help="the first N sentences of each split")
-    parser.add_argument("--out", default=os.path.join(RESULTS, "constraints-multi30k.json"))
+    parser.add_argument("--out", default=os.path.join(harness.RESULTS, "constraints-multi30k.json"))
     args = parser.parse_args(argv)
     args.argv = argv
 
@@ -161,20 +137,18 @@ def main(argv=None):
     )
     splits = {}
     for split in args.splits:
-        sources = _read(os.path.join(args.data, f"{split}.{args.src}.gz"))[: args.limit]
-        references = _read(os.path.join(args.data, f"{split}.{args.tgt}.gz"))[: args.limit]
+        sources, references = harness.multi30k(args.data, split, args.src, args.tgt, args.limit)
         splits[split] = run_split(
             translator, sources, references, args.beam, args.length_penalty, args.batch_size
         )
         print(split, {k: v for k, v in splits[split].items() if k != "examples"}, flush=True)
-    load = os.getloadavg() if hasattr(os, "getloadavg") else None
-    write_report(
+    harness.write_report(
         "constraints",
         args,
         rule="the two longest reference words (>= 3 characters, outer punctuation stripped) "
         "missing from the unconstrained output; words the vocabulary cannot spell skipped",
         splits=splits,
-        load_average_after=[round(x, 2) for x in load] if load else None,
+        load_average_after=harness.load_average(),
     )
     return 0
 

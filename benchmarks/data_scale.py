@@ -30,13 +30,10 @@ import json
 import os
 import random
 import shutil
-import subprocess
 import sys
 import tempfile
-import threading
-import time
 
-from benchmarks.machine import SHARED_MULTI30K
+from benchmarks import harness
 
 UPDATES = 20
 
@@ -59,92 +56,16 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
-def _tree_rss(pid: int) -> tuple[int, int]:
-    """Proportional resident bytes (PSS: shared pages divided among their sharers) of
-    `pid` and its descendants, forked workers' shared pages counted once; and the
-    anonymous part of it (the heap and arrays, without the shared libraries and the
-    page cache of memory-mapped files, whose PSS depends on what else runs)."""
-    children = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-                children.setdefault(ppid, []).append(int(entry))
-            except (OSError, ValueError, IndexError):
-                pass
-    total, anonymous, todo = 0, 0, [pid]
-    while todo:
-        p = todo.pop()
-        todo.extend(children.get(p, []))
-        try:
-            with open(f"/proc/{p}/smaps_rollup") as f:
-                for line in f:
-                    if line.startswith("Pss:"):
-                        total += int(line.split()[1]) * 1024
-                    elif line.startswith("Pss_Anon:"):
-                        anonymous += int(line.split()[1]) * 1024
-        except OSError:
-            pass
-    return total, anonymous
-
-
-def run_measured(command, env=None) -> dict:
-    """Runs `command`; returns its wall time, output, and peak resident memory (its tree)."""
-    started = time.time()
-    process = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
-    )
-    samples = []  # (time, pss, anonymous pss)
-    stop = threading.Event()
-
-    def sample():
-        while not stop.is_set():
-            samples.append((time.time(), *_tree_rss(process.pid)))
-            stop.wait(0.2)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    output = process.communicate()[0]
-    stop.set()
-    sampler.join()
-    if process.returncode:
-        raise RuntimeError(f"{' '.join(command)} failed:\n{output[-3000:]}")
-    return {"started": started, "seconds": time.time() - started, "output": output,
-            "samples": samples}  # fmt: skip
-
-
-def _marks(result):
-    marks = {}
-    for line in result["output"].splitlines():
-        if line.startswith(("FIRST_UPDATE", "LAST_UPDATE")):
-            name, value = line.split()
-            marks[name] = float(value)
-    return marks
-
-
-def _gib(n):
-    return round(n / 2**30, 3)
-
-
-def _peaks(samples) -> dict:
-    """Peak PSS and peak anonymous PSS of `run_measured`'s samples, GiB."""
-    return {
-        "peak_rss_gib": _gib(max(s[1] for s in samples)),
-        "peak_anon_gib": _gib(max(s[2] for s in samples)),
-    }
-
-
 def training_figures(result, tokens_per_batch) -> dict:
-    marks = _marks(result)
+    marks = harness.marks(result)
     first, last = marks["FIRST_UPDATE"], marks["LAST_UPDATE"]
     samples = result["samples"]
     training = [s for s in samples if s[0] >= first] or [(0, 0, 0)]
     return {
         "first_update_seconds": round(first - result["started"], 1),
-        **_peaks(samples),
-        "peak_rss_while_training_gib": _gib(max(s[1] for s in training)),
-        "peak_anon_while_training_gib": _gib(max(s[2] for s in training)),
+        **harness.peaks(samples),
+        "peak_rss_while_training_gib": harness.gib(max(s[1] for s in training)),
+        "peak_anon_while_training_gib": harness.gib(max(s[2] for s in training)),
         # Padded target positions the train step consumed per second, updates 2..UPDATES.
         "step_target_positions_per_second": round(
             tokens_per_batch * (UPDATES - 1) / (last - first)
@@ -192,13 +113,13 @@ def pipeline_rate(data_dir, tokens_per_batch, batches) -> dict:
         "seconds = time.perf_counter() - start\n"
         "print('RATE', positions / seconds, tokens / seconds)\n"
     )
-    result = run_measured([sys.executable, "-c", code])
+    result = harness.run_measured([sys.executable, "-c", code])
     line = [x for x in result["output"].splitlines() if x.startswith("RATE")][0]
     _, positions, tokens = line.split()
     return {
         "target_positions_per_second": round(float(positions)),
         "target_tokens_per_second": round(float(tokens)),
-        **_peaks(result["samples"]),
+        **harness.peaks(result["samples"]),
     }
 
 
@@ -225,7 +146,7 @@ def measure(pairs, args) -> dict:
         ]
         child = [sys.executable, "-c", CHILD.replace("{updates}", str(UPDATES))]
         if args.text_up_to is None or pairs <= args.text_up_to:
-            text = run_measured(
+            text = harness.run_measured(
                 child
                 + [
                     "train",
@@ -240,7 +161,7 @@ def measure(pairs, args) -> dict:
         if args.text_only:
             return row
         data_dir = os.path.join(folder, "prepared")
-        prepared = run_measured(
+        prepared = harness.run_measured(
             [
                 sys.executable,
                 "-m",
@@ -257,13 +178,13 @@ def measure(pairs, args) -> dict:
             manifest = json.load(f)
         row["prepare"] = {
             "seconds": round(prepared["seconds"], 1),
-            **_peaks(prepared["samples"]),
+            **harness.peaks(prepared["samples"]),
             "disk_bytes": _disk_bytes(data_dir),
             "shards": len(manifest["shards"]),
             **manifest["stats"],
         }
         print(pairs, "prepare:", row["prepare"], flush=True)
-        streamed = run_measured(
+        streamed = harness.run_measured(
             child
             + [
                 "train",
@@ -288,7 +209,9 @@ def main(argv=None):
     parser.add_argument("--pairs", type=int, nargs="+", default=[100_000, 1_000_000])
     parser.add_argument("--preset", default="tiny")
     parser.add_argument(
-        "--multi30k", default=SHARED_MULTI30K, help="the Multi30k folder (default: ../shared)"
+        "--multi30k",
+        default=harness.SHARED_MULTI30K,
+        help="the Multi30k folder (default: ../shared)",
     )
     parser.add_argument("--max-length", type=int, default=48, help="the tiny preset's")
     parser.add_argument("--tokens-per-batch", type=int, default=4096)
@@ -304,14 +227,12 @@ def main(argv=None):
     parser.add_argument("--out", default="benchmarks/results/data_scale-tensorflow-cpu.json")
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
-    from benchmarks.machine import write_report
-
     load, rows = [round(x, 1) for x in os.getloadavg()], []
     for pairs in args.pairs:
         rows.append(measure(pairs, args))
         # Written after each corpus: the smaller ones' figures survive a stopped run.
         load_now = [round(x, 1) for x in os.getloadavg()]
-        report = write_report(
+        report = harness.write_report(
             "data_scale", args, rows=rows, load_average={"start": load, "now": load_now}
         )
     print(json.dumps(report["rows"], indent=1))

@@ -41,17 +41,15 @@ seconds of `--repeats` interleaved runs.
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import os
 import random
+import statistics
 import sys
-import time
 
-from benchmarks.machine import SHARED_MULTI30K, write_report
+from benchmarks import harness
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-SPLITS = os.path.join(HERE, "data", "sentence_splits.json")
+SPLITS = os.path.join(harness.HERE, "data", "sentence_splits.json")
 
 
 def glue(sentences, seed=0, shortest=3, longest=8):
@@ -113,15 +111,10 @@ def splitters():
     return found
 
 
-def read(path):
-    with gzip.open(path, "rt", encoding="utf-8") if path.endswith(".gz") else open(path) as f:
-        return [line.rstrip("\n") for line in f]
-
-
 def compare_splitters(args):
     with open(SPLITS, encoding="utf-8") as f:
         data = json.load(f)
-    german = read(os.path.join(args.data, "test_2016_flickr.de.gz"))
+    german = harness.read_lines(os.path.join(args.data, "test_2016_flickr.de.gz"))
     paragraphs = [" ".join(german[i] for i in run) for run in glue(german)]
     rows = {}
     for name, make in splitters().items():
@@ -135,10 +128,8 @@ def compare_splitters(args):
                 "wrong": [split(" ".join(s)) for s in wrong],
             }
         split = make("de")
-        start = time.perf_counter()
-        for paragraph in paragraphs:
-            split(paragraph)
-        row["sentences_per_second"] = round(len(german) / (time.perf_counter() - start))
+        _, seconds = harness.timed(lambda split=split: [split(p) for p in paragraphs])
+        row["sentences_per_second"] = round(len(german) / seconds)
         rows[name] = row
         print(name, row["en"]["exact"], row["de"]["exact"], row["sentences_per_second"])
     return {"splitters": rows}
@@ -149,8 +140,7 @@ def translate_paragraphs(args):
     from keras_transformer_runtime import OnnxTranslator
     from keras_transformer_runtime.options import SearchOptions
 
-    sources = read(os.path.join(args.data, f"{args.split}.{args.src}.gz"))
-    references = read(os.path.join(args.data, f"{args.split}.{args.tgt}.gz"))
+    sources, references = harness.multi30k(args.data, args.split, args.src, args.tgt)
     runs = glue(sources, args.seed)
     paragraphs = [" ".join(sources[i] for i in run) for run in runs]
     joined_refs = [" ".join(references[i] for i in run) for run in runs]
@@ -165,9 +155,7 @@ def translate_paragraphs(args):
     }
     report = {"paragraph_count": len(runs), "sentence_count": len(sources)}
     for name, way in ways.items():
-        start = time.perf_counter()
-        outputs = way()
-        seconds = time.perf_counter() - start
+        outputs, seconds = harness.timed(way)
         if name == "sentences_alone":  # the paragraph's sentences' translations, joined
             outputs = [" ".join(outputs[i] for i in run) for run in runs]
         report[name] = {
@@ -260,7 +248,7 @@ def multi30k_tags(args):
     from keras_transformer_runtime import OnnxTranslator
     from keras_transformer_runtime.options import SearchOptions
 
-    sources = read(os.path.join(args.data, f"{args.split}.{args.src}.gz"))
+    sources = harness.read_lines(os.path.join(args.data, f"{args.split}.{args.src}.gz"))
     rng = random.Random(args.seed)
     pages, tagged = [], []
     for sentence in sources:
@@ -273,8 +261,7 @@ def multi30k_tags(args):
     translator = OnnxTranslator(args.onnx_dir, num_threads=args.threads)
     outputs = translator.translate_documents(pages, "html", SearchOptions(beam_size=args.beam))
     plain, placed = zip(*map(_tag_words, outputs), strict=True)
-    train_src = read(os.path.join(args.data, f"train.{args.src}.gz"))
-    train_tgt = read(os.path.join(args.data, f"train.{args.tgt}.gz"))
+    train_src, train_tgt = harness.multi30k(args.data, "train", args.src, args.tgt)
     with tempfile.TemporaryDirectory() as folder:
         links = {}
         for direction in ("fwd", "rev"):
@@ -312,7 +299,7 @@ def markup_cost(args):
     from keras_transformer_runtime import OnnxTranslator
     from keras_transformer_runtime.options import SearchOptions
 
-    sources = read(os.path.join(args.data, f"{args.split}.{args.src}.gz"))
+    sources = harness.read_lines(os.path.join(args.data, f"{args.split}.{args.src}.gz"))
     rng = random.Random(args.seed)
     tagged = []
     for sentence in sources:
@@ -338,13 +325,8 @@ def markup_cost(args):
             [markdown_tagged], "markdown", options, args.src
         ),
     }
-    seconds = {name: [] for name in ways}
-    for _ in range(args.repeats):  # interleaved, the median kept
-        for name, way in ways.items():
-            start = time.perf_counter()
-            way()
-            seconds[name].append(time.perf_counter() - start)
-    report = {name: round(sorted(times)[len(times) // 2], 3) for name, times in seconds.items()}
+    measured = harness.interleaved(ways, args.repeats)  # the median kept
+    report = {name: round(statistics.median(t), 3) for name, (t, _) in measured.items()}
     for name in list(ways)[1:]:
         report[f"{name}_over_text"] = round(report[name] / report["text"], 3)
     print(report)
@@ -372,12 +354,12 @@ def main(argv=None):
             each.add_argument("--threads", type=int)
             each.add_argument("--seed", type=int, default=0)
             each.add_argument("--repeats", type=int, default=3)
-        each.add_argument("--data", default=SHARED_MULTI30K, help="the Multi30k mirror")
+        each.add_argument("--data", default=harness.SHARED_MULTI30K, help="the Multi30k mirror")
         each.add_argument("--out", help="the report (default: benchmarks/results/documents-*.json)")
     args = parser.parse_args(argv)
     args.argv = list(sys.argv[1:] if argv is None else argv)
-    args.out = args.out or os.path.join(HERE, "results", f"documents-{args.question}.json")
-    write_report("documents", args, **questions[args.question](args))
+    args.out = args.out or os.path.join(harness.RESULTS, f"documents-{args.question}.json")
+    harness.write_report("documents", args, **questions[args.question](args))
     return 0
 
 

@@ -28,6 +28,8 @@ import os
 
 import numpy as np
 
+from benchmarks import harness
+
 
 def train_spm(texts, size, seed=0):
     """A unigram SentencePiece model's bytes, as Marian's recipe trains one per language."""
@@ -166,8 +168,6 @@ def cost(args):
     import tempfile
     import time
 
-    from benchmarks.machine import write_report
-
     steps = {}
     with tempfile.TemporaryDirectory() as work:
         run, back = os.path.join(work, "run"), os.path.join(work, "back")
@@ -204,7 +204,7 @@ def cost(args):
     for entry in steps.values():
         entry["peak_rss_over_checkpoint"] = entry["peak_rss_mib"] / checkpoint
         entry["added_rss_over_checkpoint"] = (entry["peak_rss_mib"] - base) / checkpoint
-    report = write_report("marian_shape", args, checkpoint_mib=checkpoint, steps=steps)
+    report = harness.write_report("marian_shape", args, checkpoint_mib=checkpoint, steps=steps)
     print(json.dumps({k: report[k] for k in ("checkpoint_mib", "steps")}, indent=2))
 
 

@@ -27,11 +27,9 @@ import os
 import subprocess
 import sys
 
-from benchmarks.machine import describe_machine
+from benchmarks import harness
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "multi30k")
-DEFAULT_DATA = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "shared")
-DEFAULT_DATA = os.path.normpath(os.path.join(DEFAULT_DATA, "data", "multi30k"))
+RESULTS = os.path.join(harness.RESULTS, "multi30k")
 TEST = "test_2016_flickr"
 BEAMS = (1, 5)
 DEFAULT_ALPHA = 0.6  # the beam search's length penalty unless a record says otherwise
@@ -190,7 +188,7 @@ def record(
         "test_2016_flickr": test,
         "trained_on": trained_on(metrics["history"]),
         # Where the record was written and test scored.
-        "machine": {**describe_machine(), "cpu_flags": _cpu_flags()},
+        "machine": {**harness.describe_machine(), "cpu_flags": _cpu_flags()},
     }
     os.makedirs(RESULTS, exist_ok=True)
     path = os.path.join(RESULTS, f"{name}.json")
@@ -315,7 +313,7 @@ def main(argv=None) -> int:
     rec = sub.add_parser("record", help="score a finished run on test and record it")
     rec.add_argument("run_dir")
     rec.add_argument("--name", required=True, help="the record's file name (no extension)")
-    rec.add_argument("--data", default=os.environ.get("MULTI30K", DEFAULT_DATA))
+    rec.add_argument("--data", default=os.environ.get("MULTI30K", harness.SHARED_MULTI30K))
     rec.add_argument("--note", default="", help="what the run tried, in a few words")
     rec.add_argument("--stopped", default="", help="why an unfinished run was stopped")
     rec.add_argument("--warmup-steps", type=int, help="an unfinished run's printed warm-up")

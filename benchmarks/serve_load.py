@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gzip
 import json
 import os
 import signal
@@ -42,17 +41,10 @@ import sys
 import time
 import urllib.request
 
-from benchmarks.machine import SHARED_MULTI30K
+from benchmarks import harness
 
-DEFAULT_SOURCE = os.path.join(SHARED_MULTI30K, "test_2016_flickr.de.gz")
+DEFAULT_SOURCE = os.path.join(harness.SHARED_MULTI30K, "test_2016_flickr.de.gz")
 STARTUP_SECONDS = 300
-
-
-def read_sentences(path, limit=None):
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8", errors="replace") as f:
-        lines = [line.rstrip("\n") for line in f]
-    return lines[:limit] if limit else lines
 
 
 # --------------------------------------------------------------------------- server
@@ -226,7 +218,7 @@ def load_cell(server, sentences, clients, beam_size, name):
     extra = {"beam_size": beam_size}
     # A short warm-up: the first requests of each shape are slower.
     run_clients(server.port, sentences[: 2 * clients], clients, extra)
-    load_before = os.getloadavg()
+    load_before = harness.load_average()
     batches_before = server.batch_stats()
     server_cpu = server.cpu_seconds()
     own_cpu = sum(os.times()[:2])
@@ -256,8 +248,8 @@ def load_cell(server, sentences, clients, beam_size, name):
         "server_cpu_s": round(server_cpu_s, 2),
         "sentences_per_cpu_s": round(len(ok) / server_cpu_s, 2) if server_cpu_s else None,
         "load_generator_cpu_s": round(sum(os.times()[:2]) - own_cpu, 2),
-        "load_average_before": [round(x, 2) for x in load_before],
-        "load_average_after": [round(x, 2) for x in os.getloadavg()],
+        "load_average_before": load_before,
+        "load_average_after": harness.load_average(),
     }
     print(json.dumps(row), flush=True)
     return row
@@ -279,9 +271,9 @@ def offline(onnx_dir, source, limit, beam_size, batch_size, in_order=False):
         run = f"translator.translate(sentences, beam_size={beam_size}, batch_size={batch_size})\n"
     code = (
         "import json, sys, time\n"
-        "from benchmarks.serve_load import read_sentences\n"
+        "from benchmarks.harness import read_lines\n"
         "from keras_transformer_runtime import OnnxTranslator\n"
-        f"sentences = read_sentences({source!r}, {limit!r})\n"
+        f"sentences = read_lines({source!r}, {limit!r})\n"
         f"translator = OnnxTranslator({onnx_dir!r})\n"
         f"translator.translate(sentences[:64], beam_size={beam_size}, batch_size={batch_size})\n"
         "started, cpu = time.perf_counter(), time.process_time()\n"
@@ -289,7 +281,7 @@ def offline(onnx_dir, source, limit, beam_size, batch_size, in_order=False):
         + "seconds, cpu = time.perf_counter() - started, time.process_time() - cpu\n"
         "print(json.dumps({'seconds': seconds, 'cpu': cpu, 'sentences': len(sentences)}))\n"
     )
-    load_before = os.getloadavg()
+    load_before = harness.load_average()
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     if result.returncode != 0:
         raise RuntimeError(f"the offline translator failed:\n{result.stderr[-2000:]}")
@@ -303,8 +295,8 @@ def offline(onnx_dir, source, limit, beam_size, batch_size, in_order=False):
         "sentences_per_s": round(measured["sentences"] / measured["seconds"], 2),
         "cpu_s": round(measured["cpu"], 2),
         "sentences_per_cpu_s": round(measured["sentences"] / measured["cpu"], 2),
-        "load_average_before": [round(x, 2) for x in load_before],
-        "load_average_after": [round(x, 2) for x in os.getloadavg()],
+        "load_average_before": load_before,
+        "load_average_after": harness.load_average(),
     }
     print(json.dumps(row), flush=True)
     return row
@@ -373,7 +365,7 @@ def soak(server, sentences, clients, seconds, beam_size):
             "answered_after_sigterm": sum(1 for s, _ in after if s == 200),
             "unanswered_after_sigterm": sum(1 for s, _ in after if s == 0),
         },
-        "load_average_after": [round(x, 2) for x in os.getloadavg()],
+        "load_average_after": harness.load_average(),
     }
     print(json.dumps(row), flush=True)
     return row
@@ -412,7 +404,7 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser().parse_args(argv)
     args.argv = argv
-    sentences = read_sentences(args.source, args.limit)
+    sentences = harness.read_lines(args.source, args.limit)
     clients = [int(c) for c in args.clients.split(",") if c]
     beams = [int(b) for b in args.beams.split(",") if b]
     systems = [s for s in args.systems.split(",") if s]
@@ -466,34 +458,19 @@ def main(argv=None):
             ratios[f"beam {beam_size}, {count} clients"] = {
                 # Sentences per CPU second against the offline translator's: the
                 # server's overhead, whatever share of a busy machine each got.
-                "cpu_efficiency_of_offline_batch_32": round(
-                    served["sentences_per_cpu_s"] / ceiling["sentences_per_cpu_s"], 3
-                )
-                if ceiling and served["sentences_per_cpu_s"]
-                else None,
-                "of_offline_batch_32_in_order": round(
-                    served["sentences_per_s"] / in_order["sentences_per_s"], 3
-                )
-                if in_order
-                else None,
-                "of_offline_batch_32": round(
-                    served["sentences_per_s"] / ceiling["sentences_per_s"], 3
-                )
-                if ceiling
-                else None,
-                "of_no_batching": round(served["sentences_per_s"] / alone["sentences_per_s"], 3)
-                if alone
-                else None,
+                "cpu_efficiency_of_offline_batch_32": _ratio(
+                    served, ceiling, "sentences_per_cpu_s"
+                ),
+                "of_offline_batch_32_in_order": _ratio(served, in_order),
+                "of_offline_batch_32": _ratio(served, ceiling),
+                "of_no_batching": _ratio(served, alone),
             }
-    from benchmarks.machine import write_report
+    return harness.write_report("serve_load", args, rows=rows, ratios=ratios, soak=soak_row)
 
-    return write_report(
-        "serve_load",
-        args,
-        rows=rows,
-        ratios=ratios,
-        soak=soak_row,
-    )
+
+def _ratio(row, other, key="sentences_per_s"):
+    """`row[key] / other[key]`, or None where either is missing."""
+    return round(row[key] / other[key], 3) if row and other and row[key] and other[key] else None
 
 
 if __name__ == "__main__":

@@ -26,39 +26,10 @@ from __future__ import annotations
 
 import argparse
 import gc
-import gzip
 import json
 import os
-import time
 
-from benchmarks.machine import SHARED_MULTI30K, write_report
-
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
-
-
-def read(path):
-    with gzip.open(path, "rt", encoding="utf-8") as f:
-        return [line.rstrip("\n") for line in f]
-
-
-def run(translator, sources, beam, batch, parallel=1):
-    """`(translations, seconds, target pieces)` of one pass over `sources`."""
-    from keras_transformer_runtime.options import SearchOptions
-
-    start = time.perf_counter()
-    if hasattr(translator, "decoder"):  # ours
-        options = SearchOptions(beam_size=beam)
-        found = translator.translate_hypotheses(
-            sources, options, batch_size=batch, parallel_batches=parallel
-        )
-        texts = [h[0]["text"] for h in found]
-    else:  # CTranslate2 (same batches: sorted by length; length penalty 0.6 in beam search)
-        texts = translator.translate(
-            sources, beam_size=beam, batch_size=batch, parallel_batches=parallel
-        )
-    seconds = time.perf_counter() - start
-    pieces = sum(len(translator.tokenizer.encode_target(t)) for t in texts)
-    return texts, seconds, pieces
+from benchmarks import harness
 
 
 def ctranslate2_peers(run_dir, precision, threads, parallel, shortlist, folder):
@@ -68,16 +39,15 @@ def ctranslate2_peers(run_dir, precision, threads, parallel, shortlist, folder):
     from keras_transformer.translation import load_run
 
     model, tokenizer = load_run(run_dir)
-    quantization = "int8" if precision == "int8" else None
     out = os.path.join(folder, precision)
     vmap = vmap_file(shortlist, tokenizer, os.path.join(folder, "vmap.txt"))
-    ctranslate2_model(model, tokenizer, out, quantization, vmap=vmap)
-    settings = dict(
-        compute_type=precision, threads=threads, parallel_batches=parallel, isolated=True
-    )
+    ctranslate2_model(model, tokenizer, out, "int8" if precision == "int8" else None, vmap=vmap)
+    settings = dict(compute_type=precision, threads=threads, parallel_batches=parallel)
     return {
-        "ctranslate2": CTranslate2Translator(out, tokenizer, **settings),
-        "ctranslate2_vmap": CTranslate2Translator(out, tokenizer, use_vmap=True, **settings),
+        "ctranslate2": CTranslate2Translator(out, tokenizer, isolated=True, **settings),
+        "ctranslate2_vmap": CTranslate2Translator(
+            out, tokenizer, isolated=True, use_vmap=True, **settings
+        ),
     }
 
 
@@ -85,67 +55,62 @@ def describe(export):
     """The model's shape and size, from its export."""
     with open(os.path.join(export, "manifest.json")) as f:
         config = json.load(f)["config"]
-    size = {}  # MB of the weights file of each precision exported
-    for precision in ("", "_int8"):
-        path = os.path.join(export, f"weights{precision}.bin")
-        size[precision] = round(os.path.getsize(path) / 1e6, 1) if os.path.isfile(path) else None
-    return {
-        "encoder_layers": config["num_encoder_layers"],
-        "decoder_layers": config["num_decoder_layers"],
-        "hidden_dim": config["hidden_dim"],
-        "intermediate_dim": config["intermediate_dim"],
-        "vocabulary_size": config["vocabulary_size"],
-        "weights_mb": size[""],
-        "weights_int8_mb": size["_int8"],
-    }
+    shape = ("num_encoder_layers", "num_decoder_layers", "hidden_dim", "intermediate_dim")
+    described = {k.replace("num_", ""): config[k] for k in shape}
+    described["vocabulary_size"] = config["vocabulary_size"]
+    for key, precision in (("weights_mb", ""), ("weights_int8_mb", "_int8")):
+        path = os.path.join(export, f"weights{precision}.bin")  # MB of each precision exported
+        described[key] = round(os.path.getsize(path) / 1e6, 1) if os.path.isfile(path) else None
+    return described
 
 
 def measure_cell(translators, sources, beam, batch, args):
-    """`{name: (seconds, pieces, texts)}`: the fastest of `args.repeats` interleaved passes."""
-    import numpy as np
+    """`{name: (texts, seconds of each pass)}` over `args.repeats` interleaved passes.
 
-    best = {}
+    A translator given as a factory (ours) is built afresh for each pass and
+    warmed on one batch, so that no other of ours is alive while it runs
+    (ONNX Runtime's idle threads spin)."""
+    found = {name: ([], []) for name in translators}
+    settings = dict(beam_size=beam, batch_size=batch, parallel_batches=args.parallel)
     for _ in range(args.repeats):
         for name, translator in translators.items():
             fresh = not hasattr(translator, "translate")
             if fresh:
                 translator = translator()
-                run(translator, sources[:batch], beam, batch, args.parallel)
-            texts, seconds, pieces = run(translator, sources, beam, batch, args.parallel)
+                translator.translate(sources[:batch], **settings)
+            texts, seconds = harness.timed(translator.translate, sources, **settings)
+            found[name] = (texts, found[name][1] + [seconds])
             if fresh:
                 del translator
                 gc.collect()
-            if seconds < best.get(name, (np.inf,))[0]:
-                best[name] = (seconds, pieces, texts)
-    return best
+    return found
 
 
 def measure_model(name, run_dir, data, args):
+    """The rows of one model: per precision, thread count, beam, batch and split."""
     import tempfile
 
     import numpy as np
-    import sacrebleu
     from keras_transformer_runtime import OnnxTranslator
+
+    from keras_transformer.evaluation import score_translations
 
     export = os.path.join(run_dir, args.export)
     rows = []
     for precision in args.precisions:
         for threads in args.threads:
+            settings = dict(num_threads=threads, precision=precision)
             translators = {
-                "shortlist": lambda t=threads, p=precision: OnnxTranslator(
-                    export, num_threads=t, precision=p
-                ),
-                "full": lambda t=threads, p=precision: OnnxTranslator(
-                    export, num_threads=t, precision=p, shortlist=False
-                ),
+                "shortlist": lambda s=settings: OnnxTranslator(export, **s),
+                "full": lambda s=settings: OnnxTranslator(export, shortlist=False, **s),
             }
-            listed = translators["shortlist"]().decoder  # never searches
-            if listed.shortlist is None:
+            listed = translators["shortlist"]()  # never searches
+            if listed.decoder.shortlist is None:
                 raise SystemExit(f"{export} was exported without a shortlist.")
             if args.ctranslate2 and threads in args.ctranslate2_threads:
                 folder = tempfile.mkdtemp(prefix="ct2-vmap-")
                 translators |= ctranslate2_peers(
-                    run_dir, precision, threads, args.parallel, listed.shortlist, folder
+                    run_dir, precision, threads, args.parallel, listed.decoder.shortlist, folder
                 )
             for beam in args.beams:
                 for batch in args.batches:
@@ -153,32 +118,23 @@ def measure_model(name, run_dir, data, args):
                         if batch < 8 and args.batch1_lines:
                             sources = sources[: args.batch1_lines]
                             references = references[: args.batch1_lines]
-                        best = measure_cell(translators, sources, beam, batch, args)
                         sizes = [
-                            listed.shortlist.ids(_batch_ids(listed, sources[i : i + batch])).size
+                            listed.decoder.shortlist.ids(
+                                _batch_ids(listed, sources[i : i + batch])
+                            ).size
                             for i in range(0, len(sources), batch)
                         ]
-                        row = {
-                            "model": name,
-                            "precision": precision,
-                            "threads": threads,
-                            "parallel_batches": args.parallel,
-                            "beam": beam,
-                            "batch": batch,
-                            "split": split,
-                            "sentences": len(sources),
-                            "mean_list_size": float(np.mean(sizes)),
-                        }
-                        for system, (seconds, pieces, texts) in best.items():
-                            bleu = sacrebleu.corpus_bleu(
-                                [t.lower() for t in texts], [[r.lower() for r in references]]
-                            )
-                            row[system] = {
-                                "bleu": round(bleu.score, 2),
-                                "seconds": seconds,
-                                "sentences_per_second": len(sources) / seconds,
-                                "target_tokens_per_second": pieces / seconds,
-                            }
+                        row = dict(model=name, precision=precision, threads=threads)
+                        row.update(parallel_batches=args.parallel, beam=beam, batch=batch)
+                        row.update(split=split, sentences=len(sources))
+                        row["mean_list_size"] = float(np.mean(sizes))
+                        for system, (texts, seconds) in measure_cell(
+                            translators, sources, beam, batch, args
+                        ).items():  # the fastest pass counts
+                            row[system] = harness.speed(texts, [min(seconds)], listed.tokenizer)
+                            row[system]["seconds"] = min(seconds)
+                            scores = score_translations(texts, references)
+                            row[system]["bleu"] = round(scores["bleu_lowercase"], 2)
                         row["speedup"] = row["full"]["seconds"] / row["shortlist"]["seconds"]
                         if "ctranslate2" in row:  # > 1: ours is faster
                             row["ours_over_ctranslate2"] = (
@@ -188,33 +144,33 @@ def measure_model(name, run_dir, data, args):
                                 row["ctranslate2_vmap"]["seconds"] / row["shortlist"]["seconds"]
                             )
                         rows.append(row)
-                        peer = (
-                            f" | CT2 x{row['ours_over_ctranslate2']:.2f}, vmap "
-                            f"x{row['ours_shortlist_over_ctranslate2_vmap']:.2f}"
-                            if "ctranslate2" in row
-                            else ""
-                        )
-                        print(
-                            f"{name:12s} {precision:7s} {args.parallel}x{threads}t beam {beam} "
-                            f"batch {batch:3d} {split:16s} list {row['mean_list_size']:5.0f} "
-                            f"full {row['full']['sentences_per_second']:7.1f}/s "
-                            f"BLEU {row['full']['bleu']:5.2f} | shortlist "
-                            f"{row['shortlist']['sentences_per_second']:7.1f}/s "
-                            f"BLEU {row['shortlist']['bleu']:5.2f} | {row['speedup']:.2f}x{peer}",
-                            flush=True,
-                        )
-            for translator in translators.values():
-                if hasattr(translator, "close"):  # CTranslate2's processes
-                    translator.close()
+                        print(_progress(row), flush=True)
+            harness.close(translators)
     return rows
 
 
+def _progress(row):
+    peer = (
+        f" | CT2 x{row['ours_over_ctranslate2']:.2f}, vmap "
+        f"x{row['ours_shortlist_over_ctranslate2_vmap']:.2f}"
+        if "ctranslate2" in row
+        else ""
+    )
+    full, listed = row["full"], row["shortlist"]
+    return (
+        f"{row['model']:12s} {row['precision']:7s} {row['parallel_batches']}x{row['threads']}t "
+        f"beam {row['beam']} batch {row['batch']:3d} {row['split']:16s} list "
+        f"{row['mean_list_size']:5.0f} full {full['sentences_per_second']:7.1f}/s BLEU "
+        f"{full['bleu']:5.2f} | shortlist {listed['sentences_per_second']:7.1f}/s BLEU "
+        f"{listed['bleu']:5.2f} | {row['speedup']:.2f}x{peer}"
+    )
+
+
 def measure(args):
-    data = {}
-    for split in args.splits:
-        sources = read(os.path.join(args.data, f"{split}.{args.src}.gz"))
-        references = read(os.path.join(args.data, f"{split}.{args.tgt}.gz"))
-        data[split] = (sources[: args.lines], references[: args.lines])
+    data = {
+        split: harness.multi30k(args.data, split, args.src, args.tgt, args.lines)
+        for split in args.splits
+    }
     models, rows = {}, []
     for spec in args.models:
         name, _, run_dir = spec.partition("=")
@@ -225,12 +181,12 @@ def measure(args):
     return models, rows
 
 
-def _batch_ids(decoder, sentences):
+def _batch_ids(translator, sentences):
     """The padded source ids of a batch of `sentences`, as the translator encodes them."""
     import numpy as np
     from keras_transformer_runtime.specials import EOS_ID
 
-    encoded = [decoder.tokenizer.encode(s) + [EOS_ID] for s in sentences]
+    encoded = [translator.tokenizer.encode(s) + [EOS_ID] for s in sentences]
     ids = np.zeros((len(encoded), max(map(len, encoded))), np.int64)
     for row, sentence in zip(ids, encoded, strict=True):
         row[: len(sentence)] = sentence
@@ -257,41 +213,38 @@ def table(reports):
     batch = max(r["batch"] for r in rows)
     speed = dict(precision="int8", threads=1, batch=batch, beam=1, split=_test_split(rows))
     reference = _cell(rows, model=next(iter(models)), **speed)
-    lines = [
-        "| model | layers | d | int8 MB | test greedy | beam 4 | int8 greedy | int8, list "
-        f"| val int8, list | int8 greedy {batch}, 1 thread, sent/s: full | list | x teacher "
-        "| x CT2 vmap |",
-        "| --- " * 13 + "|",
-    ]
+    header = ["model", "layers", "d", "int8 MB", "test greedy", "beam 4", "int8 greedy"]
+    header += ["int8, list", "val int8, list", f"int8 greedy {batch}, 1 thread, sent/s: full"]
+    header += ["list", "x teacher", "x CT2 vmap"]
+
+    def get(row, *keys, fmt="{:.2f}"):
+        for key in keys:
+            if row is None or key not in row:
+                return ""
+            row = row[key]
+        return fmt.format(row)
+
+    lines = []
     for name, model in models.items():
         f32 = _cell(rows, model=name, **{**speed, "precision": "float32"})
         beam = _cell(rows, model=name, **{**speed, "precision": "float32", "beam": 4})
         int8 = _cell(rows, model=name, **speed)
         val = _cell(rows, model=name, precision="int8", beam=1, split="val")
-
-        def get(row, *keys, fmt="{:.2f}"):
-            for key in keys:
-                if row is None or key not in row:
-                    return ""
-                row = row[key]
-            return fmt.format(row)
-
+        rate = "sentences_per_second"
         ratio = (
-            f"{int8['shortlist']['sentences_per_second'] / reference['full']['sentences_per_second']:.2f}x"
+            f"{int8['shortlist'][rate] / reference['full'][rate]:.2f}x"
             if int8 and reference
             else ""
         )
+        layers = model.get("encoder_layers"), model.get("decoder_layers")
         lines.append(
-            f"| {name} | {model['encoder_layers']}-{model['decoder_layers']} "
-            f"| {model['hidden_dim']} | {model['weights_int8_mb']} "
-            f"| {get(f32, 'full', 'bleu')} | {get(beam, 'full', 'bleu')} "
-            f"| {get(int8, 'full', 'bleu')} | {get(int8, 'shortlist', 'bleu')} "
-            f"| {get(val, 'shortlist', 'bleu')} "
-            f"| {get(int8, 'full', 'sentences_per_second', fmt='{:.0f}')} "
-            f"| {get(int8, 'shortlist', 'sentences_per_second', fmt='{:.0f}')} | {ratio} "
-            f"| {get(int8, 'ours_shortlist_over_ctranslate2_vmap', fmt='{:.2f}x')} |"
+            [name, "{}-{}".format(*layers), model["hidden_dim"], model["weights_int8_mb"]]
+            + [get(f32, "full", "bleu"), get(beam, "full", "bleu"), get(int8, "full", "bleu")]
+            + [get(int8, "shortlist", "bleu"), get(val, "shortlist", "bleu")]
+            + [get(int8, "full", rate, fmt="{:.0f}"), get(int8, "shortlist", rate, fmt="{:.0f}")]
+            + [ratio, get(int8, "ours_shortlist_over_ctranslate2_vmap", fmt="{:.2f}x")]
         )
-    return "\n".join(lines)
+    return harness.markdown(header, lines)
 
 
 def plot(reports, path):
@@ -342,7 +295,7 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("models", nargs="*", metavar="NAME=RUN")
     parser.add_argument("--export", default="onnx-shortlist", help="each run's export folder")
-    parser.add_argument("--data", default=SHARED_MULTI30K, help="the Multi30k folder")
+    parser.add_argument("--data", default=harness.SHARED_MULTI30K, help="the Multi30k folder")
     parser.add_argument("--src", default="de")
     parser.add_argument("--tgt", default="en")
     parser.add_argument("--splits", nargs="+", default=["test_2016_flickr"])
@@ -365,15 +318,12 @@ def main(argv=None):
     parser.add_argument(
         "--batch1-lines", type=int, default=None, help="the first N lines for batches under 8"
     )
-    parser.add_argument("--out", default=os.path.join(RESULTS, "students.json"))
+    parser.add_argument("--out", default=os.path.join(harness.RESULTS, "students.json"))
     parser.add_argument("--table", nargs="+", metavar="JSON", help="print the table of reports")
     parser.add_argument("--plot", metavar="PNG", help="with --table: draw the frontier")
     args = parser.parse_args(argv)
     if args.table:
-        reports = []
-        for path in args.table:
-            with open(path) as f:
-                reports.append(json.load(f))
+        reports = harness.read_reports(args.table)
         print(table(reports))
         if args.plot:
             plot(reports, args.plot)
@@ -382,7 +332,7 @@ def main(argv=None):
         parser.error("give NAME=RUN models to measure, or --table JSON")
     args.argv = list(sys.argv[1:] if argv is None else argv)
     models, rows = measure(args)
-    write_report("students", args, models=models, rows=rows)
+    harness.write_report("students", args, models=models, rows=rows)
 
 
 if __name__ == "__main__":

@@ -20,8 +20,7 @@ import tempfile
 
 import numpy as np
 
-from benchmarks.data_scale import _marks, _peaks, run_measured
-from benchmarks.machine import SHARED_MULTI30K
+from benchmarks import harness
 
 # Run in the child: prints when the first update of this start ends.
 CHILD = r"""
@@ -49,16 +48,16 @@ def _command(args, out, max_steps, *extra):
 
 def _measure(name, command, backend, out) -> dict:
     env = {**os.environ, "KERAS_BACKEND": backend, "TF_CPP_MIN_LOG_LEVEL": "3"}
-    result = run_measured(command, env=env)
+    result = harness.run_measured(command, env=env)
     with open(os.path.join(out, "metrics.json"), encoding="utf-8") as f:
         metrics = json.load(f)
     figures = {
         "run": name,
         "seconds": round(result["seconds"], 1),
-        "first_update_seconds": round(_marks(result)["FIRST_UPDATE"] - result["started"], 1),
+        "first_update_seconds": round(harness.marks(result)["FIRST_UPDATE"] - result["started"], 1),
         "train_seconds": metrics["train_seconds"],
         "steps": metrics["steps"],
-        **_peaks(result["samples"]),
+        **harness.peaks(result["samples"]),
     }
     print(json.dumps(figures), flush=True)
     return figures
@@ -97,7 +96,9 @@ def real_token_shares(run_dir, data, tokens_per_batch, max_length) -> dict:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--data", default=SHARED_MULTI30K, help="a Multi30k folder (de, en)")
+    parser.add_argument(
+        "--data", default=harness.SHARED_MULTI30K, help="a Multi30k folder (de, en)"
+    )
     parser.add_argument("--preset", default="tiny")
     parser.add_argument("--max-steps", type=int, default=500)
     parser.add_argument("--folder", help="where the runs go (default: a temporary folder)")
@@ -129,9 +130,7 @@ def main(argv=None):
     for name, share in shares.items():
         print(f"batch shapes {name}: {share['real_share']:.1%} real tokens, "
               f"at most {share['shapes_at_most']} shapes")  # fmt: skip
-    from benchmarks.machine import write_report
-
-    write_report("train_backends", args, rows=rows, batch_shapes=shares)
+    harness.write_report("train_backends", args, rows=rows, batch_shapes=shares)
 
 
 if __name__ == "__main__":

@@ -43,14 +43,12 @@ Prints a table and writes benchmarks/results/train_throughput-<backend>-<device>
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 
-from benchmarks.machine import describe_machine
+from benchmarks import harness
 from benchmarks.throughput.batches import make_batches, training_flops
 from benchmarks.throughput.memory import PeakMemory, release_free_memory, rss_bytes
 from benchmarks.throughput.peers import EXTRA_PEERS, PEERS, make_peer
@@ -60,7 +58,6 @@ from benchmarks.throughput.timing import best_peaks, library_peaks
 SHAPES = ("small", "paper-base")  # the default run
 ALL_SHAPES = SHAPES + ("paper-big",)  # Transformer-big, for GPU runs
 BUDGETS = (4096, 25000)
-RESULTS = os.path.join(os.path.dirname(__file__), "results")
 
 
 def _precision(name, args):
@@ -385,12 +382,14 @@ def main(argv=None):
         import keras
 
         out = args.out or os.path.join(
-            RESULTS, f"train_memory-{keras.backend.backend()}-{_device()}.json"
+            harness.RESULTS, f"train_memory-{keras.backend.backend()}-{_device()}.json"
         )
-        machine = describe_machine()
+        machine = harness.describe_machine()
         measure_memory(
             args,
-            lambda rows: write_json(out, {"command": command, "machine": machine, "rows": rows}),
+            lambda rows: harness.write_json(
+                out, {"command": command, "machine": machine, "rows": rows}
+            ),
         )
         print(f"wrote {out}")
         return
@@ -403,7 +402,7 @@ def main(argv=None):
     peaks, peak = measured["peaks"], measured["peak"]
     args.device = measured["device"]
     out = args.out or os.path.join(
-        RESULTS, f"train_throughput-{measured['backend']}-{measured['device']}.json"
+        harness.RESULTS, f"train_throughput-{measured['backend']}-{measured['device']}.json"
     )
     print("matmul GFLOP/s: " + ", ".join(f"{k} {v:.0f}" for k, v in peaks.items()), flush=True)
     rows = []
@@ -416,7 +415,7 @@ def main(argv=None):
                     precision = row["peak_precision"]
                     peak[precision] = max(peak[precision], row["peak_gflops"])
             print_table(rows)
-            write_json(  # after every configuration, so a long run keeps what it measured
+            harness.write_json(  # after every configuration, so a long run keeps what it measured
                 out,
                 {
                     "command": command,
@@ -436,7 +435,7 @@ def measure_peaks(args):
 
     backend = keras.backend.backend()
     device = _device()
-    machine = describe_machine()
+    machine = harness.describe_machine()
     if device != "cpu":
         import jax
 
@@ -468,21 +467,6 @@ def measure_peaks(args):
         "peaks": peaks,
         "peak": best_peaks(peaks),
     }
-
-
-def write_json(path, payload):
-    """Writes `path` atomically (temp file, then rename), without importing the package."""
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{os.path.basename(path)}.")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(payload, f, indent=2)
-            f.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
 
 
 if __name__ == "__main__":

@@ -1,104 +1,131 @@
+"""The benchmarks' harness (`benchmarks.harness`), and each benchmark as a smoke test: every
+script parses its options, and the translation and training benchmarks run end to end
+on small settings."""
+
+import gzip
+import importlib
 import json
+import os
+import pkgutil
+import sys
+from argparse import Namespace
 
 import numpy as np
 import pytest
 
-from benchmarks.matmul_ceiling import main as ceiling_main
-from benchmarks.matmul_ceiling import step_products
+import benchmarks
+from benchmarks import harness
 from benchmarks.throughput.batches import training_flops
 from keras_transformer import TransformerConfig
 from keras_transformer.data.pipeline import read_lines
 
-# Trained fixtures, exports and commands end to end: `make integration`.
-pytestmark = pytest.mark.integration
+# Trained fixtures, exports, peers and child processes: `make integration`.
+integration = pytest.mark.integration
+LIBRARIES = {"harness", "ctranslate2_peer"}  # the other modules are scripts
+SCRIPTS = sorted(
+    m.name
+    for m in pkgutil.iter_modules(benchmarks.__path__)
+    if m.name not in LIBRARIES and not m.ispkg  # throughput/: the training peers
+)
 
 
-def test_the_step_products_add_up_to_the_analytic_flop_count():
-    # Every product of the list, forward and backward, on a batch without
-    # padding must give exactly the benchmark's analytic count (3 x forward).
-    config = TransformerConfig.from_preset("paper-base", vocabulary_size=37000)
-    for batch_size, source_len, target_len in ((3, 7, 5), (40, 20, 20)):
-        products = step_products(config, batch_size, source_len, target_len)
-        total = sum(2.0 * p["count"] * p["batch"] * p["m"] * p["k"] * p["n"] for p in products)
-        expected = training_flops(
-            config, np.full(batch_size, source_len), np.full(batch_size, target_len)
-        )
-        assert total == expected
-        # Each backward pair costs what its forward product does.
-        forward = sum(
-            2.0 * p["count"] * p["batch"] * p["m"] * p["k"] * p["n"]
-            for p in products
-            if p["name"].endswith("forward")
-        )
-        assert total == 3 * forward
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_benchmark_parses_its_options(script, capsys):
+    """`python -m benchmarks.SCRIPT --help` prints its usage and exits 0 without measuring."""
+    module = importlib.import_module(f"benchmarks.{script}")
+    with pytest.raises(SystemExit) as exit_:
+        module.main(["--help"])
+    assert exit_.value.code == 0
+    assert "usage:" in capsys.readouterr().out
 
 
-def test_ceiling_benchmark_runs_and_writes_json(tmp_path):
-    out = tmp_path / "ceiling.json"
-    summary = ceiling_main(
-        [
-            "--shape",
-            "small",
-            "--budget",
-            "128",
-            "--repeats",
-            "1",
-            "--rounds",
-            "2",
-            "--peak-size",
-            "1024",
-            "--out",
-            str(out),
-        ]
+def test_interleaved_runs_every_system_once_per_round_and_keeps_the_last_output():
+    calls = []
+
+    def system(name):
+        def run():
+            calls.append(name)
+            return f"{name} {len(calls)}"
+
+        return run
+
+    measured = harness.interleaved({"a": system("a"), "b": system("b")}, repeats=3)
+    assert calls == ["a", "b"] * 3  # round by round, never one system's rounds together
+    assert measured["a"][1] == "a 5" and measured["b"][1] == "b 6"
+    assert all(len(seconds) == 3 and min(seconds) >= 0 for seconds, _ in measured.values())
+
+
+def test_read_lines_reads_plain_and_gzipped_files_and_keeps_a_bad_line(tmp_path):
+    plain, packed = tmp_path / "a.txt", tmp_path / "a.txt.gz"
+    data = b"eins\nzwei\n" + b"dr\xffei\n"
+    plain.write_bytes(data)
+    with gzip.open(packed, "wb") as f:
+        f.write(data)
+    for path in (plain, packed):
+        assert harness.read_lines(str(path)) == ["eins", "zwei", "dr\ufffdei"]
+        assert harness.read_lines(str(path), 2) == ["eins", "zwei"]
+    assert harness.multi30k(str(tmp_path), "a", "txt", "txt", 1) == (["eins"], ["eins"])
+
+
+def test_a_report_names_its_command_and_machine_and_a_failed_write_leaves_nothing(tmp_path):
+    out = tmp_path / "results" / "report.json"
+    args = Namespace(out=str(out), beam=4, argv=["RUN", "--beam", "4", "--out", str(out)])
+    report = harness.write_report("example", args, rows=[{"x": 1}])
+    assert json.loads(out.read_text()) == report
+    assert report["command"] == f"python -m benchmarks.example RUN --beam 4 --out {out}"
+    assert list(report) == ["command", "settings", "rows", "machine"]
+    assert report["settings"] == {"out": str(out), "beam": 4}
+    assert report["machine"]["logical_cores"] == os.cpu_count()
+    with pytest.raises(TypeError):
+        harness.write_json(str(out), {"rows": object()})
+    assert json.loads(out.read_text()) == report  # the earlier report stands
+    assert os.listdir(out.parent) == ["report.json"]  # no temporary file left
+
+
+def test_markdown_tables_have_one_row_per_entry():
+    assert harness.markdown(["a", "b"], [[1, "x"], [2.5, ""]]) == (
+        "| a | b |\n| --- | --- |\n| 1 | x |\n| 2.5 |  |"
     )
-    written = json.loads(out.read_text())
-    assert written["summary"] == summary
-    assert written["shape"] == "small" and written["tokens_per_batch"] == 128
-    # Padding only adds FLOPs, so the padded products carry at least the model's.
-    assert summary["padded_matmul_tflop"] >= summary["model_tflop"] > 0
-    assert summary["matmul_seconds"] > 0 and all(p > 0 for p in summary["peaks_measured_gflops"])
-    assert 0 < summary["mfu_ceiling"] < 1.5
-    assert {p["name"] for p in written["products"]} >= {"output dE", "encoder ffn in dW"}
-    # Two rounds: every product timed twice, keeping the best; peaks at the
-    # start and after each round.
-    for product in written["products"]:
-        assert len(product["seconds_by_round"]) == 2
-        assert product["seconds"] == min(product["seconds_by_round"])
-    assert len(summary["peaks_measured_gflops"]) == 3
 
 
-def test_attention_ablation_times_each_path_and_puts_the_switches_back():
-    from benchmarks.ablations import PLAIN_ATTENTION
-    from benchmarks.ablations import main as ablations_main
-    from keras_transformer.layers import multi_head_attention
-    from keras_transformer.ops import attention
+def test_the_analytic_flop_count_matches_the_weights_of_the_model():
+    """One token a side: every kernel multiplies once per token (2 FLOPs a weight), the
+    tied output projection once more, and each attention score and value one query by one
+    key; training is 3 x forward."""
+    from keras_transformer import build_transformer
 
-    switch, padded = attention._fused, multi_head_attention.padded_attention
-    # The experiment asserts that every path gives the same first loss.
-    results = ablations_main(["attention", "--rows", "64", "--layers", "1", "--rounds", "1"])
-    assert set(results["attention"]) == {
-        f"{name}: {part}"
-        for name in (PLAIN_ATTENTION, "fused attention", "fused attention, mask")
-        for part in ("train step", "forward")
-    }
-    assert all(s > 0 for s in results["attention"].values())
-    assert attention._fused is switch and switch == {"enabled": None}
-    assert multi_head_attention.padded_attention is padded
+    config = TransformerConfig.from_preset("tiny")
+    model = build_transformer(config)
+    kernels = sum(int(np.prod(w.shape)) for w in model.weights if w.path.endswith("kernel"))
+    d, layers, attention = config.hidden_dim, config.num_layers, 3  # encoder, self, cross
+    forward = 2 * kernels + 2 * d * config.vocabulary_size + layers * attention * 2 * 2 * d
+    assert training_flops(config, [1], [1]) == 3 * forward
+    # Attention grows with the square of the length; the rest in proportion to it.
+    assert training_flops(config, [2, 1], [1, 1]) > training_flops(config, [1, 1], [1, 1])
 
 
-def test_gradients_ablation_variants_agree_and_put_the_switch_back():
-    from benchmarks.ablations import HAND_WRITTEN
-    from benchmarks.ablations import main as ablations_main
-    from keras_transformer.ops import gradients, linear
-
-    switch, column_sum = gradients.hand_written_gradients, linear.column_sum
-    # The experiment asserts that every variant's first loss equals the hand-written one's.
-    variants = ["all autodiff", "sum reductions"]
-    arguments = ["gradients", "--rows", "64", "--layers", "1", "--rounds", "1", "--variants"]
-    results = ablations_main(arguments + variants)
-    assert set(results["gradients"]) == {HAND_WRITTEN, *variants}
-    assert all(s > 0 for s in results["gradients"].values())
-    assert gradients.hand_written_gradients is switch and linear.column_sum is column_sum
+def test_run_measured_counts_the_memory_of_a_process_and_its_children():
+    # A parent and a child, each holding 200 MiB, then the marks a training child prints.
+    code = (
+        "import os, time\n"
+        "block = bytearray(200 * 2**20)\n"
+        "pid = os.fork()\n"
+        "held = bytearray(200 * 2**20) if pid == 0 else None\n"
+        "time.sleep(1.5)\n"
+        "if pid == 0:\n"
+        "    os._exit(0)\n"
+        "os.waitpid(pid, 0)\n"
+        "t = time.time(); print('FIRST_UPDATE', t); print('LAST_UPDATE', t + 1.9)\n"
+    )
+    result = harness.run_measured([sys.executable, "-c", code])
+    peaks = harness.peaks(result["samples"])
+    # The child's copy of `block` is shared, not counted twice; its own block is.
+    assert 0.39 < peaks["peak_rss_gib"] < 0.6
+    # Both blocks are anonymous memory; the interpreter's own files are not.
+    assert 0.39 < peaks["peak_anon_gib"] <= peaks["peak_rss_gib"]
+    marks = harness.marks(result)
+    assert marks["LAST_UPDATE"] - marks["FIRST_UPDATE"] == pytest.approx(1.9)
+    assert result["started"] < marks["FIRST_UPDATE"] < result["started"] + result["seconds"]
 
 
 @pytest.mark.slow  # about 70 s: two child processes each load TensorFlow and build the peers
@@ -271,6 +298,7 @@ def test_multi30k_record_keeps_one_hypotheses_file_per_search():
     assert hypotheses_path("RUN", 1, 4.0) == hypotheses_path("RUN", 1)
 
 
+@integration
 @pytest.mark.parametrize("normalize_first", [False, True])
 def test_ctranslate2_peer_scores_as_the_keras_model(normalize_first, tmp_path):
     """The CTranslate2 conversion holds the same model: the log-probabilities CTranslate2
@@ -313,6 +341,7 @@ def test_ctranslate2_peer_scores_as_the_keras_model(normalize_first, tmp_path):
     np.testing.assert_allclose(theirs, ours, rtol=1e-5, atol=1e-4)
 
 
+@integration
 def test_onnx_vs_ctranslate2_runs_every_system_and_writes_json(trained_run, corpus_files, tmp_path):
     """The deployment benchmark end to end on the SentencePiece test run: four systems,
     four cells, ratios to CTranslate2 at the same precision, the command as given."""
@@ -373,6 +402,7 @@ def test_onnx_vs_ctranslate2_runs_every_system_and_writes_json(trained_run, corp
             )
 
 
+@integration
 def test_onnx_vs_ctranslate2_options_measures_each_option_beside_the_plain_search(
     trained_run, corpus_files, tmp_path
 ):
@@ -416,29 +446,3 @@ def test_onnx_vs_ctranslate2_options_measures_each_option_beside_the_plain_searc
                 assert systems[name]["aligned_tokens"] > 0
     with pytest.raises(SystemExit):  # forced scoring needs the references
         deploy_main(argv[:3] + ["--options", "score"])
-
-
-def test_data_scale_counts_the_memory_of_a_process_and_its_children():
-    import sys
-
-    from benchmarks.data_scale import run_measured, training_figures
-
-    # A parent and a child, each holding 200 MiB, then the marks a training child prints.
-    code = (
-        "import os, time\n"
-        "block = bytearray(200 * 2**20)\n"
-        "pid = os.fork()\n"
-        "held = bytearray(200 * 2**20) if pid == 0 else None\n"
-        "time.sleep(1.5)\n"
-        "if pid == 0:\n"
-        "    os._exit(0)\n"
-        "os.waitpid(pid, 0)\n"
-        "t = time.time(); print('FIRST_UPDATE', t); print('LAST_UPDATE', t + 1.9)\n"
-    )
-    result = run_measured([sys.executable, "-c", code])
-    figures = training_figures(result, tokens_per_batch=1000)
-    # The child's copy of `block` is shared, not counted twice; its own block is.
-    assert 0.39 < figures["peak_rss_gib"] < 0.6
-    # Both blocks are anonymous memory; the interpreter's own files are not.
-    assert 0.39 < figures["peak_anon_gib"] <= figures["peak_rss_gib"]
-    assert figures["step_target_positions_per_second"] == round(1000 * 19 / 1.9)

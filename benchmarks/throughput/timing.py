@@ -1,4 +1,4 @@
-"""Dense matmul timers: the peak a benchmark's utilization is held to, and single products."""
+"""Dense matmul peaks: what a benchmark's utilization is held to."""
 
 from __future__ import annotations
 
@@ -6,50 +6,25 @@ import math
 import time
 
 
-def matmul_peak(backend, size=None, repeats=5, dtype="float32"):
-    """Best dense matmul GFLOP/s of `backend` on size x size operands.
+def matmul_peak(library, size=None, repeats=5, dtype="float32"):
+    """Best dense matmul GFLOP/s of `library` ("tensorflow", "jax", "torch") on
+    size x size operands.
 
     On the CPU one 4096 x 4096 product is timed; on a GPU, where one product
     takes about a millisecond, ten 8192 x 8192 products are queued back to back
     and timed together, so the launch and synchronization overhead is spread.
-    """
-    gpu = accelerated(backend)
-    size = size or (8192 if gpu else 4096)
-    seconds = time_product(
-        backend, (size, size), (size, size), dtype=dtype, repeats=repeats, chain=10 if gpu else 1
-    )
-    return 2.0 * size**3 / seconds / 1e9
-
-
-def time_product(
-    library,
-    a_shape,
-    b_shape,
-    transpose_a=False,
-    transpose_b=False,
-    dtype="float32",
-    repeats=5,
-    chain=1,
-):
-    """Best seconds of one product `a @ b` by `library` ("tensorflow", "jax", "torch").
-
-    `a_shape` and `b_shape` are the stored shapes (leading batch dimensions
-    allowed); `transpose_a`/`transpose_b` transpose the last two axes in the
-    product, as the backward passes do. Operands are random normal numbers
-    drawn on the device (zeros or constants can run faster than real data).
-    Each timing queues `chain` products and waits for the last; the best of
-    `repeats` timings, divided by `chain`, is returned, after one untimed run.
+    Operands are random normal numbers drawn on the device (zeros or constants
+    can run faster than real data); the best of `repeats` timings counts,
+    after one untimed run.
     """
     gpu = accelerated(library)
+    size = size or (8192 if gpu else 4096)
+    chain = 10 if gpu else 1
     if library == "torch":
         import torch
 
         device = "cuda" if gpu else "cpu"
-        torch_dtype = getattr(torch, dtype)
-        a = torch.randn(a_shape, device=device).to(torch_dtype)
-        b = torch.randn(b_shape, device=device).to(torch_dtype)
-        a = a.mT if transpose_a else a  # views: the product reads the stored layout
-        b = b.mT if transpose_b else b
+        a, b = (torch.randn(size, size, device=device).to(getattr(torch, dtype)) for _ in "ab")
 
         def run():
             for _ in range(chain):
@@ -61,14 +36,8 @@ def time_product(
     elif library == "tensorflow":
         import tensorflow as tf
 
-        a = tf.cast(tf.random.normal(a_shape), dtype)
-        b = tf.cast(tf.random.normal(b_shape), dtype)
-        product = tf.function(
-            lambda x, y: tf.matmul(x, y, transpose_a=transpose_a, transpose_b=transpose_b)[
-                ..., :1, :1
-            ],
-            autograph=False,
-        )
+        a, b = (tf.cast(tf.random.normal((size, size)), dtype) for _ in "ab")
+        product = tf.function(lambda x, y: tf.matmul(x, y)[:1, :1], autograph=False)
 
         def run():
             for _ in range(chain):
@@ -77,17 +46,10 @@ def time_product(
 
     elif library == "jax":
         import jax
-        import jax.numpy as jnp
 
         keys = jax.random.split(jax.random.key(0))
-        a = jax.random.normal(keys[0], a_shape, dtype)
-        b = jax.random.normal(keys[1], b_shape, dtype)
-
-        @jax.jit
-        def product(x, y):
-            x = jnp.swapaxes(x, -1, -2) if transpose_a else x
-            y = jnp.swapaxes(y, -1, -2) if transpose_b else y
-            return x @ y
+        a, b = (jax.random.normal(key, (size, size), dtype) for key in keys)
+        product = jax.jit(lambda x, y: x @ y)
 
         def run():
             for _ in range(chain):
@@ -102,7 +64,7 @@ def time_product(
         start = time.perf_counter()
         run()
         best = min(best, time.perf_counter() - start)
-    return best / chain
+    return 2.0 * size**3 / (best / chain) / 1e9
 
 
 def accelerated(library):

@@ -7,8 +7,8 @@
   (`set_hand_written_gradients`), in `linear`, `layer_norm` and `loss`;
 - dropout masks drawn 16 bits per element on TensorFlow (`dropout`).
 
-The layers make one call into each; `python -m benchmarks.ablations` times
-every choice, and `benchmarks/README.md` holds the figures.
+The layers make one call into each; the figures behind every choice are in
+docs/performance.md ("Training step").
 """
 
 from keras_transformer.ops.attention import (

@@ -5,8 +5,8 @@ cuDNN's fused attention under JAX on a GPU; `padded_attention` gives cuDNN's fla
 the key lengths instead of a mask, where the keys are right-padded. The plain path writes the same
 product out with `einsum` and `softmax`, and is the only one that can drop
 attention weights or return them. Which path runs is one switch,
-`set_fused_attention`; the ablation command is `python -m benchmarks.ablations
-attention`, and its figures are in `benchmarks/README.md`.
+`set_fused_attention`; the figures of its ablation are in docs/performance.md
+("Training step").
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def set_fused_attention(enabled):
     kernel with key lengths where the mask allows (`padded_attention`, as
     fast as the plain path at sentence lengths, in memory linear in the
     length), else the plain path. False turns `padded_attention` off too.
-    Figures: `python -m benchmarks.ablations attention`, benchmarks/README.md.
+    Figures: docs/performance.md, "Training step" (the `attention` ablation).
 
     Example:
 

@@ -19,8 +19,8 @@ def set_hand_written_gradients(parts):
     Automatic is the loss on every backend, and the projections, the
     feed-forward products and layer normalization on TensorFlow only: their
     passes were written for TensorFlow's CPU kernels and were slower under
-    JAX on a GPU (`python -m benchmarks.ablations gradients`; figures in
-    `benchmarks/README.md` and `docs/performance.md`).
+    JAX on a GPU (the `gradients` ablation: docs/performance.md, "Training
+    step").
 
     Example:
 

@@ -13,8 +13,8 @@ def column_sum(x):
     Computed as the product `ones(1, rows) @ x`: on a CPU, TensorFlow's
     reduction over the leading axis of a tall matrix is several times slower
     than this matrix-vector product, and bias and layer-norm gradients are
-    such reductions (`python -m benchmarks.ablations gradients`, its "sum
-    reductions" variant; the kernel-level finding is in docs/performance.md).
+    such reductions (docs/performance.md, "Training step": the `gradients`
+    ablation's "sum reductions" variant and the kernel-level finding).
 
     Example:
 
@@ -31,8 +31,8 @@ def transposed_copy(matrix):
     TensorFlow's graph optimizer folds a plain transpose feeding a product
     into the product's `transpose_b` flag, and oneDNN's products with a
     transposed right operand are slower on a CPU; a 3-D transpose is not
-    folded (`python -m benchmarks.ablations gradients`, its "transpose_b
-    products" variant; the kernel-level finding is in docs/performance.md).
+    folded (docs/performance.md, "Training step": the `gradients` ablation's
+    "transpose_b products" variant and the kernel-level finding).
 
     Example:
 

@@ -22,7 +22,8 @@ def label_smoothed_token_losses(y_true, logits, label_smoothing):
     pass keeps only the logits and one logsumexp per token, where automatic
     differentiation keeps the fused kernel's softmax and scatters the label
     gather's gradient into a zero `(batch, length, vocabulary)` tensor
-    (`python -m benchmarks.ablations gradients`, its "autodiff loss" variant).
+    (docs/performance.md, "Training step": the `gradients` ablation's "autodiff
+    loss" variant).
 
     Example:
 
