@@ -214,10 +214,11 @@ class KerasDecoder:
             return _CachedState(self.steps, tiled, compiled_length(steps, self.max_length))
         return _FullState(self.steps, tiled)
 
-    def greedy(self, source, limits, masks=NO_MASKS):
+    def greedy(self, source, limits, masks=NO_MASKS, attention=False):
         """The compiled greedy loop: `(tokens, token_scores)`, its mask the padding, BOS
         and `masks.suppressed` (None with `use_cache=False`, the reference, or a
-        minimum length: the search loop runs those)."""
+        minimum length: the search loop runs those); with `attention`, no alignment
+        weights (a list of None: the translator aligns with `alignment_weights`)."""
         if not self.use_cache or masks.min_length:
             return None
         steps = self.steps
@@ -243,6 +244,8 @@ class KerasDecoder:
             taken = row.index(EOS_ID) + 1 if EOS_ID in row else len(row)  # EOS included
             outputs.append(row[: taken - 1] if EOS_ID in row else row)
             token_scores.append(step_scores[i, :taken].tolist())
+        if attention:
+            return outputs, token_scores, [None] * len(outputs)
         return outputs, token_scores
 
     def beam(self, *args, **kwargs):

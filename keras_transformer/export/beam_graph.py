@@ -51,13 +51,20 @@ int64` and `lengths (sentences, n_best) int64` (a hypothesis is its first
 length-penalized score (-inf where fewer finished), and `token_scores
 (sentences, n_best, steps) double`, the step log-probabilities (the first
 `lengths` tokens' and, where it ended with EOS, EOS's; format version 7;
-`n_best`: format version 8).
+`n_best`: format version 8), and `alignments (sentences, n_best, steps,
+width) float`, the decoder step's `alignment_weights` at those steps (width
+the source length where the input `alignment () bool` asks for them, else
+0: every array of them is then empty, so a search without them costs
+nothing more; exports of format 8 made before these lack both).
 """
 
 from __future__ import annotations
 
 import numpy as np
 from keras_transformer_runtime.export_format import (
+    ALIGNMENT_INPUT,
+    ALIGNMENT_WEIGHTS,
+    ALIGNMENTS_OUTPUT,
     LENGTH_PENALTY_FORM_IDS,
     LENGTH_PENALTY_FORM_INPUT,
 )
@@ -166,6 +173,16 @@ def _first_state(o, step, heads, head_dim, cache_type):
     o.filled(best_column, -1, np.int64, "best_pad_column")  # (S, n, 1)
     o.filled(best_column, 0.0, np.float64, "best_pad_step_column")  # (S, n, 1)
     o.filled(best_shape, 0, np.int64, "best_zeros")  # (S, n)
+    # Alignments: each step's row is `align_width` wide, the source length when
+    # the `alignment` input asks for them, else 0 (all their arrays are empty).
+    source_len = o.node("Shape", ["source_mask"], "source_len_1d", start=1, end=2)
+    width = o.node("Where", [ALIGNMENT_INPUT, source_len, o.int64s([0])], "align_width")
+    no_align = o.node("Concat", [empty_shape, width], "no_align_shape", axis=0)
+    o.filled(no_align, 0.0, np.float32, "no_align")  # (S, 0, W)
+    no_best_align = o.node("Concat", [best_empty, width], "no_best_align_shape", axis=0)
+    o.filled(no_best_align, 0.0, np.float32, "no_best_align")  # (S, n, 0, W)
+    pad_align = o.node("Concat", [best_column, width], "best_pad_align_shape", axis=0)
+    o.filled(pad_align, 0.0, np.float32, "best_pad_align")  # (S, n, 1, W)
     o.node("Sub", ["n_best", one], "last_best")  # the n-th best's index
     first_done = o.node("Equal", ["limits", zero], "first_done")  # an empty source
     # An empty source's one hypothesis (empty, score 0) is found at once.
@@ -272,9 +289,15 @@ def _beam_step_rules(b, self_names):
     first_rows = b.node("Mul", [v("sentence_index"), n], "first_rows")  # (S,)
     finish_rows = b.node("Add", [b.unsqueeze(first_rows, [1]), finish_beams], "finish_rows")
     finish_steps = b.node("Concat", [ranked_step, slot_step], "finish_steps", axis=1)
+    # Each row's alignment weights at this step, `align_width` wide: (rows, W).
+    ends, axis1_1d = v("align_width"), b.int64s([1])
+    step_align = b.cast(ALIGNMENT_WEIGHTS, TensorProto.FLOAT, "step_align_weights")
+    step_align = b.node("Slice", [step_align, b.int64s([0]), ends, axis1_1d], "step_align")
+    finish_align = b.node("Gather", [step_align, finish_rows], "finish_align", axis=0)
     for kind, last, pad in (
         ("tokens", finish_last, "best_pad_column"),
         ("steps", finish_steps, "best_pad_step_column"),
+        ("align", finish_align, "best_pad_align"),
     ):
         prefixes = b.node("Gather", [v(f"alive_{kind}"), finish_rows], axis=0)  # (S, 3k, t)
         new = b.node("Concat", [prefixes, b.unsqueeze(last, [2])], axis=2)  # (S, 3k, t + 1)
@@ -310,6 +333,9 @@ def _beam_step_rules(b, self_names):
     alive_steps = b.node("Gather", [v("alive_steps"), origin], "alive_prefix_steps", axis=0)
     slot_step_column = b.reshape(slot_step, [-1, 1], "slot_step_column")
     b.node("Concat", [alive_steps, slot_step_column], "alive_steps_next", axis=1)
+    alive_align = b.node("Gather", [v("alive_align"), origin], "alive_prefix_align", axis=0)
+    origin_align = b.node("Gather", [step_align, origin], "origin_align", axis=0)  # (S * k, W)
+    b.node("Concat", [alive_align, b.unsqueeze(origin_align, [1])], "alive_align_next", axis=1)
     fed = b.node("Where", [slot_ok, slot_token, eos], "fed")
     b.reshape(b.cast(fed, TensorProto.INT32), [-1, 1], "token_ids_next")  # (S * k, 1)
     for name in self_names:
@@ -332,6 +358,8 @@ def _carried_state(self_names, cache_type):
         ("count", "count_next", INT64, "zeros"),
         ("alive_steps", "alive_steps_next", DOUBLE, "no_steps"),
         ("best_steps", "best_steps_next", DOUBLE, "no_best_steps"),
+        ("alive_align", "alive_align_next", TensorProto.FLOAT, "no_align"),
+        ("best_align", "best_align_next", TensorProto.FLOAT, "no_best_align"),
     ]
     return carried + [(name, f"next_{name}", cache_type, "empty_cache") for name in self_names]
 
@@ -357,6 +385,7 @@ def _compacted(o, b, step_nodes, carried, sentence_inputs, input_types):
             v("limit_penalty"): v("live_limit_penalty"),
             v("best_pad_column"): v("live_best_pad_column"),
             v("best_pad_step_column"): v("live_best_pad_step_column"),
+            v("best_pad_align"): v("live_best_pad_align"),
         }
     )
     step_nodes = copied_nodes(step_nodes, names=live_name)
@@ -372,6 +401,8 @@ def _compacted(o, b, step_nodes, carried, sentence_inputs, input_types):
     )
     b.filled(column_shape, -1, np.int64, "live_best_pad_column")  # (S', n, 1)
     b.filled(column_shape, 0.0, np.float64, "live_best_pad_step_column")  # (S', n, 1)
+    align_column = b.node("Concat", [column_shape, v("align_width")], "live_align_column", axis=0)
+    b.filled(align_column, 0.0, np.float32, "live_best_pad_align")  # (S', n, 1, W)
     b.extend(rules)
     # Each step writes its sentences' best hypotheses into the outputs.
     at = b.unsqueeze(sentence_ids, [1], "live_at")  # (S', 1)
@@ -379,7 +410,11 @@ def _compacted(o, b, step_nodes, carried, sentence_inputs, input_types):
         b.node(
             "ScatterND", [v(f"result_{kind}"), at, v(f"best_{kind}_next")], f"result_{kind}_next"
         )
-    for kind, pad in (("tokens", "best_pad_column"), ("steps", "best_pad_step_column")):
+    for kind, pad in (
+        ("tokens", "best_pad_column"),
+        ("steps", "best_pad_step_column"),
+        ("align", "best_pad_align"),
+    ):
         grown = b.node("Concat", [v(f"result_{kind}"), v(pad)], axis=2)
         b.node("ScatterND", [grown, at, v(f"best_{kind}_next")], f"result_{kind}_next")
     # Then the sentences done at this step leave the state, with their beams.
@@ -387,7 +422,7 @@ def _compacted(o, b, step_nodes, carried, sentence_inputs, input_types):
     beams_shape = b.node("Concat", [live_count_1d, v("k_1d")], "live_beams_shape", axis=0)
     keep_beams = b.node("Expand", [b.unsqueeze(keep, [1]), beams_shape], "keep_beams")
     keep_rows = b.reshape(keep_beams, [-1], "keep_rows")  # (S' * k,)
-    per_row = {"token_ids_next", "alive_tokens_next", "alive_steps_next"}
+    per_row = {"token_ids_next", "alive_tokens_next", "alive_steps_next", "alive_align_next"}
     per_row |= {n for _, n, *_ in carried if n.startswith("next_")}  # the caches
     for _, next_name, *_ in carried:
         b.keep_rows(
@@ -418,9 +453,10 @@ def _compacted(o, b, step_nodes, carried, sentence_inputs, input_types):
         ("result_tokens", "result_tokens_next", INT64, "no_best_tokens"),
         ("result_length", "result_length_next", INT64, "best_zeros"),
         ("result_steps", "result_steps_next", DOUBLE, "no_best_steps"),
+        ("result_align", "result_align_next", TensorProto.FLOAT, "no_best_align"),
     ]
     outputs = {"tokens": "result_tokens", "lengths": "result_length", "scores": "result_score"}
-    outputs["token_scores"] = "result_steps"
+    outputs.update(token_scores="result_steps", **{ALIGNMENTS_OUTPUT: "result_align"})
     return step_nodes, carried, outputs
 
 
@@ -439,7 +475,7 @@ def _build(step, compact, blocked):
     step_nodes = list(graph.node)
     carried = _carried_state(self_names, cache_type)
     outputs = {"tokens": "best_tokens", "lengths": "best_length", "scores": "best_score"}
-    outputs["token_scores"] = "best_steps"
+    outputs.update(token_scores="best_steps", **{ALIGNMENTS_OUTPUT: "best_align"})
     if compact:
         sentence_inputs = ["source_mask", *cross_names]
         types = {name: inputs[name].type.tensor_type.elem_type for name in sentence_inputs}
@@ -473,6 +509,7 @@ def _build(step, compact, blocked):
         value("length_penalty", DOUBLE, []),
         value("n_best", INT64, []),
         value(LENGTH_PENALTY_FORM_INPUT, INT64, []),
+        value(ALIGNMENT_INPUT, TensorProto.BOOL, []),
         *mask_input_values(o),
         *shortlist_input_values(step),
     ]
@@ -481,5 +518,6 @@ def _build(step, compact, blocked):
         value("lengths", INT64, ["sentences", "n_best"]),
         value("scores", DOUBLE, ["sentences", "n_best"]),
         value("token_scores", DOUBLE, ["sentences", "n_best", "steps"]),
+        value(ALIGNMENTS_OUTPUT, TensorProto.FLOAT, ["sentences", "n_best", "steps", "width"]),
     ]
     return o.model("beam_search", outer_inputs, outer_outputs, like=step)

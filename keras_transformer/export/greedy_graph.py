@@ -23,22 +23,34 @@ loop iteration and drop the sentences that ended after them, and it finds
 each row's best token block by block: `blocked_selection`).
 
 Inputs: `source_mask (sentences, source_len) bool` and the cross keys and
-values from encoder.onnx (one row per sentence), and `limits (sentences,)
-int64`, each sentence's maximum output length (EOS included; at least 1).
-Outputs: `tokens (steps, sentences) int64`, the token each row produced at
-each step (EOS when it ended there, -1 once it was done), and `scores
-(steps, sentences) float32`, that token's log-probability (0 once done); a
-row's output is its tokens up to its first EOS or -1, and its score the sum
-of its scores.
+values from encoder.onnx (one row per sentence), `limits (sentences,)
+int64`, each sentence's maximum output length (EOS included; at least 1),
+and `alignment () bool`. Outputs: `tokens (steps, sentences) int64`, the
+token each row produced at each step (EOS when it ended there, -1 once it
+was done), `scores (steps, sentences) float32`, that token's
+log-probability (0 once done), and `alignments (steps, sentences, width)
+float32`, the step's `alignment_weights` (the decoder step's output: the
+cross-attention of `spec.alignment_layer`, heads averaged) where `alignment`
+is true, `width` the source length, else width 0; a row's output is its
+tokens up to its first EOS or -1, and its score the sum of its scores. The
+mask and shortlist inputs: `mask_inputs`, `shortlist_input_values`.
 """
 
 from __future__ import annotations
 
 import numpy as np
+from keras_transformer_runtime.export_format import (
+    ALIGNMENT_INPUT,
+    ALIGNMENT_WEIGHTS,
+    ALIGNMENTS_OUTPUT,
+)
 from keras_transformer_runtime.specials import BOS_ID, EOS_ID
 
 from keras_transformer.export.graph_builder import GraphBuilder, copied_nodes
 from keras_transformer.export.step_graph import blocked_selection, step_vocabulary_size
+
+# What `greedy_batch_search` writes at each step, per sentence.
+KINDS = ("tokens", "scores", "aligns")
 
 
 def step_interface(step):
@@ -104,6 +116,24 @@ def shortlist_input_values(step):
     return [v for v in step.graph.input if v.name == "shortlist"]
 
 
+def alignment_width(g):
+    """The outer graph's `align_width` ((1,) int64): the source length where the input
+    `alignment` (a bool scalar) asks for alignments, else 0, so that each step's
+    row of them, and everything made of those rows, is empty when not asked for."""
+    source_len = g.node("Shape", ["source_mask"], "source_len_1d", start=1, end=2)
+    return g.node("Where", [ALIGNMENT_INPUT, source_len, g.int64s([0])], "align_width")
+
+
+def step_alignment(b, weights, name):
+    """A step's `(rows, align_width)` float32 alignment weights, from the step's output
+    `weights` `(rows, source_len)` (`ALIGNMENT_WEIGHTS`, or a copy's)."""
+    from onnx import TensorProto
+
+    full = b.cast(weights, TensorProto.FLOAT, name + "_full")
+    ends = b.name("align_width")
+    return b.node("Slice", [full, b.int64s([0]), ends, b.int64s([1])], name)
+
+
 def mask_input_values(g):
     """The value infos of the stateless masks' inputs (`mask_inputs`)."""
     from onnx import TensorProto
@@ -163,6 +193,7 @@ def build_greedy_search(step):
     zero_score = b.const("zero_score", 0.0, helper.tensor_dtype_to_np_dtype(float_type))
     b.node("Where", [live, chosen, zero_score], "step_score")
     b.node("Where", [live, next_id, no_token], "step_token")
+    step_alignment(b, ALIGNMENT_WEIGHTS, "step_align")
     done_next = b.node("Or", [b.node("Or", [done, ended]), at_limit], "done_next")
     fed_id = b.node("Where", [done_next, eos, next_id], "fed_id")
     b.unsqueeze(b.cast(fed_id, TensorProto.INT32), [1], "token_ids_next")  # (B, 1)
@@ -183,11 +214,13 @@ def build_greedy_search(step):
     body_outputs += [
         value(b.name("step_token"), TensorProto.INT64, ["batch"]),
         value(b.name("step_score"), float_type, ["batch"]),
+        value(b.name("step_align"), TensorProto.FLOAT, ["batch", "width"]),
     ]
     body = b.graph("greedy_step", body_inputs, body_outputs, step.graph.initializer)
 
     # ---- the outer graph: the first state, the loop, nothing else
     mask_inputs(g, g.int64s([1]), step)
+    alignment_width(g)
     rows = g.node("Shape", ["limits"], "rows")  # (1,): the sentences
     first_done = g.node("Equal", ["limits", g.int64s(0)], "first_done")
     max_steps = g.node("ReduceMax", ["limits"], "max_steps", keepdims=0)
@@ -198,15 +231,17 @@ def build_greedy_search(step):
         + [cache] * len(self_names),
         [g.name("last_token_ids"), g.name("last_done")]
         + [g.name(f"last_{name}") for name in self_names]
-        + ["tokens", "scores"],
+        + ["tokens", "scores", ALIGNMENTS_OUTPUT],
         body=body,
     )
     outer_inputs = [inputs["source_mask"]] + [inputs[name] for name in cross_names]
     outer_inputs.append(value("limits", TensorProto.INT64, ["sentences"]))
+    outer_inputs.append(value(ALIGNMENT_INPUT, TensorProto.BOOL, []))
     outer_inputs += mask_input_values(g) + shortlist_input_values(step)
     outer_outputs = [
         value("tokens", TensorProto.INT64, ["steps", "sentences"]),
         value("scores", float_type, ["steps", "sentences"]),
+        value(ALIGNMENTS_OUTPUT, TensorProto.FLOAT, ["steps", "sentences", "width"]),
     ]
     return g.model("greedy_search", outer_inputs, outer_outputs, like=step)
 
@@ -254,6 +289,7 @@ def build_greedy_batch_search(step, steps_per_iteration=1, blocked=True):
     }
     per_step = g.int64s(steps_per_iteration)
     no_tokens, zero_scores = g.name("no_tokens"), g.name("zero_scores")  # (sentences,)
+    zero_aligns = g.name("zero_aligns")  # (sentences, align_width)
 
     # ---- the loop body: the steps, each followed by spec.greedy's rules,
     # then one compaction
@@ -267,7 +303,7 @@ def build_greedy_batch_search(step, steps_per_iteration=1, blocked=True):
         x = f"{j}."  # this step's values
         if j == 0:
             b.extend(copied_nodes(graph.node, names=carried_name))
-            made = {name: name for name in ["top_ids", "top_log_probs"]}
+            made = {name: name for name in ["top_ids", "top_log_probs", ALIGNMENT_WEIGHTS]}
             made.update({f"new_{name}": f"new_{name}" for name in self_names})
         else:
             prefix = f"greedy.step{j}/"
@@ -296,6 +332,8 @@ def build_greedy_batch_search(step, steps_per_iteration=1, blocked=True):
         b.node("Identity", [keep], x + "keep")
         b.node("ScatterElements", [no_tokens, rows, token], x + "step_token", axis=0)
         b.node("ScatterElements", [zero_scores, rows, score], x + "step_score", axis=0)
+        align = step_alignment(b, made[ALIGNMENT_WEIGHTS], x + "row_align")  # (R, W)
+        b.node("ScatterND", [zero_aligns, b.unsqueeze(rows, [1]), align], x + "step_align")
         b.unsqueeze(b.cast(next_id, TensorProto.INT32), [1], x + "fed_ids")  # (R, 1)
     last = f"{steps_per_iteration - 1}."
     b.any_true(b.name(last + "keep"), "keep_going")
@@ -325,11 +363,13 @@ def build_greedy_batch_search(step, steps_per_iteration=1, blocked=True):
         body_outputs += [
             value(b.name(f"{j}.step_token"), INT64, ["sentences"]),
             value(b.name(f"{j}.step_score"), float_type, ["sentences"]),
+            value(b.name(f"{j}.step_align"), TensorProto.FLOAT, ["sentences", "width"]),
         ]
     body = b.graph("greedy_step", body_inputs, body_outputs, graph.initializer)
 
     # ---- the outer graph: the sentences with room for a token, the loop
     mask_inputs(g, g.int64s([1]), step)
+    width = alignment_width(g)
     sentences = g.node("Shape", ["limits"], "sentences")  # (1,)
     count = g.squeeze(sentences, [0], "sentence_count")
     index = g.node("Range", [g.int64s(0), count, g.int64s(1)], "sentence_index")
@@ -343,6 +383,8 @@ def build_greedy_batch_search(step, steps_per_iteration=1, blocked=True):
     cache = empty_cache(g, row_count, heads, head_dim, cache_type)
     g.filled(sentences, -1, np.int64, "no_tokens")
     g.filled(sentences, 0, helper.tensor_dtype_to_np_dtype(float_type), "zero_scores")
+    aligns_shape = g.node("Concat", [sentences, width], "aligns_shape", axis=0)
+    g.filled(aligns_shape, 0.0, np.float32, "zero_aligns")
     first = [g.node("Gather", [n, first_rows], f"first_{n}", axis=0) for n in sentence_inputs]
     g.node(
         "Loop",
@@ -350,28 +392,32 @@ def build_greedy_batch_search(step, steps_per_iteration=1, blocked=True):
         + first
         + [cache] * len(self_names),
         [f"last_{out}" for *_, out in states]
-        + [f"{kind}_{j}" for j in range(steps_per_iteration) for kind in ("tokens", "scores")],
+        + [f"{kind}_{j}" for j in range(steps_per_iteration) for kind in KINDS],
         body=body,
     )
     # (iterations, sentences) for each step of an iteration, interleaved into
     # (steps, sentences); the last iteration's later steps, made after every
     # sentence had ended, are dropped: no token there is >= 0.
     steps_by_sentences = g.node("Concat", [g.int64s([-1]), sentences], axis=0)
+    steps_shape = {"tokens": steps_by_sentences, "scores": steps_by_sentences}
+    steps_shape["aligns"] = g.node("Concat", [steps_by_sentences, width], axis=0)
     every = {}
-    for kind in ("tokens", "scores"):
+    for kind in KINDS:
         columns = [g.unsqueeze(g.name(f"{kind}_{j}"), [1]) for j in range(steps_per_iteration)]
-        by_iteration = g.node("Concat", columns, f"{kind}_by_iteration", axis=1)  # (I, J, S)
-        every[kind] = g.reshape(by_iteration, steps_by_sentences, f"all_{kind}")  # (I * J, S)
+        by_iteration = g.node("Concat", columns, f"{kind}_by_iteration", axis=1)  # (I, J, S, ...)
+        every[kind] = g.reshape(by_iteration, steps_shape[kind], f"all_{kind}")  # (I * J, S, ...)
     best_token = g.node("ReduceMax", [every["tokens"]], "best_token", axes=[1], keepdims=0)
     step_made = g.node("GreaterOrEqual", [best_token, g.int64s(0)], "step_made")
-    for kind in ("tokens", "scores"):
-        g.output("Compress", [every[kind], step_made], kind, axis=0)
+    for kind, output in zip(KINDS, ("tokens", "scores", ALIGNMENTS_OUTPUT), strict=True):
+        g.output("Compress", [every[kind], step_made], output, axis=0)
 
     outer_inputs = [inputs["source_mask"]] + [inputs[name] for name in cross_names]
     outer_inputs.append(value("limits", INT64, ["sentences"]))
+    outer_inputs.append(value(ALIGNMENT_INPUT, TensorProto.BOOL, []))
     outer_inputs += mask_input_values(g) + shortlist_input_values(step)
     outer_outputs = [
         value("tokens", INT64, ["steps", "sentences"]),
         value("scores", float_type, ["steps", "sentences"]),
+        value(ALIGNMENTS_OUTPUT, TensorProto.FLOAT, ["steps", "sentences", "width"]),
     ]
     return g.model("greedy_batch_search", outer_inputs, outer_outputs, like=step)

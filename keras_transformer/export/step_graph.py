@@ -17,6 +17,7 @@ the Keras model to 1e-4.
 from __future__ import annotations
 
 import numpy as np
+from keras_transformer_runtime.export_format import ALIGNMENT_WEIGHTS
 from keras_transformer_runtime.spec import alignment_layer, banned_ids
 
 from keras_transformer.export.graph_builder import GraphBuilder
@@ -191,11 +192,14 @@ def source_bias(g):
     )
 
 
-def decoder_layers(g, parts, x, self_attention, opset, alignment=False, spread=None, pack=None):
+def decoder_layers(
+    g, parts, x, self_attention, opset, alignment=False, spread=None, pack=None, attention=None
+):
     """The decoder layers over the rows `x` `(rows, d)`; returns the final hidden rows
     (after the final norm, if any), or with `alignment` the cross-attention weights of
     `spec.alignment_layer` averaged over heads, `(sentences, rows per sentence,
-    source_len)`, computed no further than that.
+    source_len)`, computed no further than that. `attention`, a list, gets those
+    weights appended on the way (the layers then go on to the end).
 
     `self_attention(y, layer, i)` gives a layer's self-attention output `(rows, d)`
     (the cached step's, or the teacher-forced pass's causal one). The
@@ -275,11 +279,15 @@ def decoder_layers(g, parts, x, self_attention, opset, alignment=False, spread=N
 
         x = residual(x, own_attention, layer.self_attention_norm, f"{p}.self_norm")
         x = residual(x, cross_attention, layer.cross_attention_norm, f"{p}.cross_norm")
-        if alignment and i == last:
+        if (alignment or attention is not None) and i == last:
             # The mean over heads (axis 1); the axes are an input from opset 18.
             if opset >= 18:
-                return g.node("ReduceMean", [found["weights"], g.int64s([1])], keepdims=0)
-            return g.node("ReduceMean", [found["weights"]], axes=[1], keepdims=0)
+                mean = g.node("ReduceMean", [found["weights"], g.int64s([1])], keepdims=0)
+            else:
+                mean = g.node("ReduceMean", [found["weights"]], axes=[1], keepdims=0)
+            if alignment:
+                return mean
+            attention.append(mean)
         x = residual(x, feed_forward, layer.feed_forward_norm, f"{p}.ff_norm")
 
     if parts.decoder_final_norm is not None:
@@ -374,7 +382,10 @@ def build_decoder_step(parts, opset=17, shortlist=False):
     Outputs: `log_probs (batch, vocabulary)`; `top_log_probs (batch, top_k)`
     and `top_ids (batch, top_k) int64`, the best `top_k` tokens of each row other than padding and BOS,
     best first (ties: lower id), which is all a search step reads; and
-    `new_self_key_i`, `new_self_value_i (batch, heads, past_len + 1, head_dim)`.
+    `new_self_key_i`, `new_self_value_i (batch, heads, past_len + 1, head_dim)`;
+    `alignment_weights (batch, source_len) float`, the cross-attention of
+    `spec.alignment_layer` averaged over heads (what the search graphs return
+    as alignments).
     """
     from onnx import TensorProto
 
@@ -415,7 +426,16 @@ def build_decoder_step(parts, opset=17, shortlist=False):
         attended = g.node("Reshape", [g.node("MatMul", [weights, values]), merged])
         return gemm(g, attended, *projection_weights(sa.output_dense, d), f"{p}.self_out")
 
-    x = decoder_layers(g, parts, x, self_attention, opset)
+    attention = []
+    x = decoder_layers(g, parts, x, self_attention, opset, attention=attention)
+    # Each row's alignment weights, (batch, source_len): its sentence's block of
+    # `(sentences, rows per sentence, source_len)`, rows in order.
+    rows_by_source = g.node(
+        "Concat",
+        [g.int64s([-1]), g.node("Shape", ["source_mask"], start=1, end=2)],
+        axis=0,
+    )
+    g.node("Reshape", [attention[0], rows_by_source], [ALIGNMENT_WEIGHTS])
     listed = "shortlist" if shortlist else None
     g.node("LogSoftmax", [output_logits(g, parts, x, listed)], ["log_probs"], axis=-1)
     # The search loops' selection, in the graph: a row's `top_k` best tokens
@@ -446,6 +466,7 @@ def build_decoder_step(parts, opset=17, shortlist=False):
         g.value_info("log_probs", TensorProto.FLOAT, ["batch", scored]),
         g.value_info("top_log_probs", TensorProto.FLOAT, ["batch", "top_k"]),
         g.value_info("top_ids", TensorProto.INT64, ["batch", "top_k"]),
+        g.value_info(ALIGNMENT_WEIGHTS, TensorProto.FLOAT, ["batch", "source_len"]),
     ] + [cache_value(g, name, "past_len_plus_1", parts) for name in outputs]
     return g.model("decoder_step", inputs, graph_outputs, opset=opset)
 

@@ -72,13 +72,20 @@ class Decoder(Protocol):
         a search of at most `steps` steps."""
 
     def greedy(
-        self, source: np.ndarray, limits: np.ndarray, masks: Masks = NO_MASKS
+        self,
+        source: np.ndarray,
+        limits: np.ndarray,
+        masks: Masks = NO_MASKS,
+        attention: bool = False,
     ) -> tuple | None:
         """Greedy search on a graph-resident fast path under the stateless `masks`:
         `(tokens, token_scores)`, per sentence its tokens as `spec.greedy` gives
         them (as `spec.SentenceSearch` with masks) and its step log-probabilities
         (EOS included when produced); or None where the decoder has no such path
-        (the translator then runs `search.search_loop`)."""
+        (the translator then runs `search.search_loop`). With `attention`, a third
+        list: per sentence the alignment weights of its steps, `(steps,
+        source_len)` (as `alignment_weights` gives them for its output, EOS's row
+        included when produced), or None where the path cannot return them."""
 
     def beam(
         self,
@@ -89,13 +96,15 @@ class Decoder(Protocol):
         n_best: int = 1,
         masks: Masks = NO_MASKS,
         length_penalty_form: str = "gnmt",
+        attention: bool = False,
     ) -> tuple | None:
         """Beam search on a fast path under the stateless `masks` and the length
         penalty's form (`options.SearchOptions.length_penalty_form`): `(tokens, scores,
         token_scores)`, per sentence a list of its `n_best` best hypotheses' (best
         first; the first as `spec.beam` gives it, all as `spec.SentenceSearch`
         with `n_best` and the masks): tokens, score and step log-probabilities
-        (EOS included when it ended with one); or None."""
+        (EOS included when it ended with one); or None. With `attention`, a
+        fourth: each hypothesis's alignment weights, as `greedy`'s."""
 
     def label_log_probs(
         self, source: np.ndarray, target_inputs: np.ndarray, labels: np.ndarray

@@ -26,6 +26,14 @@ FORMAT_VERSION = 8
 # searches the average form in its loop).
 LENGTH_PENALTY_FORM_INPUT = "length_penalty_form"
 LENGTH_PENALTY_FORM_IDS = {"gnmt": 0, "average": 1}
+# The alignment layer's cross-attention, heads averaged: the decoder step's
+# output of it, one row per input row; the search graphs' input that asks for
+# it (a bool scalar) and their output of it, the rows of each output token's
+# step. Exports of format 8 written before them lack them: the runtime then
+# aligns with a teacher-forced pass over the outputs.
+ALIGNMENT_WEIGHTS = "alignment_weights"
+ALIGNMENT_INPUT = "alignment"
+ALIGNMENTS_OUTPUT = "alignments"
 
 
 class ExportFileError(RuntimeError):

@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from keras_transformer_runtime.export_format import (
+    ALIGNMENT_INPUT,
     LENGTH_PENALTY_FORM_IDS,
     LENGTH_PENALTY_FORM_INPUT,
     MANIFEST,
@@ -381,11 +382,12 @@ class OnnxDecoder:
         (its caches grow step by step: `steps` is not needed)."""
         return OnnxSearchState(self, source, rows)
 
-    def greedy(self, source, limits, masks=NO_MASKS):
+    def greedy(self, source, limits, masks=NO_MASKS, attention=False):
         """Greedy search under the stateless `masks` as one call of a search graph
         (`greedy_search` for up to `GRAPH_LOOP_MAX_SENTENCES` sentences,
         `greedy_batch_search` above); None where the masks drop more tokens than
-        the graph's selection takes."""
+        the graph's selection takes. `attention`: also the alignment weights
+        (`decoder.Decoder.greedy`)."""
         graph = self._listed(
             "greedy_search" if len(source) <= GRAPH_LOOP_MAX_SENTENCES else "greedy_batch_search"
         )
@@ -394,9 +396,12 @@ class OnnxDecoder:
         parts = self.split_parts(len(source))
         if parts > 1:
             return self._split_search(
-                source, limits, parts, lambda worker, part, lims: worker.greedy(part, lims, masks)
+                source,
+                limits,
+                parts,
+                lambda worker, part, lims: worker.greedy(part, lims, masks, attention),
             )
-        return self.run_greedy_graph(source, limits, graph, masks)
+        return self.run_greedy_graph(source, limits, graph, masks, attention)
 
     def _listed(self, graph):
         """`graph`, or its shortlisted version where this decoder searches with a shortlist."""
@@ -428,15 +433,20 @@ class OnnxDecoder:
             "min_length": np.array(masks.min_length, np.int64),
         }
 
-    def run_greedy_graph(self, source, limits, graph="greedy_search", masks=NO_MASKS):
+    def run_greedy_graph(
+        self, source, limits, graph="greedy_search", masks=NO_MASKS, attention=False
+    ):
         """Greedy search as one call of the search graph `graph`: `(tokens, token_scores)`,
-        each sentence's step scores (EOS included when produced)."""
+        each sentence's step scores (EOS included when produced); with `attention`,
+        also each sentence's alignment weights, `(steps, source_len)` (None from a
+        graph without them)."""
         _, mask, cross = self.encode(source)
         feeds = self.search_feeds(mask, cross)
         feeds.update(self.mask_feeds(masks))
         feeds.update(self.shortlist_feeds(graph, source, 1, masks))
         feeds["limits"] = np.asarray(limits, np.int64)
-        tokens, step_scores = self.session(graph).run(None, feeds)
+        aligned = self._alignment_feed(graph, attention, feeds)
+        tokens, step_scores, *weights = self.session(graph).run(None, feeds)
         # A sentence's output stops at its first EOS (ended) or -1 (done before).
         stops = (tokens == EOS_ID) | (tokens < 0)
         lengths = np.where(stops.any(0), stops.argmax(0), len(tokens))
@@ -446,9 +456,21 @@ class OnnxDecoder:
         )
         steps = lengths + ended
         found = [tokens[: lengths[i], i].tolist() for i in range(len(limits))]
-        return found, [
+        scores = [
             step_scores[: steps[i], i].astype(np.float64).tolist() for i in range(len(limits))
         ]
+        if not attention:
+            return found, scores
+        rows = [weights[0][: steps[i], i] if aligned else None for i in range(len(limits))]
+        return found, scores, rows
+
+    def _alignment_feed(self, graph, attention, feeds):
+        """Feeds a search graph's `alignment` input where it has one (exports of
+        format 8 made before it lack it); whether the graph returns alignments."""
+        if ALIGNMENT_INPUT not in self.manifest["graphs"][graph]["inputs"]:
+            return False
+        feeds[ALIGNMENT_INPUT] = np.array(bool(attention))
+        return bool(attention)
 
     def _beam_graph(self, sentences, beam_size, masks=NO_MASKS, form="gnmt"):
         """The beam graph that searches `sentences` at `beam_size` under `masks` and the
@@ -482,10 +504,12 @@ class OnnxDecoder:
         n_best=1,
         masks=NO_MASKS,
         length_penalty_form="gnmt",
+        attention=False,
     ):
         """Beam search as one call of a search graph: `(tokens, scores, token_scores)`,
         each per sentence a list of its `n_best` best hypotheses' (best first); None
-        where no graph takes the beam or the form."""
+        where no graph takes the beam or the form. `attention`: also the alignment
+        weights (`decoder.Decoder.beam`)."""
         graph = self._beam_graph(len(source), beam_size, masks, length_penalty_form)
         if graph is None:
             return None
@@ -496,11 +520,26 @@ class OnnxDecoder:
                 limits,
                 parts,
                 lambda worker, part, lims: worker.beam(
-                    part, lims, beam_size, length_penalty, n_best, masks, length_penalty_form
+                    part,
+                    lims,
+                    beam_size,
+                    length_penalty,
+                    n_best,
+                    masks,
+                    length_penalty_form,
+                    attention,
                 ),
             )
         return self.run_beam_graph(
-            source, limits, beam_size, length_penalty, graph, n_best, masks, length_penalty_form
+            source,
+            limits,
+            beam_size,
+            length_penalty,
+            graph,
+            n_best,
+            masks,
+            length_penalty_form,
+            attention,
         )
 
     def run_beam_graph(
@@ -513,10 +552,12 @@ class OnnxDecoder:
         n_best=1,
         masks=NO_MASKS,
         length_penalty_form="gnmt",
+        attention=False,
     ):
         """Beam search as one call of the search graph `graph`: `(tokens, scores,
         token_scores)`, per sentence its `n_best` best hypotheses' (fewer where fewer
-        finished), best first.
+        finished), best first; with `attention`, also their alignment weights,
+        `(steps, source_len)` each (None from a graph without them).
 
         Each sentence is encoded once; the graph gives its beams its row.
         """
@@ -531,17 +572,19 @@ class OnnxDecoder:
             feeds[LENGTH_PENALTY_FORM_INPUT] = np.array(form, np.int64)
         feeds.update(self.mask_feeds(masks))
         feeds.update(self.shortlist_feeds(graph, source, 2 * beam_size, masks))
-        tokens, lengths, scores, steps = self.session(graph).run(None, feeds)
+        aligned = self._alignment_feed(graph, attention, feeds)
+        tokens, lengths, scores, steps, *weights = self.session(graph).run(None, feeds)
         # A hypothesis's step scores: its tokens', and EOS's where it ended with
         # one (under its limit). A score of -inf: fewer finished than n_best.
         taken = lengths + (lengths < np.asarray(limits)[:, None])
-        found = ([], [], [])
+        found = ([], [], [], [])
         for i in range(len(limits)):
             kept = [j for j in range(n_best) if scores[i, j] > -np.inf]
             found[0].append([tokens[i, j, : lengths[i, j]].tolist() for j in kept])
             found[1].append([float(scores[i, j]) for j in kept])
             found[2].append([steps[i, j, : taken[i, j]].tolist() for j in kept])
-        return found
+            found[3].append([weights[0][i, j, : taken[i, j]] if aligned else None for j in kept])
+        return found if attention else found[:3]
 
     def label_log_probs(self, source, target_inputs, labels):
         """The log-probabilities of `labels` `(batch, target_len)` in one pass of

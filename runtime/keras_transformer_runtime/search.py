@@ -20,6 +20,7 @@ from keras_transformer_runtime.constrained_search import ConstrainedBatch, Const
 from keras_transformer_runtime.spec import (
     Hypothesis,
     SentenceSearch,
+    alignments,
     length_penalty_factor,
     sentence_rng,
 )
@@ -179,12 +180,19 @@ def plain_hypotheses(tokens, scores, token_scores, limits, options):
     return found
 
 
-def add_alignments(found, sources, align):
-    """Sets `alignment` on every hypothesis of `found` (per source, a list) with
-    `align(source_ids, target_ids) -> per pair, source positions`, one call."""
-    pairs = [
-        (source, h) for source, hypotheses in zip(sources, found, strict=True) for h in hypotheses
-    ]
+def add_alignments(found, sources, align, weights=None):
+    """Sets `alignment` on every hypothesis of `found` (per source, a list): from its
+    alignment weights in `weights` (per source, per hypothesis: `(steps,
+    source_len)` rows from the search, or None), else with `align(source_ids,
+    target_ids) -> per pair, source positions`, one call for all the others."""
+    pairs = []
+    for i, (source, hypotheses) in enumerate(zip(sources, found, strict=True)):
+        for j, h in enumerate(hypotheses):
+            rows = None if weights is None else weights[i][j]
+            if rows is None:
+                pairs.append((source, h))
+            else:  # as `spec.alignments` reads the teacher-forced weights
+                h.alignment = alignments([rows], [len(source)], [len(h.tokens)])[0]
     if pairs:
         for (_, h), positions in zip(
             pairs, align([s for s, _ in pairs], [h.tokens for _, h in pairs]), strict=True

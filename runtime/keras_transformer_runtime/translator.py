@@ -61,6 +61,12 @@ def _id_lists(source_ids):
     return [row.tolist() for row in source_rows(source_ids)]
 
 
+def _asked(attention):
+    """The decoder searches' `attention` argument, passed only when asked for, so that a
+    decoder written before it still serves every other search."""
+    return {"attention": True} if attention else {}
+
+
 def _check_pairs(what, given, sources):
     if given is not None and len(given) != len(sources):
         raise ValueError(
@@ -149,28 +155,37 @@ class Translator:
         n_best=1,
         masks=NO_MASKS,
         length_penalty_form="gnmt",
+        attention=False,
     ):
         """The plain search of a prepared batch under the stateless `masks`:
         `(tokens, scores, token_scores)`, per sentence a list of its `n_best` best
         hypotheses' (token scores: each step's, EOS included when produced). The
         decoder's graph-resident search where it has one; else the one loop.
-        `ignore_eos` suppresses EOS: every output runs to its limit."""
+        `ignore_eos` suppresses EOS: every output runs to its limit. With
+        `attention`, a fourth list: the hypotheses' alignment weights where the
+        fast search returned them, else None (`decoder.Decoder.beam`)."""
         if not limits.any():
-            return [[[]] for _ in limits], [[0.0] for _ in limits], [[[]] for _ in limits]
+            found = [[[]] for _ in limits], [[0.0] for _ in limits], [[[]] for _ in limits]
+            return (*found, [[None] for _ in limits]) if attention else found
         if ignore_eos:
             masks = dataclasses.replace(masks, suppressed=(*masks.suppressed, EOS_ID))
         if beam_size == 1:
-            found = self.decoder.greedy(source, limits, masks)
+            found = self.decoder.greedy(source, limits, masks, **_asked(attention))
             if found is not None:
-                tokens, steps = found
-                return (
-                    [[row] for row in tokens],
-                    [[sum(row)] for row in steps],
-                    [[row] for row in steps],
-                )
+                tokens, steps, *weights = found
+                found = [[row] for row in tokens], [[sum(row)] for row in steps]
+                found += ([[row] for row in steps],)
+                return (*found, [[row] for row in weights[0]]) if attention else found
         else:
             found = self.decoder.beam(
-                source, limits, beam_size, length_penalty, n_best, masks, length_penalty_form
+                source,
+                limits,
+                beam_size,
+                length_penalty,
+                n_best,
+                masks,
+                length_penalty_form,
+                **_asked(attention),
             )
             if found is not None:
                 return found
@@ -184,11 +199,12 @@ class Translator:
             length_penalty_form=length_penalty_form,
         )
         found = self._loop(source, limits, options)
-        return (
+        plain = (
             [[h.tokens for h in row] for row in found],
             [[h.score for h in row] for row in found],
             [[h.token_scores for h in row] for row in found],
         )
+        return (*plain, [[None] * len(row) for row in found]) if attention else plain
 
     def _loop(self, source, limits, options, prefixes=None, indices=None, constraints=None):
         """`search.search_loop` over the decoder's cached step: the hypotheses of each source."""
@@ -210,7 +226,14 @@ class Translator:
         )
 
     def search(self, source_ids, options=None, prefixes=None, indices=None, constraints=None):
-        """The best hypotheses of each source under `options` (a `options.SearchOptions`).
+        """`search_with_weights`' hypotheses alone."""
+        return self.search_with_weights(source_ids, options, prefixes, indices, constraints)[0]
+
+    def search_with_weights(
+        self, source_ids, options=None, prefixes=None, indices=None, constraints=None, weights=False
+    ):
+        """The best hypotheses of each source under `options` (a `options.SearchOptions`),
+        and their alignment weights.
 
         Args:
             source_ids: as for `greedy_search`.
@@ -229,7 +252,10 @@ class Translator:
             for it (`align_ids`). Plain options without prefixes or
             constraints run the decoder's fast search (`greedy_search`,
             `beam_search`), so options not used cost nothing; any other runs
-            `search.search_loop`.
+            `search.search_loop`. Beside them, where `weights` or
+            `options.alignment` asks: per sentence, per hypothesis, its alignment
+            weights `(steps, source_len)` where the fast search returned them,
+            else None (`Decoder.alignment_weights` then gives them); otherwise None.
         """
         options = options if options is not None else SearchOptions()
         sources = _id_lists(source_ids)
@@ -238,13 +264,18 @@ class Translator:
         _check_pairs("target prefixes", prefixes, sources)
         _check_pairs("constraint lists", constraints, sources)
         options.check_ids(self.vocabulary_size, prefixes)
-        found = self._search(sources, options, prefixes, indices, constraints)
-        if options.alignment:  # read after the search: it never changes the search
-            add_alignments(found, sources, self.align_ids)
-        return found
+        attention = weights or options.alignment
+        found, rows = self._search(sources, options, prefixes, indices, constraints, attention)
+        if attention and rows is None:  # the loop's hypotheses
+            rows = [[None] * len(hypotheses) for hypotheses in found]
+        if options.alignment:  # never changes the search
+            add_alignments(found, sources, self.align_ids, rows)
+        return found, rows
 
-    def _search(self, sources, options, prefixes, indices, constraints):
-        """`search` once its arguments are checked (no alignments)."""
+    def _search(self, sources, options, prefixes, indices, constraints, attention=False):
+        """`search` once its arguments are checked (no alignments): `(found, weights)`,
+        with `attention` the hypotheses' alignment weights where the fast search
+        returned them (per sentence, per hypothesis, else None); without, None."""
         source, limits = self._prepare(sources, options.max_length)
         # The fast searches return each step's score and the n best hypotheses,
         # and take the stateless masks: those options cost nothing.
@@ -259,10 +290,11 @@ class Translator:
                 n_best=options.n_best,
                 masks=masks,
                 length_penalty_form=options.length_penalty_form,
+                attention=attention,
             )
-            return plain_hypotheses(*found, limits, options)
+            return plain_hypotheses(*found[:3], limits, options), found[3] if attention else None
         limits = prefixed_limits(limits, prefixes, options.max_length)
-        return self._loop(source, limits, options, prefixes, indices, constraints)
+        return self._loop(source, limits, options, prefixes, indices, constraints), None
 
     def score_ids(self, source_ids, target_ids):
         """Forced decoding: per sentence `(log_prob, token_scores)` of `target_ids[i]`
@@ -307,20 +339,32 @@ class Translator:
         weights = self.decoder.alignment_weights(source, teacher_inputs(targets))
         return alignments(weights, lengths, [len(t) for t in targets])
 
-    def word_links(self, sentences, targets, sources=None):
+    def word_links(self, sentences, targets, sources=None, weights=None):
         """Per sentence (a text), the `(source word, target word)` links of `targets[i]`
         (token ids) as its translation: `markup.word_links` of the alignment
-        layer's weights (`Decoder.alignment_weights`). `sources`: the sentences'
-        source ids, when the caller has them (a batch just searched)."""
+        layer's weights: `weights[i]` where given (a search's rows, `(steps,
+        source_len)`), else `Decoder.alignment_weights`' in one pass for the
+        others. `sources`: the sentences' source ids, when the caller has them
+        (a batch just searched)."""
         if not sentences:
             return []
         encode = self.tokenizer.encode
         if sources is None:
             sources = [text_source(text, encode)[0] for text in sentences]
         sources = [list(source) or [EOS_ID] for source in sources]
-        source, lengths = source_array(sources, self.max_length, self.decoder.source_multiple)
+        lengths = [len(source) for source in sources]
         targets = [[int(t) for t in target] for target in targets]
-        weights = self.decoder.alignment_weights(source, teacher_inputs(targets))
+        weights = list(weights) if weights is not None else [None] * len(sentences)
+        missing = [i for i, rows in enumerate(weights) if rows is None]
+        if missing:
+            source, _ = source_array(
+                [sources[i] for i in missing], self.max_length, self.decoder.source_multiple
+            )
+            forced = self.decoder.alignment_weights(
+                source, teacher_inputs([targets[i] for i in missing])
+            )
+            for i, rows in zip(missing, forced, strict=True):
+                weights[i] = rows
         return [
             word_links(
                 text, target, matrix[: len(target), : length - 1], encode, self.tokenizer.decode
@@ -423,11 +467,17 @@ class Translator:
             chosen_phrases = None if phrases is None else [phrases[i] for i in indices]
             translator = free.get()
             try:
-                found = translator.search(sources, options, chosen, indices, chosen_phrases)
-                if linked is None or not any(linked[i] for i in indices):
+                tagged = linked is not None and any(linked[i] for i in indices)
+                found, rows = translator.search_with_weights(
+                    sources, options, chosen, indices, chosen_phrases, weights=tagged
+                )
+                if not tagged:
                     return found
                 links = translator.word_links(
-                    [sentences[i] for i in indices], [h[0].tokens for h in found], sources
+                    [sentences[i] for i in indices],
+                    [h[0].tokens for h in found],
+                    sources,
+                    [row[0] for row in rows],
                 )
                 return [
                     (hypotheses, row) if linked[i] else hypotheses

@@ -17,6 +17,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 from keras_transformer_runtime import OnnxTranslator, spec  # noqa: E402
+from keras_transformer_runtime.export_format import ALIGNMENT_INPUT  # noqa: E402
 from keras_transformer_runtime.onnx_decoder import OnnxDecoder  # noqa: E402
 from keras_transformer_runtime.options import NO_MASKS  # noqa: E402
 from keras_transformer_runtime.specials import BOS_ID, PAD_ID  # noqa: E402
@@ -134,13 +135,17 @@ def test_the_greedy_batch_graph_finds_the_same_at_any_steps_per_iteration(export
         feeds = translator.decoder.search_feeds(mask, cross)
         feeds["limits"] = np.asarray(limits, np.int64)
         feeds.update(OnnxDecoder.mask_feeds(NO_MASKS))
-        tokens, scores = sessions["exported"].run(None, feeds)
+        feeds[ALIGNMENT_INPUT] = np.array(True)
+        tokens, scores, aligns = sessions["exported"].run(None, feeds)
         # As many steps as the longest output, EOS included.
         assert len(tokens) == max(int((column >= 0).sum()) for column in tokens.T)
+        assert aligns.shape == (*tokens.shape, source.shape[1])
+        made = tokens >= 0
         for k in (2, 3):
-            k_tokens, k_scores = sessions[k].run(None, feeds)
+            k_tokens, k_scores, k_aligns = sessions[k].run(None, feeds)
             np.testing.assert_array_equal(k_tokens, tokens)
             np.testing.assert_allclose(k_scores, scores, rtol=0, atol=1e-6)
+            np.testing.assert_allclose(k_aligns[made], aligns[made], rtol=0, atol=1e-6)
     with pytest.raises(ValueError, match="at least 1"):
         build_greedy_batch_search(step, 0)
 
@@ -280,13 +285,16 @@ def test_the_search_graphs_with_blocked_selection_find_what_the_full_topk_finds(
     feeds.update({v.name: c for v, c in zip(encoder.get_outputs()[2:], cross, strict=True)})
     feeds["limits"] = (lengths + 6).astype(np.int64)
     feeds.update(OnnxDecoder.mask_feeds(NO_MASKS))
-    tokens, scores = session(build_greedy_search(step)).run(None, feeds)
+    feeds[ALIGNMENT_INPUT] = np.array(True)
+    tokens, scores, aligns = session(build_greedy_search(step)).run(None, feeds)
+    made = tokens >= 0
     for k in (1, 2):
         graph = build_greedy_batch_search(step, k)
         assert selects_by_blocks(graph)
-        k_tokens, k_scores = session(graph).run(None, feeds)
+        k_tokens, k_scores, k_aligns = session(graph).run(None, feeds)
         np.testing.assert_array_equal(k_tokens, tokens)
         np.testing.assert_allclose(k_scores, scores, rtol=0, atol=1e-6)
+        np.testing.assert_allclose(k_aligns[made], aligns[made], rtol=0, atol=1e-6)
 
     for build in (build_beam_search, build_beam_batch_search):
         blocked, full = build(step), build(step, blocked=False)
@@ -301,6 +309,8 @@ def test_the_search_graphs_with_blocked_selection_find_what_the_full_topk_finds(
             np.testing.assert_array_equal(found[0], expected[0])
             np.testing.assert_array_equal(found[1], expected[1])
             np.testing.assert_allclose(found[2], expected[2], rtol=0, atol=1e-9)
+            np.testing.assert_allclose(found[4], expected[4], rtol=0, atol=1e-6)
+            assert found[4].shape[-1] == source.shape[1]  # alignments asked for
 
 
 @pytest.mark.parametrize("precision", ["float32", "float16"])

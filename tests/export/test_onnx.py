@@ -87,16 +87,26 @@ def test_export_folder_is_complete_and_valid(exported):
         "suppressed": {"dtype": "int64", "shape": ["suppressed"]},
         "min_length": {"dtype": "int64", "shape": []},
     }
+    assert step["outputs"]["alignment_weights"] == {
+        "dtype": "float32",
+        "shape": ["batch", "source_len"],
+    }
+    # Every search graph returns alignments where its `alignment` input asks.
+    aligned = {"dtype": "float32", "shape": ["steps", "sentences", "width"]}
     for name in ("greedy_search", "greedy_batch_search"):
         search = manifest["graphs"][name]
         assert search["inputs"]["limits"] == {"dtype": "int64", "shape": ["sentences"]}
         assert {k: search["inputs"][k] for k in masks} == masks
         assert search["outputs"]["tokens"] == {"dtype": "int64", "shape": ["steps", "sentences"]}
+        assert search["inputs"]["alignment"] == {"dtype": "bool", "shape": []}
+        assert search["outputs"]["alignments"] == aligned
     for name in ("beam_search", "beam_batch_search"):
         beam = manifest["graphs"][name]
         assert beam["inputs"]["beam_size"] == {"dtype": "int64", "shape": []}
         assert beam["inputs"]["length_penalty"] == {"dtype": "float64", "shape": []}
         assert beam["inputs"]["n_best"] == {"dtype": "int64", "shape": []}
+        assert beam["inputs"]["alignment"] == {"dtype": "bool", "shape": []}
+        assert beam["outputs"]["alignments"]["shape"] == ["sentences", "n_best", "steps", "width"]
         assert {k: beam["inputs"][k] for k in masks} == masks
         hypotheses = ["sentences", "n_best", "steps"]
         assert beam["outputs"]["tokens"] == {"dtype": "int64", "shape": hypotheses}

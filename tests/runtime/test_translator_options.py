@@ -136,6 +136,58 @@ def test_an_export_without_the_forms_input_searches_the_average_form_in_the_loop
             _assert_same(a, b)
 
 
+@pytest.mark.parametrize("beam_size", [1, 3])
+def test_alignments_come_from_the_fast_searches(toy, monkeypatch, beam_size):
+    """The search graphs return each output step's alignment weights (asked for by
+    their `alignment` input): the alignments and word links are the teacher-forced
+    pass's, without that pass, from the one-sentence and the batch graphs alike;
+    a graph that returns none falls back to the pass."""
+    _, tokenizer, translator = toy
+    options = SearchOptions(beam_size=beam_size, n_best=min(beam_size, 2), alignment=True)
+    lines = held_out_lines(8, seed=79)
+    sources = source_ids(tokenizer, lines)
+    batches = [(lines[:2], sources[:2]), (lines + [""], sources + [[]])]
+    plain = SearchOptions(beam_size=beam_size, n_best=options.n_best)
+    expected = []
+    for texts, batch in batches:
+        found = translator.search(batch, plain)
+        pairs = [(s, h.tokens) for s, row in zip(batch, found, strict=True) for h in row]
+        aligned = translator.align_ids([s for s, _ in pairs], [t for _, t in pairs])
+        links = translator.word_links(texts, [row[0].tokens for row in found], batch)
+        expected.append((found, aligned, links))
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the search graphs' alignments need no teacher-forced pass")
+
+    monkeypatch.setattr(translator.decoder, "alignment_weights", refuse)
+    for (texts, batch), (plain_found, aligned, links) in zip(batches, expected, strict=True):
+        found, rows = translator.search_with_weights(batch, options)
+        assert [[h.tokens for h in row] for row in found] == [
+            [h.tokens for h in row] for row in plain_found
+        ]
+        assert [h.alignment for row in found for h in row] == aligned
+        for row, weights in zip(found, rows, strict=True):
+            for h, w in zip(row, weights, strict=True):
+                assert w.shape[0] == len(h.tokens) + (len(h.tokens) < w.shape[0])
+        best = [row[0].tokens for row in found]
+        assert translator.word_links(texts, best, batch, [w[0] for w in rows]) == links
+    monkeypatch.undo()
+    # A graph without alignments (an export made before them): the pass runs.
+    ran = []
+    monkeypatch.setattr(  # on the class: a batch may be searched by the decoder's copies
+        type(translator.decoder),
+        "_alignment_feed",
+        lambda self, graph, attention, feeds: feeds.update(alignment=np.array(False)) or False,
+    )
+    monkeypatch.setattr(
+        translator.decoder,
+        "alignment_weights",
+        lambda *args, run=translator.decoder.alignment_weights: ran.append(1) or run(*args),
+    )
+    found = translator.search(batches[1][1], options)
+    assert ran and [h.alignment for row in found for h in row] == expected[1][1]
+
+
 def test_n_best_starts_with_the_plain_beam_and_scores_are_forced_decoding(toy):
     _, tokenizer, translator = toy
     sources = source_ids(tokenizer, held_out_lines(20, seed=59))
