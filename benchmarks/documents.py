@@ -6,6 +6,8 @@
     python -m benchmarks.documents tags TOY_ONNX_DIR [--beam 4]
     python -m benchmarks.documents multi30k-tags ONNX_DIR [--src de --tgt en]
     python -m benchmarks.documents markup ONNX_DIR [--threads 1] [--repeats 3]
+    python -m benchmarks.documents pages ONNX_DIR --html GLOB --markdown GLOB [--count 100]
+        [--src en] [--beam 1]
 
 `splitters`: each installed splitter (sentencex, pysbd, sentence-splitter,
 syntok, blingfire) on the hand-checked paragraphs of
@@ -32,6 +34,10 @@ word to target words (both directions' links where they agree, else
 either's); of the sentences where it links any, the share whose `<b>`
 wraps exactly their extent, and the share where it wraps at least one.
 
+`pages`: real pages (`--count` of each glob, seeded), each translated twice
+as a document: whether any raises, whether the two runs agree byte for
+byte, and whether the markup comes back (`real_pages`).
+
 `markup`: the same sentences translated as text, as an HTML page of
 paragraphs, as one with a word of each sentence in `<b>` (each then needs
 its alignment), and the same two as Markdown (`**` for `<b>`); median
@@ -41,6 +47,7 @@ seconds of `--repeats` interleaved runs.
 from __future__ import annotations
 
 import argparse
+import html.parser as html_parser
 import json
 import os
 import random
@@ -333,6 +340,123 @@ def markup_cost(args):
     return {"seconds_median": report, "sentences": len(sources)}
 
 
+class _Markup(html_parser.HTMLParser):
+    """A page's tags (attributes but the translated ones) and untranslated text."""
+
+    def __init__(self, text):
+        super().__init__(convert_charrefs=False)
+        self.tags, self.kept, self.open = [], [], []
+        self.feed(text)
+        self.close()
+
+    def handle_starttag(self, tag, attrs, kind="start"):
+        from keras_transformer_runtime.markup import TRANSLATED_ATTRIBUTES, UNTRANSLATED, VOID
+
+        kept = [(k, v) for k, v in attrs if k not in TRANSLATED_ATTRIBUTES | {"value", "content"}]
+        self.tags.append((kind, tag, tuple(kept)))
+        if tag in UNTRANSLATED and tag not in VOID and kind == "start":
+            self.open.append(tag)
+
+    def handle_startendtag(self, tag, attrs):
+        self.handle_starttag(tag, attrs, "self")
+
+    def handle_endtag(self, tag):
+        self.tags.append(("end", tag, ()))
+        if self.open and self.open[-1] == tag:
+            self.open.pop()
+
+    def handle_data(self, data):
+        if self.open:
+            self.kept.append(data)
+
+    def handle_comment(self, data):
+        self.kept.append(data)
+
+    def nested(self):
+        from keras_transformer_runtime.markup import VOID
+
+        stack = []
+        for kind, tag, _ in self.tags:
+            if tag in VOID or kind == "self":
+                continue
+            if kind == "start":
+                stack.append(tag)
+            elif not stack or stack.pop() != tag:
+                return False
+        return True
+
+
+def _markdown_kept(text):
+    """A Markdown file's code blocks, code spans and link and image targets."""
+    from markdown_it import MarkdownIt
+
+    found = []
+
+    def walk(tokens):
+        for token in tokens:
+            if token.type in ("fence", "code_block", "code_inline", "html_block"):
+                found.append((token.type, token.content))
+            elif token.type in ("link_open", "image"):
+                found.append((token.type, token.attrs.get("href") or token.attrs.get("src")))
+            walk(token.children or ())
+
+    walk(MarkdownIt("commonmark").enable(["table", "strikethrough"]).parse(text))
+    return sorted(found, key=repr)
+
+
+def real_pages(args):
+    """Pages the project never saw, each translated twice as a document: whether any
+    raises, whether both runs give the same bytes, and whether the markup comes back
+    (HTML: every tag and attribute but the translated values, untranslated text, the
+    nesting; Markdown: code blocks, code spans, link and image targets)."""
+    import glob
+    import traceback
+
+    from keras_transformer_runtime import OnnxTranslator
+    from keras_transformer_runtime.options import SearchOptions
+
+    rng = random.Random(args.seed)
+    chosen = []
+    for fmt, pattern in (("html", args.html), ("markdown", args.markdown)):
+        found = sorted(glob.glob(pattern, recursive=True)) if pattern else []
+        chosen += [(path, fmt) for path in rng.sample(found, min(args.count, len(found)))]
+    translator = OnnxTranslator(args.onnx_dir, num_threads=args.threads)
+    options = SearchOptions(beam_size=args.beam)
+    problems, sentences, seconds = [], 0, 0.0
+    for path, fmt in chosen:
+        with open(path, "rb") as f:
+            page = f.read().decode("utf-8", "replace")
+        try:
+            first, took = harness.timed(
+                translator.translate_documents, [page], fmt, options, args.src
+            )
+            second = translator.translate_documents([page], fmt, options, args.src)
+        except Exception:  # noqa: BLE001 - every failure is a finding, named in the report
+            problems.append({"path": path, "problem": traceback.format_exc(limit=3)})
+            continue
+        seconds += took
+        sentences += len(translator.documents([page], fmt, args.src)[0].sentences)
+        found = []
+        if first != second:
+            found.append("differs between runs")
+        if fmt == "html":
+            before, after = _Markup(page), _Markup(first[0])
+            if sorted(map(repr, before.tags)) != sorted(map(repr, after.tags)):
+                found.append("tags lost, added or changed")
+            if sorted(before.kept) != sorted(after.kept):
+                found.append("untranslated text changed")
+            if before.nested() and not after.nested():
+                found.append("nesting broken")
+        elif _markdown_kept(page) != _markdown_kept(first[0]):
+            found.append("code or link targets changed")
+        problems += [{"path": path, "problem": problem} for problem in found]
+    print(f"{len(chosen)} documents, {sentences} sentences, {len(problems)} problems")
+    for problem in problems:
+        print(problem["path"], problem["problem"], sep="\n  ")
+    return {"documents": len(chosen), "sentences": sentences, "seconds": round(seconds, 1),
+            "problems": problems}  # fmt: skip
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python -m benchmarks.documents")
     sub = parser.add_subparsers(dest="question", required=True)
@@ -342,6 +466,7 @@ def main(argv=None):
         "tags": toy_tags,
         "multi30k-tags": multi30k_tags,
         "markup": markup_cost,
+        "pages": real_pages,
     }
     for name in questions:
         each = sub.add_parser(name)
@@ -354,6 +479,10 @@ def main(argv=None):
             each.add_argument("--threads", type=int)
             each.add_argument("--seed", type=int, default=0)
             each.add_argument("--repeats", type=int, default=3)
+        if name == "pages":
+            each.add_argument("--html", help="a glob of HTML pages (** for every folder)")
+            each.add_argument("--markdown", help="a glob of Markdown files")
+            each.add_argument("--count", type=int, default=100, help="pages of each format")
         each.add_argument("--data", default=harness.SHARED_MULTI30K, help="the Multi30k mirror")
         each.add_argument("--out", help="the report (default: benchmarks/results/documents-*.json)")
     args = parser.parse_args(argv)

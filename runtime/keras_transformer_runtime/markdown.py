@@ -130,6 +130,7 @@ def _inline_tokens(children, content, offsets, page):
                 raise _Unmatched
 
     skip_until = None
+    links = []  # where each open link's `[` is in `content`
     for child in children:
         if skip_until is not None:  # the inside of an autolink, copied whole
             if child is skip_until:
@@ -166,6 +167,13 @@ def _inline_tokens(children, content, offsets, page):
             if match is None:
                 raise _Unmatched
             add("open" if kind.endswith("open") else "close", i, match.end(), tag=name)
+            if name == "link" and kind.endswith("open"):
+                links.append(i)
+            elif name == "link" and links:
+                opened = links.pop()
+                if match.group() in ("]", "][]"):  # the text is the reference's label:
+                    # a translated text keeps the label (`[Hund][]` -> `[dog][Hund]`)
+                    tokens[-1].written = "][" + content[opened + 1 : i] + "]"
             i = match.end()
         elif kind == "code_inline":
             fence = re.match(r"`+", content[i:])

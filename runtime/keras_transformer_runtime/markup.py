@@ -34,6 +34,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import html
+import itertools
 import re
 from html.parser import HTMLParser
 
@@ -75,6 +76,7 @@ class MarkupToken:
     tag: str = ""
     text: str = ""  # the decoded text of a text token
     untranslated: bool = False  # an element with translate="no" or class notranslate
+    written: str = ""  # how it is written around a translation, where not as in the page
 
 
 class HtmlTokenizer(HTMLParser):
@@ -317,6 +319,21 @@ def run_sentences(run, page, language, split_long=None):
     plain, starts, ends, tags = [], [], [], []
     for token in run:
         if token.kind != "text":
+            if (
+                token.kind == "open"
+                and tags
+                and tags[-1][0] == len(plain)
+                and tags[-1][1].kind == "close"
+                and plain
+                and not plain[-1].isspace()
+            ):
+                # Sibling elements with no space between (`<a>Home</a><a>Docs</a>`,
+                # spaced by style sheets): a word break for the model, which no
+                # page offset holds (a sentence given back unchanged stays as
+                # written; `_Sentence.text` is what the model reads).
+                plain.append(" ")
+                starts.append(token.start)
+                ends.append(token.start)
             tags.append((len(plain), token))
             continue
         raw = page[token.start : token.end]
@@ -342,20 +359,42 @@ def run_sentences(run, page, language, split_long=None):
         after = spans[k + 1][0] if k + 1 < len(spans) else len(plain)
         left = [t for p, t in tags if before <= p <= start and t.end <= first]
         right = [t for p, t in tags if end <= p <= after and t.start >= last]
-        opened = [t.tag for _, t in inside if t.kind == "open"]
-        closed = [t.tag for _, t in inside if t.kind == "close"]
-        for i, token in enumerate(right):
-            if token.kind == "close" and token.tag in opened:
-                inside += [(end - start, t) for t in right[: i + 1]]
-                last = token.end
-                break
-        for i in range(len(left) - 1, -1, -1):
-            if left[i].kind == "open" and left[i].tag in closed:
-                inside = [(0, t) for t in left[i:]] + inside
-                first = left[i].start
-                break
+        opened, closed = _unmatched([t for _, t in inside])
+        for i, token in enumerate(right):  # up to the close of the outermost open inside
+            if token.kind == "close" and opened.get(token.tag):
+                opened[token.tag] -= 1
+                if not any(opened.values()):
+                    inside += [(end - start, t) for t in right[: i + 1]]
+                    last = token.end
+                    break
+        for i in range(len(left) - 1, -1, -1):  # from the open of the outermost close
+            if left[i].kind == "open" and closed.get(left[i].tag):
+                closed[left[i].tag] -= 1
+                if not any(closed.values()):
+                    inside = [(0, t) for t in left[i:]] + inside
+                    first = left[i].start
+                    break
         found.append(_Sentence(first, last, "".join(plain[start:end]), inside))
     return found
+
+
+def _unmatched(tokens):
+    """Per tag name, the opening tags of `tokens` that no closing tag in them closes,
+    and the closing tags that close none of them: `(opened, closed)` counts."""
+    stack, closed = [], {}
+    for token in tokens:
+        if token.kind == "open":
+            stack.append(token.tag)
+        elif token.kind == "close":
+            if token.tag in stack:
+                while stack.pop() != token.tag:
+                    pass
+            else:
+                closed[token.tag] = closed.get(token.tag, 0) + 1
+    opened = {}
+    for tag in stack:
+        opened[tag] = opened.get(tag, 0) + 1
+    return opened, closed
 
 
 def place_tags(source, tags, translation, links, page, escape=None, raws=None):
@@ -365,7 +404,7 @@ def place_tags(source, tags, translation, links, page, escape=None, raws=None):
     attribute values), by `id`."""
 
     def raw_of(token):
-        return (raws or {}).get(id(token)) or page[token.start : token.end]
+        return (raws or {}).get(id(token)) or token.written or page[token.start : token.end]
 
     source_words = [m.span() for m in _WORD.finditer(source)]
     target_words = [m.span() for m in _WORD.finditer(translation)]
@@ -387,8 +426,11 @@ def place_tags(source, tags, translation, links, page, escape=None, raws=None):
         else:
             singles.append((position, token))
     singles.extend(stack)
+    pairs, singles, units = _wordless_units(source_words, tags, pairs, singles, page, raw_of)
+    raws = {**(raws or {}), **units}
     inserts = []  # (character position in translation or None: the end, kind, depth, raw tag)
     placed = {}  # id(opening tag) -> (parent, first, last) of the pairs placed
+    ends = []  # (parent, source start, start and end in the translation, source end) of pairs
     for depth, opened, closed, opening, closing, parent in sorted(pairs, key=lambda p: p[:2]):
         wrapped = [i for i, (s, e) in enumerate(source_words) if s < closed and e > opened]
         targets = sorted({t for i in wrapped for t in by_source.get(i, ())})
@@ -396,8 +438,15 @@ def place_tags(source, tags, translation, links, page, escape=None, raws=None):
             targets = _between(by_source, wrapped[0], wrapped[-1], len(target_words))
         span = _span(targets, placed, parent) if target_words else None
         raw_open, raw_close = raw_of(opening), raw_of(closing)
-        if span is None:  # kept, empty, at the nearer end of the sentence
-            at = 0 if opened < len(source) / 2 else None
+        if span is None:  # kept, empty: after its sibling placed before it, else
+            # first in its parent, else at the nearer end of the sentence
+            before = [e for p, o, _, e, _ in ends if p == parent and o < opened]
+            if before:
+                at = before[-1]
+            elif parent is not None and parent in placed:
+                at = target_words[placed[parent][1]][0]
+            else:
+                at = 0 if opened < len(source) / 2 else None
             inserts.append((at, 0, depth, raw_open + raw_close))
             continue
         placed[id(opening)] = (parent, *span)
@@ -409,13 +458,19 @@ def place_tags(source, tags, translation, links, page, escape=None, raws=None):
         end -= len(trail) if trail and translation[:end].endswith(trail) else 0
         inserts.append((start, 0, depth, raw_open))
         inserts.append((max(end, start), 1, depth, raw_close))
+        ends.append((parent, opened, start, max(end, start), closed))
     for position, token in singles:
         raw = raw_of(token)
         if token.kind == "close":  # after the target words of the source word before it
             word = bisect.bisect_left([e for _, e in source_words], position + 1) - 1
             targets = sorted(by_source.get(word, ()))
             at = target_words[targets[-1]][1] if targets and target_words else None
-            inserts.append((at, 1, 99, raw))
+            inserts.append((at, 1, 99, raw) if at is not None else _last_in(ends, position, raw))
+            continue
+        # Inside a word the translation copies (`core::<wbr>arch`): the same place in it.
+        within = _copied_at(source, source_words, position, by_source, translation, target_words)
+        if within is not None:
+            inserts.append((within, 0, 99, raw))
             continue
         # Before the target word of the source word after it; an image or a code
         # span keeps the space after it.
@@ -423,8 +478,86 @@ def place_tags(source, tags, translation, links, page, escape=None, raws=None):
         targets = sorted(by_source.get(word, ()))
         at = target_words[targets[0]][0] if targets and target_words else None
         spaced = token.kind == "void" and position < len(source) and source[position].isspace()
-        inserts.append((at, 0, 99, raw + (" " if spaced and at is not None else "")))
+        if at is None:
+            inserts.append(_last_in(ends, position, raw))
+            continue
+        inserts.append(_settled(ends, position, at, raw + (" " if spaced else "")))
     return _insert(translation, inserts, escape or _escape_html)
+
+
+def _wordless_units(source_words, tags, pairs, singles, page, raw_of):
+    """Pairs around no word (`<a><code>x</code></a>`, `<span> </span>`), each with all it
+    holds as it is written, become one lone tag that goes where a tag at its place
+    would: `(pairs, singles, raws)`, the units' raw text in `raws` by `id`."""
+    order = {id(token): k for k, (_, token) in enumerate(tags)}
+    units = []
+    for pair in sorted(pairs, key=lambda p: p[0]):  # the outermost first
+        _, opened, closed, opening, closing, _ = pair
+        if any(start < closed and end > opened for start, end in source_words):
+            continue
+        first, last = order[id(opening)], order[id(closing)]
+        if not any(low <= first and last <= high for low, high, _ in units):
+            units.append((first, last, pair))
+    if not units:
+        return pairs, singles, {}
+
+    def held(token):
+        return any(low <= order[id(token)] <= high for low, high, _ in units)
+
+    pairs = [pair for pair in pairs if not held(pair[3])]
+    singles = [(position, token) for position, token in singles if not held(token)]
+    raws = {}
+    for first, last, (_, opened, _, opening, closing, _) in units:
+        held_tokens = [token for _, token in tags[first : last + 1]]
+        raw = "".join(
+            raw_of(token) + page[token.end : after.start]
+            for token, after in itertools.pairwise(held_tokens)
+        )
+        unit = MarkupToken("void", opening.start, closing.end)
+        raws[id(unit)] = raw + raw_of(closing)
+        singles.append((opened, unit))
+    singles.sort(key=lambda single: single[0])
+    return pairs, singles, raws
+
+
+def _copied_at(source, source_words, position, by_source, translation, target_words):
+    """Where in the translation a tag at `position`, strictly inside a source word, goes:
+    the same offset in a target word linked to that word and spelled the same (an
+    identifier or a name the model copied), else None."""
+    for i, (start, end) in enumerate(source_words):
+        if start < position < end:
+            for t in sorted(by_source.get(i, ())):
+                t_start, t_end = target_words[t]
+                if translation[t_start:t_end] == source[start:end]:
+                    return t_start + position - start
+            return None
+    return None
+
+
+def _settled(ends, position, at, raw):
+    """The insert of a lone tag at `at`, kept in the pairs that held it in the source
+    (`position`) and out of the others: one it would fall inside, it follows."""
+    for _ in ends:  # each move passes one pair at most
+        moved = False
+        for _, opened, start, end, closed in ends:
+            held = opened < position < closed
+            if held and not start <= at <= end:
+                return (end, 2, 0, raw)  # last inside the pair that held it
+            if not held and start <= at < end and start < end:
+                at, moved = end, True
+        if not moved:
+            break
+    return (at, 0, 99, raw)
+
+
+def _last_in(ends, position, raw):
+    """The insert of a lone tag whose word links to nothing: last inside the innermost
+    pair placed around it in the source (before that pair's closing tag), else at the
+    sentence's end."""
+    around = [(opened, end) for _, opened, _, end, closed in ends if opened < position < closed]
+    if around:
+        return (max(around)[1], 2, 0, raw)
+    return (None, 0, 99, raw)
 
 
 def _between(by_source, first, last, count):
@@ -466,13 +599,18 @@ def _span(targets, placed, parent):
 
 def _insert(translation, inserts, escape):
     """`translation` escaped, with the raw tags of `inserts` put in at their positions:
-    at one position, closing tags first (inner first), then opening ones (outer first)."""
+    at one position, lone tags kept inside the pair closing there (kind 2) first, then
+    closing tags (inner first), then opening ones (outer first). Two Markdown code
+    spans that land side by side keep a space between them (`` `a``b` `` is one)."""
     end = len(translation)
     resolved = [(end if at is None else at, kind, depth, raw) for at, kind, depth, raw in inserts]
     resolved.sort(key=lambda item: (item[0], -item[1], -item[2] if item[1] else item[2]))
     out, at = [], 0
     for position, _, _, raw in resolved:
-        out.append(escape(translation[at:position]))
+        text = escape(translation[at:position])
+        if not text and out and out[-1].endswith("`") and raw.startswith("`"):
+            text = " "
+        out.append(text)
         out.append(raw)
         at = position
     out.append(escape(translation[at:]))

@@ -128,10 +128,29 @@ def test_nested_tags_stay_nested_and_siblings_do_not_cross():
     links = [(0, 0), (1, 1), (2, 0), (3, 2)]
     found = place_tags(source, tags, "a small sleeps", links, page)
     assert found.index("<a") < found.index("<i>") < found.index("</i>") < found.index("</a>")
-    # Two siblings aligned to one target word: the second does not cross the first.
+    # Two siblings aligned to one target word: the second does not cross the first,
+    # nor go inside it; kept empty, it follows it.
     page, tags = _page([(0, "<b>"), (4, "</b>"), (5, "<i>"), (11, "</i>")])
     found = place_tags("eine kleine Katze", tags, "kitten", [(0, 0), (1, 0), (2, 0)], page)
-    assert found == "<b><i></i>kitten</b>"
+    assert found == "<b>kitten</b><i></i>"
+    # A child kept empty goes first inside its parent.
+    page, tags = _page([(0, "<a>"), (5, "<b>"), (11, "</b>"), (17, "</a>")])
+    links = [(0, 0), (2, 1)]  # "kleine", wrapped by <b>, links to no target word
+    assert place_tags("eine kleine Katze", tags, "a cat", links, page) == "<a><b></b>a cat</a>"
+
+
+def test_sibling_elements_with_no_space_between_are_separate_words():
+    """`<a>Home</a><a>Docs</a>`, spaced by a style sheet: the model reads two words, each
+    element wraps its own, and a sentence given back unchanged stays as written."""
+    page = '<p><a href="/">Ein Hund</a><span class="v">läuft schnell</span></p>'
+    document = html_document(page, "de")
+    assert document.sentences == ["Ein Hund läuft schnell"]
+    assert document.rebuild(document.sentences) == page
+    links = [[(0, 0), (1, 1), (2, 2), (3, 3)]]
+    found = document.rebuild(["A dog runs fast"], links)
+    assert found == '<p><a href="/">A dog</a> <span class="v">runs fast</span></p>'
+    # Inside a word, the markup is not a boundary.
+    assert html_document("<p><b>W</b>ort und Hun<i>d</i></p>", "de").sentences == ["Wort und Hund"]
 
 
 MARKDOWN = """# Ein **Titel**
@@ -162,6 +181,55 @@ HTML-Block, nicht übersetzen
 
 [r]: http://r.de "Ref"
 """
+
+
+def test_markup_of_real_pages_keeps_its_structure():
+    """Shapes found on real documentation pages: elements that open before a sentence
+    and close inside it stay nested (two of one name: `<span><span>1.8</span> ·
+    <a>Quelle</a></span>`); a link around inline code alone goes whole, the code in
+    it; a `<wbr>` inside a word the translation copies stays at its place, and one
+    in a word it does not stays inside its element."""
+    page = (
+        '<div><span class="r"><span class="s">1.8</span> · <a class="q" href="x">Quelle</a>'
+        '</span><a href="#i">§</a></div>'
+    )
+    document = html_document(page, "de")
+    assert document.sentences == ["1.8 · Quelle §"]
+    found = document.rebuild(["1.8 · source §"], [[(0, 0), (1, 1), (2, 2), (3, 3)]])
+    assert found == (
+        '<div><span class="r"><span class="s">1.8</span> · <a class="q" href="x">source</a>'
+        '</span> <a href="#i">§</a></div>'
+    )
+    page = '<p>Die <a href="d"><code>regex</code></a> Doku, <code>Cargo.toml</code> hier.</p>'
+    document = html_document(page, "de")
+    assert document.sentences == ["Die  Doku,  hier."]
+    found = document.rebuild(["The docs, here."], [[(0, 0), (1, 1), (2, 2)]])
+    assert (
+        found == '<p>The <a href="d"><code>regex</code></a> docs, <code>Cargo.toml</code> here.</p>'
+    )
+    page = '<h2><a href="i">In core::<wbr>arch::<wbr>x86</a></h2>'
+    document = html_document(page, "de")
+    found = document.rebuild(["At core::arch::x86"], [[(0, 0), (1, 1)]])
+    assert found == '<h2><a href="i">At core::<wbr>arch::<wbr>x86</a></h2>'
+    found = document.rebuild(["Im Kern"], [[(0, 0)]])
+    assert found == '<h2><a href="i">Im Kern<wbr><wbr></a></h2>'
+
+
+def test_markdown_of_real_files_keeps_its_links_and_code():
+    """Two code spans that land side by side stay two; a reference link whose text is
+    its label (`[Policies][]`, `[Policies]`) keeps the label when its text is
+    translated; a link around code alone does not go inside another link."""
+    page = "Mit `make` und `gdb` [Hilfe][] und [Regeln] oder [`api`][] hier.\n\n"
+    page += "[Hilfe]: h.md\n[Regeln]: r.md\n[`api`]: a.md\n"
+    document = parse_document(page, "markdown", "de")
+    assert document.sentences == ["Mit  und  Hilfe und Regeln oder  hier."]
+    # Every word to the first target word: all the code lands together.
+    found = document.rebuild(["Help rules here."], [[(i, 0) for i in range(7)]])
+    assert "`make` `gdb`" in found
+    assert "[Help][Hilfe]" in found and "][Regeln]" in found and "[`api`][`api`]" in found
+    assert found.count("[") == found.count("]")
+    assert found.endswith("[Hilfe]: h.md\n[Regeln]: r.md\n[`api`]: a.md\n")
+    assert "[[" not in found  # no link inside a link
 
 
 def _identity_links(document):
