@@ -10,7 +10,7 @@ titles, code spans, images and autolinks are copied as written; the text of
 an inline run (a paragraph, a heading, a cell), emphasis and link text
 included, is split into sentences and translated in context; emphasis
 markers and link brackets go back around the aligned target words
-(`markup.place_tags`). Where the source cannot be matched to what the
+(`tag_placement.place_tags`). Where the source cannot be matched to what the
 parser read (it should not happen), that block is left untranslated:
 nothing is lost.
 """

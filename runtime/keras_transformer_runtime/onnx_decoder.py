@@ -514,33 +514,17 @@ class OnnxDecoder:
         if graph is None:
             return None
         parts = self.split_parts(len(source), beam_size)
+        rules = (n_best, masks, length_penalty_form, attention)
         if parts > 1:
             return self._split_search(
                 source,
                 limits,
                 parts,
                 lambda worker, part, lims: worker.beam(
-                    part,
-                    lims,
-                    beam_size,
-                    length_penalty,
-                    n_best,
-                    masks,
-                    length_penalty_form,
-                    attention,
+                    part, lims, beam_size, length_penalty, *rules
                 ),
             )
-        return self.run_beam_graph(
-            source,
-            limits,
-            beam_size,
-            length_penalty,
-            graph,
-            n_best,
-            masks,
-            length_penalty_form,
-            attention,
-        )
+        return self.run_beam_graph(source, limits, beam_size, length_penalty, graph, *rules)
 
     def run_beam_graph(
         self,

@@ -8,6 +8,7 @@ from keras_transformer_runtime.onnx_translator import OnnxTranslator
 from keras_transformer_runtime.options import SearchOptions
 from keras_transformer_runtime.search import hypothesis_records
 from keras_transformer_runtime.specials import EOS_ID
+from keras_transformer_runtime.tag_placement import sentence_links
 from keras_transformer_runtime.text_batches import text_source
 
 
@@ -58,23 +59,29 @@ class Engine:
         inline tags need the word links of its translation) under `options` on
         worker `worker`'s translator: per sentence its hypothesis records
         (`search.hypothesis_records`), best first, the first with `"links"`
-        (`Translator.word_links`) where a text was given."""
+        (`tag_placement.sentence_links`) where a text was given."""
         translator = self.translators[worker]
         sources, prefixes, indices, constraints, texts = (
             list(column) for column in zip(*sentences, strict=True)
         )
-        found = translator.search(
+        tagged = any(text is not None for text in texts)
+        found, weights = translator.search_with_weights(
             sources,
             options,
             prefixes if any(prefixes) else None,
             indices,
             constraints if any(map(len, constraints)) else None,
+            weights=tagged,  # the alignment weights of the search, where it returns them
         )
         decode = translator.tokenizer.decode
         records = [hypothesis_records(hypotheses, decode) for hypotheses in found]
-        if any(text is not None for text in texts):  # the batch's encoding is reused
-            links = translator.word_links(
-                [text or "" for text in texts], [h[0].tokens for h in found], sources
+        if tagged:
+            links = sentence_links(
+                translator,
+                [text or "" for text in texts],
+                [h[0].tokens for h in found],
+                sources,
+                [row[0] for row in weights],
             )
             for rows, text, row_links in zip(records, texts, links, strict=True):
                 if text is not None:

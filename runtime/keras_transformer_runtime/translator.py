@@ -30,7 +30,6 @@ from keras_transformer_runtime.documents import (
     sentence_terms,
 )
 from keras_transformer_runtime.export_format import ExportFileError
-from keras_transformer_runtime.markup import word_links
 from keras_transformer_runtime.options import NO_MASKS, SearchOptions
 from keras_transformer_runtime.search import (
     add_alignments,
@@ -53,7 +52,8 @@ from keras_transformer_runtime.spec import (
     truncate_source,
 )
 from keras_transformer_runtime.specials import EOS_ID
-from keras_transformer_runtime.text_batches import encode_prefixes, search_texts, text_source
+from keras_transformer_runtime.tag_placement import sentence_links
+from keras_transformer_runtime.text_batches import encode_prefixes, search_texts
 
 
 def _id_lists(source_ids):
@@ -62,8 +62,8 @@ def _id_lists(source_ids):
 
 
 def _asked(attention):
-    """The decoder searches' `attention` argument, passed only when asked for, so that a
-    decoder written before it still serves every other search."""
+    """The searches' `attention` argument, passed only when asked for (a decoder written
+    before it still serves every other search)."""
     return {"attention": True} if attention else {}
 
 
@@ -172,10 +172,9 @@ class Translator:
         if beam_size == 1:
             found = self.decoder.greedy(source, limits, masks, **_asked(attention))
             if found is not None:
-                tokens, steps, *weights = found
-                found = [[row] for row in tokens], [[sum(row)] for row in steps]
-                found += ([[row] for row in steps],)
-                return (*found, [[row] for row in weights[0]]) if attention else found
+                tokens, steps, *weights = found  # one hypothesis each
+                sums = [sum(row) for row in steps]
+                return tuple([[x] for x in column] for column in (tokens, sums, steps, *weights))
         else:
             found = self.decoder.beam(
                 source,
@@ -339,41 +338,6 @@ class Translator:
         weights = self.decoder.alignment_weights(source, teacher_inputs(targets))
         return alignments(weights, lengths, [len(t) for t in targets])
 
-    def word_links(self, sentences, targets, sources=None, weights=None):
-        """Per sentence (a text), the `(source word, target word)` links of `targets[i]`
-        (token ids) as its translation: `markup.word_links` of the alignment
-        layer's weights: `weights[i]` where given (a search's rows, `(steps,
-        source_len)`), else `Decoder.alignment_weights`' in one pass for the
-        others. `sources`: the sentences' source ids, when the caller has them
-        (a batch just searched)."""
-        if not sentences:
-            return []
-        encode = self.tokenizer.encode
-        if sources is None:
-            sources = [text_source(text, encode)[0] for text in sentences]
-        sources = [list(source) or [EOS_ID] for source in sources]
-        lengths = [len(source) for source in sources]
-        targets = [[int(t) for t in target] for target in targets]
-        weights = list(weights) if weights is not None else [None] * len(sentences)
-        missing = [i for i, rows in enumerate(weights) if rows is None]
-        if missing:
-            source, _ = source_array(
-                [sources[i] for i in missing], self.max_length, self.decoder.source_multiple
-            )
-            forced = self.decoder.alignment_weights(
-                source, teacher_inputs([targets[i] for i in missing])
-            )
-            for i, rows in zip(missing, forced, strict=True):
-                weights[i] = rows
-        return [
-            word_links(
-                text, target, matrix[: len(target), : length - 1], encode, self.tokenizer.decode
-            )
-            for text, target, matrix, length in zip(
-                sentences, targets, weights, lengths, strict=True
-            )
-        ]
-
     # ----------------------------------------------------------------------- texts
 
     def _checked_texts(self, sentences, name="sentences"):
@@ -473,7 +437,8 @@ class Translator:
                 )
                 if not tagged:
                     return found
-                links = translator.word_links(
+                links = sentence_links(
+                    translator,
                     [sentences[i] for i in indices],
                     [h[0].tokens for h in found],
                     sources,

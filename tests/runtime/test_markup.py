@@ -6,7 +6,8 @@ import random
 
 import pytest
 from keras_transformer_runtime.documents import parse_document
-from keras_transformer_runtime.markup import html_document, place_tags
+from keras_transformer_runtime.markup import html_document
+from keras_transformer_runtime.tag_placement import place_tags
 
 PAGE = (
     "<!DOCTYPE html>\n<html lang=de><head><meta charset='utf-8'><title>Ein Test</title>"

@@ -16,6 +16,7 @@ from keras_transformer_runtime import translator as translator_module  # noqa: E
 from keras_transformer_runtime.options import SearchOptions  # noqa: E402
 from keras_transformer_runtime.sources import output_limits, prefixed_limits  # noqa: E402
 from keras_transformer_runtime.spec import SentenceSearch  # noqa: E402
+from keras_transformer_runtime.tag_placement import sentence_links  # noqa: E402
 
 from keras_transformer import decoding  # noqa: E402
 from tests.onnx_helpers import (  # noqa: E402
@@ -153,7 +154,7 @@ def test_alignments_come_from_the_fast_searches(toy, monkeypatch, beam_size):
         found = translator.search(batch, plain)
         pairs = [(s, h.tokens) for s, row in zip(batch, found, strict=True) for h in row]
         aligned = translator.align_ids([s for s, _ in pairs], [t for _, t in pairs])
-        links = translator.word_links(texts, [row[0].tokens for row in found], batch)
+        links = sentence_links(translator, texts, [row[0].tokens for row in found], batch)
         expected.append((found, aligned, links))
 
     def refuse(*args, **kwargs):
@@ -170,7 +171,7 @@ def test_alignments_come_from_the_fast_searches(toy, monkeypatch, beam_size):
             for h, w in zip(row, weights, strict=True):
                 assert w.shape[0] == len(h.tokens) + (len(h.tokens) < w.shape[0])
         best = [row[0].tokens for row in found]
-        assert translator.word_links(texts, best, batch, [w[0] for w in rows]) == links
+        assert sentence_links(translator, texts, best, batch, [w[0] for w in rows]) == links
     monkeypatch.undo()
     # A graph without alignments (an export made before them): the pass runs.
     ran = []
