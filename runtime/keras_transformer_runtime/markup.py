@@ -203,7 +203,14 @@ class HtmlDocument:
             part = self.parts[i]
             out.append(self.text[at : part.start])
             links = alignments[i] if alignments is not None else None
-            out.append(self._render(part, translations[i], links, raws))
+            rendered = self._render(part, translations[i], links, raws)
+            if rendered != self.text[part.start : part.end]:
+                # A Markdown code span beside the page's own stays a span of its own.
+                if out[-1].endswith("`") and rendered.startswith("`"):
+                    rendered = " " + rendered
+                if rendered.endswith("`") and self.text.startswith("`", part.end):
+                    rendered += " "
+            out.append(rendered)
             at = part.end
         out.append(self.text[at:])
         return "".join(out)
@@ -368,6 +375,15 @@ def run_sentences(run, page, language, split_long=None):
                     inside = [(0, t) for t in left[i:]] + inside
                     first = left[i].start
                     break
+        # A reference link whose label is its text (`[Hund][]`), closed just after the
+        # sentence: its close goes out with the sentence, written `][Hund]`.
+        held = {id(t) for _, t in inside}
+        after_end = [t for p, t in tags if p == end and t.start >= last and id(t) not in held]
+        for i, token in enumerate(after_end):
+            if token.kind == "close" and token.written:
+                inside += [(end - start, t) for t in after_end[: i + 1]]
+                last = token.end
+                break
         found.append(_Sentence(first, last, "".join(plain[start:end]), inside))
     return found
 

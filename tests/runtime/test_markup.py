@@ -231,6 +231,15 @@ def test_markdown_of_real_files_keeps_its_links_and_code():
     assert found.count("[") == found.count("]")
     assert found.endswith("[Hilfe]: h.md\n[Regeln]: r.md\n[`api`]: a.md\n")
     assert "[[" not in found  # no link inside a link
+    # The whole cell a reference link, and a code span just before a sentence.
+    page = "| [Alte Regeln][] | `a`, `b`: gleich |\n| --- | --- |\n\n[Alte Regeln]: r.md\n"
+    document = parse_document(page, "markdown", "de")
+    assert document.sentences == ["Alte Regeln", ", : gleich"]
+    found = document.rebuild(["Old rules", "the same"], [[(0, 0), (1, 1)], [(2, 0)]])
+    assert found.startswith("| [Old rules][Alte Regeln] | `a`") and "``" not in found
+    found = document.rebuild(["Old rules", "the same"], [[(0, 0), (1, 1)], [(1, 0), (2, 1)]])
+    assert "`a` `b`the same" in found  # `b` before "the": kept apart from `a`
+    assert document.rebuild(document.sentences) == page
 
 
 def _identity_links(document):
