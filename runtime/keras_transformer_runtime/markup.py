@@ -37,7 +37,7 @@ import re
 from html.parser import HTMLParser
 
 from keras_transformer_runtime.documents import Document, sentence_spans
-from keras_transformer_runtime.tag_placement import escape_html, place_tags
+from keras_transformer_runtime.tag_placement import escape_html, place_tags, spans_apart
 
 # Phrasing elements: they do not end a run of text.
 INLINE = frozenset(
@@ -204,12 +204,9 @@ class HtmlDocument:
             out.append(self.text[at : part.start])
             links = alignments[i] if alignments is not None else None
             rendered = self._render(part, translations[i], links, raws)
-            if rendered != self.text[part.start : part.end]:
-                # A Markdown code span beside the page's own stays a span of its own.
-                if out[-1].endswith("`") and rendered.startswith("`"):
-                    rendered = " " + rendered
-                if rendered.endswith("`") and self.text.startswith("`", part.end):
-                    rendered += " "
+            if rendered != self.text[part.start : part.end]:  # beside the page's own spans
+                after = self.text[part.end : part.end + 1]
+                rendered = spans_apart(out[-1], rendered) + rendered + spans_apart(rendered, after)
             out.append(rendered)
             at = part.end
         out.append(self.text[at:])

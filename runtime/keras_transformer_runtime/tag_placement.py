@@ -23,6 +23,12 @@ def escape_html(text):
     return html.escape(text, quote=False)
 
 
+def spans_apart(before, after):
+    """A space where `before` ends and `after` starts a Markdown code span (side by side,
+    `` `a``b` `` would read as one), else nothing."""
+    return " " if before.endswith("`") and after.startswith("`") else ""
+
+
 def place_tags(source, tags, translation, links, page, escape=None, raws=None):
     """`translation`, HTML-escaped, with the inline `tags` of `source` around the
     target words linked to the source words they wrapped (`links`: (source word,
@@ -234,9 +240,7 @@ def _insert(translation, inserts, escape):
     out, at = [], 0
     for position, _, _, raw in resolved:
         text = escape(translation[at:position])
-        if not text and out and out[-1].endswith("`") and raw.startswith("`"):
-            text = " "
-        out.append(text)
+        out.append(text or spans_apart(out[-1] if out else "", raw))
         out.append(raw)
         at = position
     out.append(escape(translation[at:]))
