@@ -174,7 +174,7 @@ def _settled(ends, position, at, raw):
         for _, opened, start, end, closed in ends:
             held = opened < position < closed
             if held and not start <= at <= end:
-                return (end, 2, 0, raw)  # last inside the pair that held it
+                return _last_in(ends, position, raw)  # last inside the innermost holder
             if not held and start <= at < end and start < end:
                 at, moved = end, True
         if not moved:
