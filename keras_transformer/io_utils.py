@@ -69,15 +69,23 @@ def load_keras_archive(path: str, **kwargs):
     the archive is unpacked into a temporary folder instead, which Keras
     loads weight by weight from disk.
     """
-    import zipfile
-
     import keras
+
+    with unpacked_keras_archive(path) as unpacked:
+        return keras.saving.load_model(unpacked, **kwargs)
+
+
+@contextlib.contextmanager
+def unpacked_keras_archive(path: str):
+    """Yields a temporary folder holding the files of the `.keras` archive `path`
+    (`config.json`, `model.weights.h5`, ...); removed on leaving."""
+    import zipfile
 
     unpacked = tempfile.mkdtemp(prefix="keras-model-")
     try:
         with zipfile.ZipFile(path) as archive:
             archive.extractall(unpacked)
-        return keras.saving.load_model(unpacked, **kwargs)
+        yield unpacked
     finally:
         shutil.rmtree(unpacked, ignore_errors=True)
 

@@ -1,14 +1,15 @@
 """safetensors checkpoints read and written one tensor at a time, so that an import or
-an export holds one tensor beside the model, not a second copy of the whole checkpoint.
+an export never holds a second copy of the whole checkpoint.
 
 `CheckpointTensors` reads a file through `safetensors.safe_open`, opened
 for each read and closed after it: its memory map then never keeps the
-pages it touched (they count as the process' own). `write_safetensors`
-writes tensors as they come: the data into a scratch file beside the
-target, then the header (which must know every shape and offset) and the
-data copied after it. The format (an 8-byte little-endian header length,
-the JSON header, the data) is safetensors' own; the tests read the written
-files back with `safetensors.numpy.load_file`.
+pages it touched (they count as the process' own). `SafetensorsWriter`
+(and `write_safetensors`) writes tensors as they are given: the data into
+a scratch file beside the target, then the header (which must know every
+shape and offset) and the data copied after it. The format (an 8-byte
+little-endian header length, the JSON header, the data) is safetensors'
+own; the tests read the written files back with
+`safetensors.numpy.load_file`.
 """
 
 from __future__ import annotations
@@ -90,32 +91,57 @@ def write_safetensors(path, tensors: Iterable[tuple[str, np.ndarray]], metadata=
     Each array is written and let go before the next is asked for; the
     scratch data file beside `path` is removed whatever happens.
     """
-    scratch = f"{path}.data"
-    header = {"__metadata__": dict(metadata)} if metadata else {}
-    offset = 0
-    try:
-        with open(scratch, "wb") as data:
-            for name, array in tensors:
-                array = np.ascontiguousarray(array)
-                if array.dtype not in DTYPES:
-                    raise ValueError(f"{name}: dtype {array.dtype} is not written.")
-                if name in header:
-                    raise ValueError(f"{name} is given twice.")
-                size = array.nbytes
-                header[name] = {
-                    "dtype": DTYPES[array.dtype],
-                    "shape": list(array.shape),
-                    "data_offsets": [offset, offset + size],
-                }
-                array = array.astype(array.dtype.newbyteorder("<"), copy=False)
-                data.write(memoryview(array.reshape(-1)).cast("B"))
-                offset += size
-        encoded = json.dumps(header, separators=(",", ":")).encode()
-        encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
-        with open(path, "wb") as out, open(scratch, "rb") as data:
-            out.write(struct.pack("<Q", len(encoded)))
-            out.write(encoded)
-            shutil.copyfileobj(data, out, 16 * 2**20)
-    finally:
-        if os.path.exists(scratch):
-            os.remove(scratch)
+    with SafetensorsWriter(path, metadata) as writer:
+        for name, array in tensors:
+            writer.add(name, array)
+
+
+class SafetensorsWriter:
+    """A safetensors file written as tensors are given (`add`), whole on leaving the
+    `with` block without an exception; otherwise nothing is left."""
+
+    def __init__(self, path, metadata=None):
+        self.path = path
+        self.scratch = f"{path}.data"
+        self.header = {"__metadata__": dict(metadata)} if metadata else {}
+        self.offset = 0
+        self.data = None
+
+    def __enter__(self):
+        self.data = open(self.scratch, "wb")
+        return self
+
+    def add(self, name, array, rows=None):
+        """Writes `array`, or with `rows` (indices) `array[rows]` a block of rows at a time."""
+        array = np.asarray(array)
+        if array.dtype not in DTYPES:
+            raise ValueError(f"{name}: dtype {array.dtype} is not written.")
+        if name in self.header:
+            raise ValueError(f"{name} is given twice.")
+        shape = array.shape if rows is None else (len(rows), *array.shape[1:])
+        start = self.offset
+        blocks = [slice(None)] if rows is None else np.array_split(rows, len(rows) // 4096 + 1)
+        for block in blocks:
+            part = array if rows is None else array[block]
+            part = np.ascontiguousarray(part, part.dtype.newbyteorder("<"))
+            self.data.write(memoryview(part.reshape(-1)).cast("B"))
+            self.offset += part.nbytes
+        self.header[name] = {
+            "dtype": DTYPES[array.dtype],
+            "shape": list(shape),
+            "data_offsets": [start, self.offset],
+        }
+
+    def __exit__(self, kind, error, trace):
+        try:
+            self.data.close()
+            if kind is None:
+                encoded = json.dumps(self.header, separators=(",", ":")).encode()
+                encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
+                with open(self.path, "wb") as out, open(self.scratch, "rb") as data:
+                    out.write(struct.pack("<Q", len(encoded)))
+                    out.write(encoded)
+                    shutil.copyfileobj(data, out, 16 * 2**20)
+        finally:
+            if os.path.exists(self.scratch):
+                os.remove(self.scratch)

@@ -193,10 +193,20 @@ def from_marian(path: str):
 
     >>> model, tokenizer = from_marian("opus-mt-de-en")  # doctest: +SKIP
     """
-    from keras_transformer.data.marian_tokenizer import MarianTokenizer
     from keras_transformer.model import build_transformer, transformer_parts
-    from keras_transformer.pretrained.marian_npz import is_native, read_native
     from keras_transformer.pretrained.marian_weights import assign_weights
+
+    hf, config, tokenizer, tensors = read_marian(path)
+    model = build_transformer(config)
+    assign_weights(transformer_parts(model), tensors, tokenizer, hf)
+    return model, tokenizer
+
+
+def read_marian(path: str):
+    """`(hf_config, config, tokenizer, tensors)` of the Marian model at `path` (as
+    `from_marian` takes it), the tensors read when asked for."""
+    from keras_transformer.data.marian_tokenizer import MarianTokenizer
+    from keras_transformer.pretrained.marian_npz import is_native, read_native
 
     folder = local_directory(path)
     if is_native(folder) and not os.path.isfile(os.path.join(folder, CONFIG)):
@@ -211,9 +221,7 @@ def from_marian(path: str):
     # in fine-tuning, as Marian, CTranslate2 and PyTorch's padding_idx keep it.
     if _zero_start_row(hf, tensors):
         config = dataclasses.replace(config, zero_start_embedding=True)
-    model = build_transformer(config)
-    assign_weights(transformer_parts(model), tensors, tokenizer, hf)
-    return model, tokenizer
+    return hf, config, tokenizer, tensors
 
 
 def _zero_start_row(hf: dict, tensors) -> bool:
@@ -273,11 +281,19 @@ def import_marian(source: str, out_dir: str, overwrite: bool = False) -> str:
         raise MarianImportError(
             f"{out_dir} exists and is not empty; choose a new folder or pass --overwrite."
         )
-    from keras_transformer.pretrained.marian_weights import source_record
+    from keras_transformer.model import build_transformer, transformer_parts
+    from keras_transformer.pretrained.marian_weights import checkpoint_values, source_record
+    from keras_transformer.pretrained.streamed_weights import ValuesOnSave, unvalued
 
-    model, tokenizer = from_marian(source)
+    hf, config, tokenizer, tensors = read_marian(source)
+    # The model is written as Keras writes it, each weight read from the
+    # checkpoint as Keras saves it: one tensor in memory at a time, not the model.
+    with unvalued():
+        model = build_transformer(config)
+    values = checkpoint_values(transformer_parts(model), tensors, tokenizer, hf)
     with staged_directory(out_dir, "import") as staging:
-        atomic_save_model(model, os.path.join(staging, "model.keras"))
+        with ValuesOnSave(values):
+            atomic_save_model(model, os.path.join(staging, "model.keras"))
         tokenizer.save(staging)
         atomic_write_json(os.path.join(staging, "imported.json"), source_record(source))
     return out_dir

@@ -13,6 +13,8 @@ import json
 import math
 import os
 
+import numpy as np
+
 from keras_transformer.pretrained.marian import (
     CONFIG,
     SAFETENSORS,
@@ -82,12 +84,14 @@ def marian_hf_config(config, tokenizer) -> dict:
 def export_marian_hf(run_dir: str, out_dir: str, overwrite: bool = False) -> list[str]:
     """Writes the Hugging Face MarianMT directory `out_dir` for the run `run_dir`;
     returns the files written. Built in a staging folder and renamed into place."""
+    import keras
+
     from keras_transformer.data.marian_tokenizer import MarianTokenizer
-    from keras_transformer.io_utils import staged_directory
+    from keras_transformer.io_utils import staged_directory, unpacked_keras_archive
     from keras_transformer.model import transformer_parts
-    from keras_transformer.pretrained.checkpoint_files import write_safetensors
-    from keras_transformer.pretrained.marian_weights import marian_tensors, weight_table
-    from keras_transformer.translation import load_run
+    from keras_transformer.pretrained.marian_weights import weight_table
+    from keras_transformer.pretrained.streamed_weights import unvalued
+    from keras_transformer.translation import check_keras_archive, load_tokenizer
 
     out_dir = os.path.abspath(os.fspath(out_dir))
     if os.path.isfile(out_dir):
@@ -102,25 +106,80 @@ def export_marian_hf(run_dir: str, out_dir: str, overwrite: bool = False) -> lis
                     else "."
                 )
             )
-    model, tokenizer = load_run(run_dir)
+    model_path = os.path.join(run_dir, "model.keras")
+    if not os.path.isfile(model_path):
+        raise FileNotFoundError(f"No model.keras in {run_dir}: not a run directory.")
+    tokenizer = load_tokenizer(run_dir)
     if not isinstance(tokenizer, MarianTokenizer):
         raise MarianImportError(
             f"{run_dir} has no Marian tokenizer (vocab.json with source.spm and target.spm): "
             "only imported or fine-tuned Marian models export as marian-hf."
         )
-    parts = transformer_parts(model)
-    config = marian_hf_config(parts.config, tokenizer)
-    names = {entry.names[0] for entry in weight_table(parts, tokenizer)}
+    check_keras_archive(model_path)
+    with unpacked_keras_archive(model_path) as unpacked:
+        # The model without values; its weights are read from the file one at a
+        # time, each written out as it comes (`_write_weights`).
+        with open(os.path.join(unpacked, "config.json"), encoding="utf-8") as f:
+            saved = json.load(f)
+        saved.pop("compile_config", None)  # the optimizer of a trained run: not exported
+        with unvalued():
+            model = keras.models.model_from_json(json.dumps(saved))
+        parts = transformer_parts(model)
+        config = marian_hf_config(parts.config, tokenizer)
+        with staged_directory(out_dir, "marian") as staging:
+            _write_weights(
+                model,
+                weight_table(parts, tokenizer),
+                os.path.join(unpacked, "model.weights.h5"),
+                os.path.join(staging, SAFETENSORS),
+                config["share_encoder_decoder_embeddings"],
+            )
+            for name, data in _configs(config, tokenizer):
+                with open(os.path.join(staging, name), "w", encoding="utf-8") as f:
+                    json.dump(data, f, indent=2)
+                    f.write("\n")
+            files = sorted(os.listdir(staging) + tokenizer.save(staging))
+    return sorted(set(files))
+
+
+def _write_weights(model, table, weights_file, path, shared_vocabulary):
+    """The safetensors file `path` of `model`'s weights, each read from Keras's
+    `weights_file` as Keras loads it and written out at once (`TakeOnLoad`)."""
+    from keras_transformer.pretrained.checkpoint_files import SafetensorsWriter
+    from keras_transformer.pretrained.marian_weights import marian_order
+    from keras_transformer.pretrained.streamed_weights import TakeOnLoad
+
+    entries = {id(entry.variable): entry for entry in table}
     # One vocabulary, an output of its own: transformers then keeps the encoder's
     # and decoder's embeddings apart from the shared module, and saves all three.
-    add_shared = config["share_encoder_decoder_embeddings"] and "model.shared.weight" not in names
+    add_shared = shared_vocabulary and all(
+        entry.names[0] != "model.shared.weight" for entry in table
+    )
+    with SafetensorsWriter(path, {"format": "pt"}) as writer:
 
-    def tensors():
-        for name, value in marian_tensors(parts, tokenizer):
-            yield name, value
+        def take(variable, value):
+            entry = entries.pop(id(variable))
+            name = entry.names[0]
+            value = np.asarray(value, np.float32)
+            if entry.rows is None:
+                value, rows = entry.to_marian(value), None
+            else:  # a vocabulary matrix: its rows written in Marian's order, a block at a time
+                rows = marian_order(entry.rows)
+            writer.add(name, value, rows)
             if add_shared and name == "model.encoder.embed_tokens.weight":
-                yield "model.shared.weight", value
+                writer.add("model.shared.weight", value, rows)
 
+        with TakeOnLoad(take):
+            model.load_weights(weights_file)
+        if entries:
+            raise MarianImportError(
+                f"{weights_file} holds no weights for {len(entries)} variable(s), such as "
+                f"{next(iter(entries.values())).variable.path}."
+            )
+
+
+def _configs(config, tokenizer):
+    """transformers' config, generation config and tokenizer config, by file name."""
     generation = {
         key: config[key]
         for key in ("pad_token_id", "eos_token_id", "decoder_start_token_id", "bad_words_ids")
@@ -136,15 +195,8 @@ def export_marian_hf(run_dir: str, out_dir: str, overwrite: bool = False) -> lis
         "pad_token": "<pad>",
         "model_max_length": config["max_position_embeddings"],
     }
-    with staged_directory(out_dir, "marian") as staging:
-        write_safetensors(os.path.join(staging, SAFETENSORS), tensors(), {"format": "pt"})
-        for name, data in (
-            (CONFIG, config),
-            ("generation_config.json", generation),
-            ("tokenizer_config.json", tokenizer_config),
-        ):
-            with open(os.path.join(staging, name), "w", encoding="utf-8") as f:
-                json.dump(data, f, indent=2)
-                f.write("\n")
-        files = sorted(os.listdir(staging) + tokenizer.save(staging))
-    return sorted(set(files))
+    return [
+        (CONFIG, config),
+        ("generation_config.json", generation),
+        ("tokenizer_config.json", tokenizer_config),
+    ]

@@ -2,8 +2,8 @@
 
 `weight_table` pairs every variable of a model from `build_transformer` with
 its tensor in a transformers MarianMT checkpoint and the two reshapes between
-them, so that importing (`assign_weights`) and exporting back (`marian_state`)
-read the same table. PyTorch's `Linear` keeps `(out, in)`; our projections
+them, so that importing (`checkpoint_values`) and exporting back
+(`marian_tensors`) read the same table. PyTorch's `Linear` keeps `(out, in)`; our projections
 keep `(in, out)` split into heads. The vocabulary rows are renumbered
 (`keras_transformer_runtime.marian_vocabulary`): our padding row 0 is zero on
 import and dropped on export.
@@ -38,7 +38,7 @@ class Entry:
     to_keras: Callable[[np.ndarray], np.ndarray]
     to_marian: Callable[[np.ndarray], np.ndarray]
     # For a vocabulary matrix: `to_keras` is `_rows_in(rows)`, which
-    # `_assign_rows` can do block by block from the file.
+    # `_read_rows` reads block by block from the file.
     rows: np.ndarray | None = None
 
 
@@ -55,13 +55,16 @@ def _rows_in(to_marian):
 
 def _rows_out(to_marian):
     """Our rows back in Marian's order (our padding row dropped)."""
+    order = marian_order(to_marian)
+    return lambda matrix: matrix[order]
 
-    def convert(matrix):
-        out = np.zeros((len(to_marian) - 1,) + matrix.shape[1:], np.float32)
-        out[to_marian[1:]] = matrix[1:]
-        return out
 
-    return convert
+def marian_order(to_marian):
+    """Which of our rows is each of Marian's: `ours[marian_order(to_marian)]` is
+    `_rows_out`'s matrix."""
+    order = np.zeros(len(to_marian) - 1, np.int64)
+    order[np.asarray(to_marian)[1:]] = np.arange(1, len(to_marian))
+    return order
 
 
 def weight_table(parts, tokenizer) -> list[Entry]:
@@ -172,54 +175,62 @@ def weight_table(parts, tokenizer) -> list[Entry]:
     return table
 
 
-def assign_weights(parts, tensors: dict, tokenizer, hf_config: dict) -> None:
-    """Sets every variable of `parts` from the checkpoint `tensors`.
+def checkpoint_values(parts, tensors, tokenizer, hf_config: dict) -> Callable:
+    """`value(variable)`: each variable of `parts` as read from the checkpoint `tensors`,
+    converted when asked for; a tensor is let go after its last use.
 
     Raises:
-        MarianWeightError: a tensor is missing, has another shape than the
-            config implies, or the checkpoint holds a tensor this model has no
-            place for (it would be dropped silently).
+        MarianWeightError: a tensor is missing, or the checkpoint holds one this
+            model has no place for (it would be dropped silently), checked
+            before any value is read; or, when `value` reads a tensor, it has
+            another shape than the config implies.
     """
-    used = set(DERIVED)
-    present = set(tensors)
     table = weight_table(parts, tokenizer)
     chosen = [next((n for n in entry.names if n in tensors), None) for entry in table]
-    uses = {name: chosen.count(name) for name in chosen}
     for entry, name in zip(table, chosen, strict=True):
         if name is None:
             raise MarianWeightError(f"The checkpoint has no tensor {entry.names[0]}.")
-        expected = tuple(entry.variable.shape)
-        if entry.rows is not None and hasattr(tensors, "rows"):
-            _assign_rows(entry.variable, tensors, name, entry.rows)
-        else:
-            try:
-                value = entry.to_keras(np.asarray(tensors[name], np.float32))
-            except (ValueError, IndexError):  # a reshape or a row lookup that cannot fit
-                value = None
-            if value is None or value.shape != expected:
-                _refuse_shape(name, tensors[name].shape, expected)
-            entry.variable.assign(value)
-            del value
-        used.add(name)
-        uses[name] -= 1
-        if not uses[name]:  # its last use: freed now, so that peak memory stays low
-            del tensors[name]
-    # The embedding modules transformers saves beside the ones its forward pass reads
-    # (the encoder's and decoder's own where they exist, else the shared one).
-    for name in (
-        "model.shared.weight",
-        "model.encoder.embed_tokens.weight",
-        "model.decoder.embed_tokens.weight",
-    ):
-        used.add(name)
+    # Besides its own tensors: the fixed sinusoids, and the embedding modules
+    # transformers saves beside the ones its forward pass reads.
+    used = set(chosen) | set(DERIVED)
+    used |= {"model.shared.weight", "model.encoder.embed_tokens.weight"}
+    used.add("model.decoder.embed_tokens.weight")
     if hf_config.get("tie_word_embeddings", True):
         used.add("lm_head.weight")
-    unused = sorted(present - used)
+    unused = sorted(set(tensors) - used)
     if unused:
         raise MarianWeightError(
             f"The checkpoint holds {len(unused)} tensor(s) this model has no place for, "
             f"such as {unused[0]}: it is not a MarianMT model of the kind its config says."
         )
+    places = {id(entry.variable): (entry, name) for entry, name in zip(table, chosen, strict=True)}
+    uses = {name: chosen.count(name) for name in chosen}
+
+    def value(variable):
+        entry, name = places[id(variable)]
+        expected = tuple(variable.shape)
+        if entry.rows is not None and hasattr(tensors, "rows"):
+            converted = _read_rows(expected, tensors, name, entry.rows)
+        else:
+            try:
+                converted = entry.to_keras(np.asarray(tensors[name], np.float32))
+            except (ValueError, IndexError):  # a reshape or a row lookup that cannot fit
+                converted = None
+            if converted is None or converted.shape != expected:
+                _refuse_shape(name, tensors[name].shape, expected)
+        uses[name] -= 1
+        if not uses[name]:  # its last use: let go now, so that peak memory stays low
+            del tensors[name]
+        return converted
+
+    return value
+
+
+def assign_weights(parts, tensors, tokenizer, hf_config: dict) -> None:
+    """Sets every variable of `parts` from the checkpoint `tensors` (`checkpoint_values`)."""
+    value = checkpoint_values(parts, tensors, tokenizer, hf_config)
+    for entry in weight_table(parts, tokenizer):
+        entry.variable.assign(value(entry.variable))
 
 
 def _refuse_shape(name, shape, expected):
@@ -230,18 +241,13 @@ def _refuse_shape(name, shape, expected):
     )
 
 
-# Rows of a vocabulary matrix read and assigned at once by `_assign_rows`.
+# Rows of a vocabulary matrix read from the file at once by `_read_rows`.
 ROW_BLOCK = 4096
 
 
-def _assign_rows(variable, tensors, name, to_marian):
-    """`variable.assign(_rows_in(to_marian)(tensors[name]))`, read from the file and
-    assigned `ROW_BLOCK` rows at a time (under TensorFlow; other backends assign
-    the whole matrix once built): an import then never holds the checkpoint's
-    largest tensor twice beside the model."""
-    import keras
-
-    expected = tuple(variable.shape)
+def _read_rows(expected, tensors, name, to_marian):
+    """`_rows_in(to_marian)(tensors[name])`, read from the file `ROW_BLOCK` rows at a
+    time: the checkpoint's largest tensor is never held twice."""
     shape = tensors.shape(name)
     if (
         shape[1:] != expected[1:]
@@ -249,24 +255,18 @@ def _assign_rows(variable, tensors, name, to_marian):
         or to_marian[1:].max() >= shape[0]
     ):
         _refuse_shape(name, shape, expected)
-    whole = None if keras.backend.backend() == "tensorflow" else np.zeros(expected, np.float32)
+    whole = np.zeros(expected, np.float32)  # our row 0, padding, stays 0
     for start in range(0, len(to_marian), ROW_BLOCK):
         wanted = to_marian[start : start + ROW_BLOCK]
-        block = np.zeros((len(wanted), *expected[1:]), np.float32)  # padding stays 0
-        places = np.arange(1 if start == 0 else 0, len(wanted))  # our row 0: padding
-        sources = wanted[places]
+        places = np.arange(1 if start == 0 else 0, len(wanted)) + start
+        sources = to_marian[places]
         # Consecutive source rows, read as one slice each (the renumbering moves few rows).
         breaks = np.flatnonzero(np.diff(sources) != 1) + 1
         for run_places, run in zip(
             np.split(places, breaks), np.split(sources, breaks), strict=True
         ):
-            block[run_places] = tensors.rows(name, int(run[0]), int(run[-1]) + 1)
-        if whole is None:
-            variable.value[start : start + len(wanted)].assign(block)
-        else:
-            whole[start : start + len(wanted)] = block
-    if whole is not None:
-        variable.assign(whole)
+            whole[run_places] = tensors.rows(name, int(run[0]), int(run[-1]) + 1)
+    return whole
 
 
 def marian_state(parts, tokenizer) -> dict[str, np.ndarray]:

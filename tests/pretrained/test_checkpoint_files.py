@@ -71,3 +71,41 @@ def test_an_import_block_by_block_equals_one_from_whole_tensors(variant, tmp_pat
     marian_weights.assign_weights(transformer_parts(whole), dict(tensors), tokenizer, hf)
     for a, b in zip(blocked.weights, whole.weights, strict=True):
         assert a.path == b.path and np.array_equal(np.asarray(a), np.asarray(b)), a.path
+
+
+def test_rows_written_a_block_at_a_time_are_the_rows_taken_whole(tmp_path):
+    from safetensors.numpy import load_file
+
+    from keras_transformer.pretrained.checkpoint_files import SafetensorsWriter
+
+    matrix = np.random.default_rng(1).normal(size=(9001, 3)).astype(np.float32)
+    order = np.random.default_rng(2).permutation(9001)[:8999]
+    path = str(tmp_path / "rows.safetensors")
+    with SafetensorsWriter(path) as writer:
+        writer.add("rows", matrix, order)
+        writer.add("whole", matrix)
+    read = load_file(path)
+    np.testing.assert_array_equal(read["rows"], matrix[order])
+    np.testing.assert_array_equal(read["whole"], matrix)
+
+
+@pytest.mark.jax
+@pytest.mark.parametrize("variant", ["relu-shared-bias", "gelu-separate-bias", "relu-untied-3-1"])
+def test_a_run_written_one_weight_at_a_time_holds_the_model_from_marian(variant, tmp_path):
+    """`import marian` writes each weight as Keras saves it, from a model built without
+    values (`streamed_weights`): the run's weights are `from_marian`'s, and no
+    variable of it is left for Keras to initialize later."""
+    from keras_transformer.pretrained.marian import import_marian
+    from keras_transformer.pretrained.streamed_weights import _pending_variables
+    from keras_transformer.translation import load_run
+
+    folder = str(tmp_path / "marian")
+    numpy_checkpoint(folder, variant)
+    pending = len(_pending_variables() or [])
+    import_marian(folder, str(tmp_path / "run"))
+    assert len(_pending_variables() or []) == pending
+    written, _ = load_run(str(tmp_path / "run"))
+    model, _ = from_marian(folder)
+    assert len(written.weights) == len(model.weights)
+    for a, b in zip(written.weights, model.weights, strict=True):
+        assert a.path == b.path and np.array_equal(np.asarray(a), np.asarray(b)), a.path
