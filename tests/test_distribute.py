@@ -3,6 +3,7 @@ and JAX data-parallel runs of 1 and 2 real processes on 127.0.0.1."""
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -446,9 +447,7 @@ FAST_WATCH = {
 def test_a_dying_process_ends_the_run_and_the_same_commands_resume_it(fixed_corpus, tmp_path):
     """Process 1 is killed after the first epoch's backup: process 0 ends within the
     heartbeat timeout with one line that names process 1 and no stack dump; the same
-    two commands then resume from process 0's backup. (A dead process 0 ends the others
-    at once with JAX's own fatal error: its client aborts when the coordinator's
-    connection drops, docs/distributed.md.)"""
+    two commands then resume from process 0's backup. (A dead process 0: the test below.)"""
     import shutil
 
     before = _process_folders()
@@ -483,6 +482,47 @@ def test_a_dying_process_ends_the_run_and_the_same_commands_resume_it(fixed_corp
         assert [e["steps"] for e in history] == [5, 10, 15]
         assert "Resuming" in Path(f"{out}.process0.log").read_text()
     finally:
+        for folder in _process_folders() - before:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _jax_available(), reason="needs jax (pip install '.[jax]')")
+def test_a_dead_coordinator_ends_the_others_with_one_line_and_no_stack_dump(fixed_corpus, tmp_path):
+    """kill -9 of process 0: JAX's client in process 1 aborts at once; its standard
+    error shows one line naming the coordinator and the file that holds JAX's dump,
+    and its temporary folder is gone."""
+    before = _process_folders()
+    out, extra = tmp_path / "run", ["--epochs", "3", "--select-by", "loss"]
+    group = _start_processes(fixed_corpus, out, 2, *extra, port=_free_port(), env=FAST_WATCH)
+    metadata = out / "backup" / "training_metadata.json"
+    deadline = time.time() + 600
+    while not metadata.exists() and time.time() < deadline and group[0][0].poll() is None:
+        time.sleep(0.2)
+    assert metadata.exists(), _logs(out, 2)
+    group[0][0].kill()
+    started = time.time()
+    codes = _wait(group, timeout=60)
+    took = time.time() - started
+    log_path = Path(f"{out}.process1.log")
+    while "error:" not in log_path.read_text() and time.time() < started + 60:
+        time.sleep(0.1)  # the line comes from the relay, which outlives the process a moment
+    log = log_path.read_text()
+    report = None
+    try:
+        assert codes[1] != 0 and took < 30, log[-3000:]
+        errors = [line for line in log.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1, log[-3000:]
+        assert "process 0 (the coordinator, 127.0.0.1:" in errors[0]
+        assert "start the same commands again" in errors[0]
+        for dump in ("Check failure stack trace", "terminate called", "@ 0x"):
+            assert dump not in log, log[-3000:]
+        report = errors[0].rsplit("JAX's report: ", 1)[1]
+        assert "Check failure stack trace" in Path(report).read_text()
+        assert _process_folders() == before
+    finally:
+        if report and os.path.exists(report):
+            os.remove(report)
         for folder in _process_folders() - before:
             shutil.rmtree(folder, ignore_errors=True)
 

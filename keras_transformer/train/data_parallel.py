@@ -220,6 +220,7 @@ def start_data_parallel(coordinator=None, num_processes=None, process_id=None) -
             heartbeat_timeout_seconds=peers.jax_heartbeat_timeout(interval, missed),
         )
         watch = peers.PeerWatch(distributed.global_state.client, index, count, interval, missed)
+        peers.relay_standard_error(watch, coordinator)
         watch.start()
     devices = jax.devices()
     distribution = keras.distribution.DataParallel(devices=devices, auto_shard_dataset=False)

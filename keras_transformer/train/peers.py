@@ -14,13 +14,21 @@ first.
 A collective that fails because its peer is gone (gloo: "Connection closed by
 peer") raises in the training loop; `lost_peer` then asks the watch which
 process it was and ends the same way.
+
+The coordinator's death is the one case the watch cannot answer: JAX's client
+aborts at once, with a fatal log line and a C++ stack dump.
+`relay_standard_error` puts a small child process (`stderr_relay.py`) on
+the standard error of each process, which passes everything on until such a
+dump starts, files the dump, and prints one line in its place.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -56,9 +64,17 @@ class PeerWatch:
         self.index, self.count = index, count
         self.interval, self.missed = float(interval), int(missed)
         self.cleanup: list[str] = []
+        self.cleanup_file: str | None = None  # where `relay_standard_error`'s child reads them
         self.dead: int | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="peer-watch", daemon=True)
+
+    def add_cleanup(self, folder: str) -> None:
+        """Removes `folder` too when this process ends because a peer died."""
+        self.cleanup.append(folder)
+        if self.cleanup_file:
+            with open(self.cleanup_file, "w", encoding="utf-8") as f:
+                f.write("".join(item + "\n" for item in self.cleanup))
 
     def start(self) -> PeerWatch:
         self._thread.start()
@@ -119,6 +135,37 @@ class PeerWatch:
         for folder in self.cleanup:
             shutil.rmtree(folder, ignore_errors=True)
         os._exit(EXIT_STATUS)
+
+
+def relay_standard_error(watch: PeerWatch, coordinator: str) -> subprocess.Popen | None:
+    """Routes this process's standard error through `stderr_relay.py` (see the module),
+    which names the dump's file in its line; None under `--verbose`, which keeps the dump."""
+    if "--verbose" in sys.argv:
+        return None
+    stamp = os.path.join(
+        tempfile.gettempdir(), f"keras-transformer-process{watch.index}-{os.getpid()}"
+    )
+    watch.cleanup_file = stamp + "-cleanup"
+    cause = (
+        f", as it does every other process when process 0 (the coordinator, {coordinator}) dies"
+        if watch.index
+        else ""
+    )
+    message = (
+        f"error: JAX's distributed runtime ended process {watch.index} of the run "
+        f"({{reason}}){cause}. Every process of the run stops; start the same commands again "
+        "on every process to resume from process 0's last backup. JAX's report: {dump}"
+    )
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "stderr_relay.py")
+    sys.stderr.flush()
+    relay = subprocess.Popen(
+        [sys.executable, script, message, stamp + "-fatal.log", watch.cleanup_file],
+        stdin=subprocess.PIPE,
+        stdout=sys.__stderr__.fileno(),
+    )
+    os.dup2(relay.stdin.fileno(), 2)  # C++ and Python alike write to descriptor 2
+    relay.stdin.close()  # descriptor 2 holds the pipe now; at exit the relay sees its end
+    return relay
 
 
 def lost_peer(watch: PeerWatch, error: BaseException) -> None:

@@ -3,9 +3,11 @@ reads back from it (history, tokenizer, the seed of its random streams)."""
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import json
 import os
+import shutil
 import tempfile
 
 import numpy as np
@@ -98,8 +100,9 @@ def open_run(settings, out_dir, verbose, strategy, processes=SINGLE_PROCESS) -> 
     """
     if not processes.first:
         out_dir = tempfile.mkdtemp(prefix=f"keras-transformer-process-{processes.index}-")
+        atexit.register(shutil.rmtree, out_dir, ignore_errors=True)  # after an error too
         if processes.watch is not None:
-            processes.watch.cleanup.append(out_dir)  # removed too when a peer dies
+            processes.watch.add_cleanup(out_dir)  # removed too when a peer dies
     resume = _check_run_directory(out_dir, settings)
     if resume:
         # Before anything reads the backup: finish or discard a commit a kill cut short.
