@@ -442,6 +442,21 @@ FAST_WATCH = {
 }
 
 
+def _kill_after_first_backup(fixed_corpus, out, extra, killed, timeout):
+    """Two processes, process `killed` killed once the first backup is written:
+    `(group, exit codes, seconds from the kill to the end)`."""
+    group = _start_processes(fixed_corpus, out, 2, *extra, port=_free_port(), env=FAST_WATCH)
+    metadata = out / "backup" / "training_metadata.json"
+    deadline = time.time() + 600
+    while not metadata.exists() and time.time() < deadline and group[0][0].poll() is None:
+        time.sleep(0.2)
+    assert metadata.exists(), _logs(out, 2)
+    group[killed][0].kill()
+    started = time.time()
+    codes = _wait(group, timeout=timeout)
+    return group, codes, time.time() - started
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not _jax_available(), reason="needs jax (pip install '.[jax]')")
 def test_a_dying_process_ends_the_run_and_the_same_commands_resume_it(fixed_corpus, tmp_path):
@@ -452,16 +467,7 @@ def test_a_dying_process_ends_the_run_and_the_same_commands_resume_it(fixed_corp
 
     before = _process_folders()
     out, extra = tmp_path / "run", ["--epochs", "3", "--select-by", "loss"]
-    group = _start_processes(fixed_corpus, out, 2, *extra, port=_free_port(), env=FAST_WATCH)
-    metadata = out / "backup" / "training_metadata.json"
-    deadline = time.time() + 600
-    while not metadata.exists() and time.time() < deadline and group[0][0].poll() is None:
-        time.sleep(0.2)
-    assert metadata.exists(), _logs(out, 2)
-    group[1][0].kill()
-    started = time.time()
-    codes = _wait(group, timeout=120)
-    took = time.time() - started
+    group, codes, took = _kill_after_first_backup(fixed_corpus, out, extra, 1, 120)
     log = Path(f"{out}.process0.log").read_text()
     try:
         assert codes[0] == 1, log[-3000:]
@@ -494,19 +500,13 @@ def test_a_dead_coordinator_ends_the_others_with_one_line_and_no_stack_dump(fixe
     and its temporary folder is gone."""
     before = _process_folders()
     out, extra = tmp_path / "run", ["--epochs", "3", "--select-by", "loss"]
-    group = _start_processes(fixed_corpus, out, 2, *extra, port=_free_port(), env=FAST_WATCH)
-    metadata = out / "backup" / "training_metadata.json"
-    deadline = time.time() + 600
-    while not metadata.exists() and time.time() < deadline and group[0][0].poll() is None:
-        time.sleep(0.2)
-    assert metadata.exists(), _logs(out, 2)
-    group[0][0].kill()
-    started = time.time()
-    codes = _wait(group, timeout=60)
-    took = time.time() - started
+    group, codes, took = _kill_after_first_backup(fixed_corpus, out, extra, 0, 60)
     log_path = Path(f"{out}.process1.log")
-    while "error:" not in log_path.read_text() and time.time() < started + 60:
-        time.sleep(0.1)  # the line comes from the relay, which outlives the process a moment
+    deadline = (
+        time.time() + 30
+    )  # the line comes from the relay, which outlives the process a moment
+    while "error:" not in log_path.read_text() and time.time() < deadline:
+        time.sleep(0.1)
     log = log_path.read_text()
     report = None
     try:
