@@ -420,41 +420,88 @@ def real_pages(args):
     for fmt, pattern in (("html", args.html), ("markdown", args.markdown)):
         found = sorted(glob.glob(pattern, recursive=True)) if pattern else []
         chosen += [(path, fmt) for path in rng.sample(found, min(args.count, len(found)))]
-    translator = OnnxTranslator(args.onnx_dir, num_threads=args.threads)
+    translator = OnnxTranslator(args.onnx_dir, precision=args.precision, num_threads=args.threads)
     options = SearchOptions(beam_size=args.beam)
+    again, stop = _second_translation(args)
     problems, sentences, seconds = [], 0, 0.0
-    for path, fmt in chosen:
-        with open(path, "rb") as f:
-            page = f.read().decode("utf-8", "replace")
-        try:
-            first, took = harness.timed(
-                translator.translate_documents, [page], fmt, options, args.src
-            )
-            second = translator.translate_documents([page], fmt, options, args.src)
-        except Exception:  # noqa: BLE001 - every failure is a finding, named in the report
-            problems.append({"path": path, "problem": traceback.format_exc(limit=3)})
-            continue
-        seconds += took
-        sentences += len(translator.documents([page], fmt, args.src)[0].sentences)
-        found = []
-        if first != second:
-            found.append("differs between runs")
-        if fmt == "html":
-            before, after = _Markup(page), _Markup(first[0])
-            if sorted(map(repr, before.tags)) != sorted(map(repr, after.tags)):
-                found.append("tags lost, added or changed")
-            if sorted(before.kept) != sorted(after.kept):
-                found.append("untranslated text changed")
-            if before.nested() and not after.nested():
-                found.append("nesting broken")
-        elif _markdown_kept(page) != _markdown_kept(first[0]):
-            found.append("code or link targets changed")
-        problems += [{"path": path, "problem": problem} for problem in found]
+    try:
+        for path, fmt in chosen:
+            with open(path, "rb") as f:
+                page = f.read().decode("utf-8", "replace")
+            try:
+                first, took = harness.timed(
+                    translator.translate_documents, [page], fmt, options, args.src
+                )
+                second = again(translator, page, fmt, options)
+            except Exception:  # noqa: BLE001 - every failure is a finding, named in the report
+                problems.append({"path": path, "problem": traceback.format_exc(limit=3)})
+                continue
+            seconds += took
+            sentences += len(translator.documents([page], fmt, args.src)[0].sentences)
+            found = []
+            if first != second:
+                found.append(f"differs between the API and the {args.via}")
+            if fmt == "html":
+                before, after = _Markup(page), _Markup(first[0])
+                if sorted(map(repr, before.tags)) != sorted(map(repr, after.tags)):
+                    found.append("tags lost, added or changed")
+                if sorted(before.kept) != sorted(after.kept):
+                    found.append("untranslated text changed")
+                if before.nested() and not after.nested():
+                    found.append("nesting broken")
+            elif _markdown_kept(page) != _markdown_kept(first[0]):
+                found.append("code or link targets changed")
+            problems += [{"path": path, "problem": problem} for problem in found]
+    finally:
+        stop()
     print(f"{len(chosen)} documents, {sentences} sentences, {len(problems)} problems")
     for problem in problems:
         print(problem["path"], problem["problem"], sep="\n  ")
     return {"documents": len(chosen), "sentences": sentences, "seconds": round(seconds, 1),
             "problems": problems}  # fmt: skip
+
+
+def _second_translation(args):
+    """`(again(translator, page, fmt, options), stop())`: the page translated a second
+    time through `args.via`: the API again, the HTTP server, or the translate command."""
+    import json
+    import subprocess
+    import tempfile
+    import urllib.request
+
+    if args.via == "api":
+        return (lambda t, page, fmt, options: t.translate_documents([page], fmt, options, args.src),
+                lambda: None)  # fmt: skip
+    if args.via == "command":
+        command = [sys.executable, "-m", "keras_transformer_runtime.translate", args.onnx_dir]
+        command += ["--beam", str(args.beam)]
+        command += ["--source-language", args.src, "--precision", args.precision]
+        command += ["--threads", str(args.threads)] * bool(args.threads)
+
+        def run(translator, page, fmt, options):
+            done = subprocess.run([*command, "--input-format", fmt], input=page.encode(),
+                                  capture_output=True, check=True)  # fmt: skip
+            return [done.stdout.decode()]
+
+        return run, lambda: None
+    from benchmarks.serve_load import ServerProcess
+
+    flags = ["--max-chars", str(10**8), "--request-timeout", "3600", "--precision", args.precision]
+    flags += ["--threads", str(args.threads)] * bool(args.threads)
+    log = os.path.join(tempfile.gettempdir(), "documents-pages-serve.log")
+    server = ServerProcess(args.onnx_dir, flags, log)
+
+    def post(translator, page, fmt, options):
+        body = {"texts": [page], "format": fmt, "source_language": args.src,
+                "beam_size": args.beam}  # fmt: skip
+        request = urllib.request.Request(
+            f"http://127.0.0.1:{server.port}/translate", json.dumps(body).encode(),
+            {"Content-Type": "application/json"},
+        )  # fmt: skip
+        with urllib.request.urlopen(request, timeout=600) as response:
+            return json.load(response)["translations"]
+
+    return post, server.stop
 
 
 def main(argv=None):
@@ -483,6 +530,13 @@ def main(argv=None):
             each.add_argument("--html", help="a glob of HTML pages (** for every folder)")
             each.add_argument("--markdown", help="a glob of Markdown files")
             each.add_argument("--count", type=int, default=100, help="pages of each format")
+            each.add_argument(
+                "--via",
+                choices=["api", "server", "command"],
+                default="api",
+                help="the second translation of each page, compared with the API's",
+            )
+            each.add_argument("--precision", default="float32", choices=["float32", "int8"])
         each.add_argument("--data", default=harness.SHARED_MULTI30K, help="the Multi30k mirror")
         each.add_argument("--out", help="the report (default: benchmarks/results/documents-*.json)")
     args = parser.parse_args(argv)
