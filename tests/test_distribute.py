@@ -537,6 +537,39 @@ def _prepare_fixed(fixed_corpus, prepared):
     subprocess.run(command, check=True, capture_output=True, timeout=300)
 
 
+def _signal_after_first_span(valid, out, extra, signum):
+    """Two processes of `--data` training, `signum` sent to process 1 once the first
+    span is saved; both must exit 0 within 30 s."""
+    group = _start_processes(valid, out, 2, *extra, port=_free_port())
+    positions = out / "data_position.json"
+    deadline = time.time() + 600
+    while time.time() < deadline and group[0][0].poll() is None:
+        if positions.exists() and "1" in json.loads(positions.read_text()):
+            break
+        time.sleep(0.02)
+    group[1][0].send_signal(signum)
+    started = time.time()
+    assert _wait(group, timeout=60) == [0, 0], _logs(out, 2)
+    assert time.time() - started < 30
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _jax_available(), reason="needs jax (pip install '.[jax]')")
+def test_sigint_to_one_process_is_passed_on_as_sigterm_and_stops_both(fixed_corpus, tmp_path):
+    """Ctrl-C on one process of a run: passed on as a SIGTERM, so that both stop
+    after the same update, save it and exit 0."""
+    prepared = tmp_path / "prepared"
+    _prepare_fixed(fixed_corpus, prepared)
+    valid = {k: v for k, v in fixed_corpus.items() if k.startswith("valid")}
+    extra = ["--data", str(prepared), "--save-every-steps", "2", "--max-steps", "30"]
+    extra += ["--select-by", "loss", "--final", "last"]
+    _signal_after_first_span(valid, tmp_path / "run", extra, signal.SIGINT)
+    saved = json.loads((tmp_path / "run" / "data_position.json").read_text())
+    at = saved[max((k for k in saved if k.isdigit()), key=int)]
+    assert 2 < at < 30
+    assert f"after update {at}" in Path(f"{tmp_path / 'run'}.process0.log").read_text()
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not _jax_available(), reason="needs jax (pip install '.[jax]')")
 def test_sigterm_to_one_process_stops_both_at_one_update_and_the_rerun_resumes(
@@ -555,18 +588,8 @@ def test_sigterm_to_one_process_stops_both_at_one_update_and_the_rerun_resumes(
     reference = _start_processes(valid, whole, 2, *extra, port=_free_port())
     assert _wait(reference, timeout=900) == [0, 0], _logs(whole, 2)
 
-    group = _start_processes(valid, stopped, 2, *extra, port=_free_port())
-    positions = stopped / "data_position.json"
-    deadline = time.time() + 600
-    while time.time() < deadline and group[0][0].poll() is None:
-        if positions.exists() and "1" in json.loads(positions.read_text()):
-            break
-        time.sleep(0.02)
-    group[1][0].send_signal(signal.SIGTERM)
-    started = time.time()
-    assert _wait(group, timeout=60) == [0, 0], _logs(stopped, 2)
-    assert time.time() - started < 30
-    saved = json.loads(positions.read_text())
+    _signal_after_first_span(valid, stopped, extra, signal.SIGTERM)
+    saved = json.loads((stopped / "data_position.json").read_text())
     at = saved[max((k for k in saved if k.isdigit()), key=int)]
     assert 2 < at < 30
     assert f"Stopped by SIGTERM after update {at}" in Path(f"{stopped}.process0.log").read_text()
