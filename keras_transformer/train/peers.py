@@ -65,6 +65,7 @@ class PeerWatch:
         self.interval, self.missed = float(interval), int(missed)
         self.cleanup: list[str] = []
         self.cleanup_file: str | None = None  # where `relay_standard_error`'s child reads them
+        self.relay: subprocess.Popen | None = None  # that child, kept while this process runs
         self.dead: int | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="peer-watch", daemon=True)
@@ -165,6 +166,7 @@ def relay_standard_error(watch: PeerWatch, coordinator: str) -> subprocess.Popen
     )
     os.dup2(relay.stdin.fileno(), 2)  # C++ and Python alike write to descriptor 2
     relay.stdin.close()  # descriptor 2 holds the pipe now; at exit the relay sees its end
+    watch.relay = relay
     return relay
 
 

@@ -27,6 +27,15 @@ FATAL = re.compile(rb"(?m)^(F\d{4} \d\d:\d\d:|\*\*\* Check failure stack trace|t
 CHUNK = 1 << 16
 
 
+def write_all(sink: int, data: bytes) -> None:
+    """Writes all of `data`; a sink that is gone is given up on, and the source still read."""
+    try:
+        while data:
+            data = data[os.write(sink, data) :]
+    except OSError:
+        pass
+
+
 def relay(source: int, sink: int, dump_path: str) -> bytes | None:
     """Copies `source` to `sink` until the first fatal line, the rest to `dump_path`.
     Returns the fatal line (None when none came)."""
@@ -39,9 +48,9 @@ def relay(source: int, sink: int, dump_path: str) -> bytes | None:
         if dump is None:
             found = FATAL.search(chunk)
             if found is None:
-                os.write(sink, chunk)
+                write_all(sink, chunk)
                 continue
-            os.write(sink, chunk[: found.start()])
+            write_all(sink, chunk[: found.start()])
             chunk = chunk[found.start() :]
             fatal = chunk.split(b"\n", 1)[0]
             dump = open(dump_path, "wb")
@@ -69,7 +78,7 @@ def main(argv):
     line = message.replace("{reason}", reason).replace("{dump}", dump_path)
     for folder in folders:  # first: once the line is out, they are gone
         shutil.rmtree(folder, ignore_errors=True)
-    os.write(1, (line + "\n").encode())
+    write_all(1, (line + "\n").encode())
     return 0
 
 
