@@ -2,9 +2,10 @@
 
 `weight_table` pairs every variable of a model from `build_transformer` with
 its tensor in a transformers MarianMT checkpoint and the two reshapes between
-them, so that importing (`checkpoint_values`) and exporting back
-(`marian_tensors`) read the same table. PyTorch's `Linear` keeps `(out, in)`; our projections
-keep `(in, out)` split into heads. The vocabulary rows are renumbered
+them, so that importing (`checkpoint_values`) and exporting back (the
+export's `_write_weights`, `marian_tensors`) read the same table. PyTorch's
+`Linear` keeps `(out, in)`; our projections keep `(in, out)` split into
+heads. The vocabulary rows are renumbered
 (`keras_transformer_runtime.marian_vocabulary`): our padding row 0 is zero on
 import and dropped on export.
 """

@@ -29,11 +29,13 @@ def unvalued():
     """
     pending = _pending_variables()
     before = len(pending) if pending is not None else 0
-    with keras.StatelessScope(initialize_variables=False):
-        yield
-    pending = _pending_variables()
-    if pending is not None:
-        del pending[before:]
+    try:
+        with keras.StatelessScope(initialize_variables=False):
+            yield
+    finally:
+        pending = _pending_variables()
+        if pending is not None:
+            del pending[before:]
 
 
 def _pending_variables():
