@@ -438,19 +438,12 @@ def real_pages(args):
                 continue
             seconds += took
             sentences += len(translator.documents([page], fmt, args.src)[0].sentences)
-            found = []
-            if first != second:
+            found, outputs = [], [("", first[0])]
+            if first != second:  # then the markup of both translations is checked
                 found.append(f"differs between the API and the {args.via}")
-            if fmt == "html":
-                before, after = _Markup(page), _Markup(first[0])
-                if sorted(map(repr, before.tags)) != sorted(map(repr, after.tags)):
-                    found.append("tags lost, added or changed")
-                if sorted(before.kept) != sorted(after.kept):
-                    found.append("untranslated text changed")
-                if before.nested() and not after.nested():
-                    found.append("nesting broken")
-            elif _markdown_kept(page) != _markdown_kept(first[0]):
-                found.append("code or link targets changed")
+                outputs = [("API: ", first[0]), (f"{args.via}: ", second[0])]
+            for who, output in outputs:
+                found += [who + problem for problem in _markup_problems(page, output, fmt)]
             problems += [{"path": path, "problem": problem} for problem in found]
     finally:
         stop()
@@ -459,6 +452,25 @@ def real_pages(args):
         print(problem["path"], problem["problem"], sep="\n  ")
     return {"documents": len(chosen), "sentences": sentences, "seconds": round(seconds, 1),
             "problems": problems}  # fmt: skip
+
+
+def _markup_problems(page, output, fmt):
+    """What of `page`'s markup its translation `output` lost or changed."""
+    if fmt != "html":
+        return (
+            []
+            if _markdown_kept(page) == _markdown_kept(output)
+            else ["code or link targets changed"]
+        )
+    before, after = _Markup(page), _Markup(output)
+    found = []
+    if sorted(map(repr, before.tags)) != sorted(map(repr, after.tags)):
+        found.append("tags lost, added or changed")
+    if sorted(before.kept) != sorted(after.kept):
+        found.append("untranslated text changed")
+    if before.nested() and not after.nested():
+        found.append("nesting broken")
+    return found
 
 
 def _second_translation(args):
