@@ -23,6 +23,18 @@ def load_run(run_dir: str):
     `mixed_float16` run saved with loss scaling (Keras then warns that it
     skips the optimizer's variables).
     """
+    model_path = run_model_path(run_dir)
+    tokenizer = load_tokenizer(run_dir)
+    check_keras_archive(model_path)
+    try:
+        model = load_keras_archive(model_path, compile=False)
+    except Exception as error:  # a truncated or foreign file
+        raise ValueError(f"Cannot load {model_path}: {error}") from error
+    return model, tokenizer
+
+
+def run_model_path(run_dir: str) -> str:
+    """`run_dir`'s `model.keras`; `FileNotFoundError` saying what is missing when either is."""
     model_path = os.path.join(run_dir, "model.keras")
     if not os.path.isdir(run_dir):
         raise FileNotFoundError(f"Run directory not found: {run_dir}")
@@ -31,13 +43,7 @@ def load_run(run_dir: str):
             f"No model.keras in {run_dir}: train a model into it first "
             "(e.g. `keras-transformer demo --out DIR`)."
         )
-    tokenizer = load_tokenizer(run_dir)
-    check_keras_archive(model_path)
-    try:
-        model = load_keras_archive(model_path, compile=False)
-    except Exception as error:  # a truncated or foreign file
-        raise ValueError(f"Cannot load {model_path}: {error}") from error
-    return model, tokenizer
+    return model_path
 
 
 def check_keras_archive(path: str) -> None:

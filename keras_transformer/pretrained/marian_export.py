@@ -91,7 +91,11 @@ def export_marian_hf(run_dir: str, out_dir: str, overwrite: bool = False) -> lis
     from keras_transformer.model import transformer_parts
     from keras_transformer.pretrained.marian_weights import weight_table
     from keras_transformer.pretrained.streamed_weights import unvalued
-    from keras_transformer.translation import check_keras_archive, load_tokenizer
+    from keras_transformer.translation import (
+        check_keras_archive,
+        load_tokenizer,
+        run_model_path,
+    )
 
     out_dir = os.path.abspath(os.fspath(out_dir))
     if os.path.isfile(out_dir):
@@ -106,9 +110,7 @@ def export_marian_hf(run_dir: str, out_dir: str, overwrite: bool = False) -> lis
                     else "."
                 )
             )
-    model_path = os.path.join(run_dir, "model.keras")
-    if not os.path.isfile(model_path):
-        raise FileNotFoundError(f"No model.keras in {run_dir}: not a run directory.")
+    model_path = run_model_path(run_dir)
     tokenizer = load_tokenizer(run_dir)
     if not isinstance(tokenizer, MarianTokenizer):
         raise MarianImportError(
