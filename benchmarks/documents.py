@@ -9,12 +9,14 @@
     python -m benchmarks.documents pages ONNX_DIR --html GLOB --markdown GLOB [--count 100]
         [--src en] [--beam 1]
 
-`splitters`: each installed splitter (sentencex, pysbd, sentence-splitter,
-syntok, blingfire) on the hand-checked paragraphs of
+`splitters`: ours (sentencex and the rules of `documents._unmarked_cuts`),
+then each installed splitter (sentencex, pysbd, sentence-splitter, syntok,
+blingfire) on the hand-checked paragraphs of
 `benchmarks/data/sentence_splits.json` (each paragraph is its sentences
 joined by a space): paragraphs split exactly as written, per language, and
 its speed in sentences per second on the German side of Multi30k's
-test_2016_flickr glued into paragraphs.
+test_2016_flickr glued into paragraphs. Then the lines of Multi30k's train
+and val (de, en, fr) that ours splits further than sentencex alone.
 
 `paragraphs`: the split's sentences are glued into paragraphs of 3 to 8
 (`glue`, seeded), and translated three ways: each sentence alone (`text`),
@@ -72,7 +74,13 @@ def glue(sentences, seed=0, shortest=3, longest=8):
 
 def splitters():
     """name -> `make(language) -> split(text) -> sentences`, for those installed."""
-    found = {}
+    from keras_transformer_runtime.documents import sentence_spans
+
+    found = {
+        "keras-transformer (sentencex and unmarked starts)": lambda lang: (
+            lambda t: [t[a:b] for a, b in sentence_spans(t, lang)]
+        )
+    }
     try:
         import sentencex
 
@@ -139,7 +147,22 @@ def compare_splitters(args):
         row["sentences_per_second"] = round(len(german) / seconds)
         rows[name] = row
         print(name, row["en"]["exact"], row["de"]["exact"], row["sentences_per_second"])
-    return {"splitters": rows}
+    # Our rules on top of sentencex split only where punctuation marks nothing: on
+    # Multi30k's train and val lines (single sentences, some two), where they split
+    # further than sentencex alone, each such line is a false split or a run-on.
+    ours, alone = (splitters()[name] for name in list(rows)[:2])
+    further = {}
+    for language in ("de", "en", "fr"):
+        lines = [
+            line
+            for split in ("train", "val")
+            for line in harness.read_lines(os.path.join(args.data, f"{split}.{language}.gz"))
+        ]
+        ours_split, alone_split = ours(language), alone(language)
+        more = [x for x in lines if len(ours_split(x)) > len(alone_split(x))]
+        further[language] = {"lines": len(lines), "split_further": more}
+        print(language, len(lines), len(more))
+    return {"splitters": rows, "multi30k_lines_split_further_than_sentencex": further}
 
 
 def translate_paragraphs(args):

@@ -45,6 +45,44 @@ def test_the_hand_checked_set_splits_as_written_but_for_its_known_miss():
     assert misses == [["Das ist im 19. Jahrhundert passiert.", "Niemand erinnert sich daran."]]
 
 
+def test_sentences_that_punctuation_does_not_mark_are_split():
+    """A run-on (no stop, then a capitalized determiner or number word) and, in
+    German, a full stop before a number after a word that is no abbreviation."""
+    split = {
+        ("de", "Zwei Männer in einer Stadt Der Mann in der gelben Hose hebt die Hand."): [
+            "Zwei Männer in einer Stadt",
+            "Der Mann in der gelben Hose hebt die Hand.",
+        ],
+        ("de", "Ein Biker fährt durch eine Kurve. 3 Spieler kämpfen um den Ball."): [
+            "Ein Biker fährt durch eine Kurve.",
+            "3 Spieler kämpfen um den Ball.",
+        ],
+        ("en", "A dog runs on the grass Two children play in the park."): [
+            "A dog runs on the grass",
+            "Two children play in the park.",
+        ],
+        ("fr", "Un homme fait du vélo Deux chiens jouent dans la neige."): [
+            "Un homme fait du vélo",
+            "Deux chiens jouent dans la neige.",
+        ],
+    }
+    kept = [
+        ("de", "Das steht in Abs. 2 des Vertrags."),
+        ("de", "Er wohnt in der Goethestr. 12 in München."),
+        ("de", "Der Zug fährt ca. 200 km/h schnell."),
+        ("de", "Die Zahl stieg bis zum 3. 4 Tage später fiel sie."),
+        ("de", "Sie liest Das Parfum."),
+        ("de", "Er sagte: Die Kinder spielen im Garten."),
+        ("en", "A man reads The Da Vinci Code on a bench."),
+        ("en", "He lives at No. 12 Baker St. in London."),
+        ("it", "Un uomo va in bici Due cani giocano nella neve."),
+    ]
+    for (language, text), sentences in split.items():
+        assert parse_document(text, "paragraphs", language).sentences == sentences
+    for language, text in kept:
+        assert parse_document(text, "paragraphs", language).sentences == [text]
+
+
 DOCUMENTS = [
     "One. Two!\n",
     "Ein Satz.  Noch einer.\r\n\r\n\tEingerückt? Ja.   \n\n\n",
