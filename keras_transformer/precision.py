@@ -4,6 +4,8 @@ bfloat16 halves the matmul cost only where the hardware multiplies bfloat16
 natively: a CPU with AVX512_BF16 or AMX, or a GPU of compute capability 8.0 or
 later. Elsewhere (an AVX2-only CPU, for one) Keras' bfloat16 kernels convert
 to float32 and back and run slower than float32, so `auto` picks float32.
+Under JAX a CPU gets float32 too: XLA's CPU code runs the train step slower
+in bfloat16 than in float32, even where the CPU has AVX512_BF16.
 float16 is never picked automatically: it needs loss scaling and gains
 nothing over bfloat16 on the hardware that has both.
 """
@@ -112,13 +114,16 @@ def training_device(found_gpus=None, cpu: str | None = None) -> str:
     return (cpu_name() if cpu is None else cpu) or "unknown CPU"
 
 
-def resolve_precision(requested: str, flags=None, gpus=None) -> tuple[str, str]:
+def resolve_precision(requested: str, flags=None, gpus=None, backend=None) -> tuple[str, str]:
     """The Keras dtype policy for `requested`, and why.
 
     Args:
         requested: one of `CHOICES`. Anything but "auto" is returned as is.
         flags: the CPU flags (default: `cpu_flags()`).
         gpus: GPU compute capabilities (default: `gpu_compute_capabilities()`).
+        backend: the Keras backend (default: the one in use). XLA's CPU code is
+            slower in bfloat16 than in float32 (docs/distributed.md), so on a CPU
+            JAX gets float32 whatever the CPU computes.
 
     Returns:
         `(policy, reason)`, e.g. `("float32", "auto: CPU without avx512_bf16 or amx_bf16")`.
@@ -127,7 +132,7 @@ def resolve_precision(requested: str, flags=None, gpus=None) -> tuple[str, str]:
 
     >>> resolve_precision("auto", flags={"avx2", "fma"}, gpus=[])
     ('float32', 'auto: CPU without avx512_bf16 or amx_bf16')
-    >>> resolve_precision("auto", flags={"avx512f", "avx512_bf16"}, gpus=[])[0]
+    >>> resolve_precision("auto", flags={"avx512f", "avx512_bf16"}, gpus=[], backend="tensorflow")[0]
     'mixed_bfloat16'
     """
     if requested not in CHOICES:
@@ -146,6 +151,12 @@ def resolve_precision(requested: str, flags=None, gpus=None) -> tuple[str, str]:
         )
     flags = cpu_flags() if flags is None else set(flags)
     native = [flag for flag in BFLOAT16_CPU_FLAGS if flag in flags]
+    if backend is None:
+        import keras
+
+        backend = keras.backend.backend()
+    if native and backend == "jax":
+        return "float32", "auto: JAX on a CPU, where XLA computes float32 faster than bfloat16"
     if native:
         return "mixed_bfloat16", f"auto: CPU with {' and '.join(native)}"
     return "float32", f"auto: CPU without {' or '.join(BFLOAT16_CPU_FLAGS)}"

@@ -18,9 +18,24 @@ from keras_transformer.precision import cpu_flags, cpu_name, resolve_precision, 
     ],
 )
 def test_auto_picks_bfloat16_only_where_hardware_computes_it(flags, gpus, expected):
-    precision, reason = resolve_precision("auto", flags=flags, gpus=gpus)
+    precision, reason = resolve_precision("auto", flags=flags, gpus=gpus, backend="tensorflow")
     assert precision == expected
     assert reason.startswith("auto: ") and ("GPU" in reason) == bool(gpus)
+
+
+def test_jax_on_a_bfloat16_cpu_gets_float32_and_on_a_gpu_the_gpu_decides():
+    flags = {"avx512f", "avx512_bf16"}
+    precision, reason = resolve_precision("auto", flags=flags, gpus=[], backend="jax")
+    assert (precision, reason) == (
+        "float32",
+        "auto: JAX on a CPU, where XLA computes float32 faster than bfloat16",
+    )
+    assert resolve_precision("auto", flags=flags, gpus=[(9, 0)], backend="jax")[0] == (
+        "mixed_bfloat16"
+    )
+    assert resolve_precision("mixed_bfloat16", flags=flags, gpus=[], backend="jax")[0] == (
+        "mixed_bfloat16"
+    )
 
 
 @pytest.mark.parametrize("requested", ["float32", "mixed_float16", "mixed_bfloat16"])

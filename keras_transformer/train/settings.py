@@ -345,7 +345,7 @@ class TrainSettings:
         group="devices",
         choices=PRECISION_CHOICES,
         help="auto: mixed_bfloat16 on a GPU or CPU that computes in bfloat16 (AVX512_BF16, "
-        "AMX), float32 elsewhere (default: %(default)s)",
+        "AMX), float32 elsewhere and on any CPU under JAX (default: %(default)s)",
     )
     jit_compile: bool = option(
         False,
