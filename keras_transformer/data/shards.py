@@ -42,6 +42,7 @@ from keras_transformer.data.pipeline import (
     DataError,
     PipelineStats,
     check_batch_fits,
+    without_autotuning,
 )
 from keras_transformer.data.prepare import FORMAT_VERSION, MANIFEST, SHARD_FILES, SPM_MODEL
 
@@ -413,4 +414,4 @@ class PreparedData:
         spec = tf.TensorSpec((None, None), tf.int32)
         dataset = tf.data.Dataset.from_generator(generate, output_signature=(spec, spec, spec))
         dataset = dataset.map(lambda s, d, lab: ({"source_ids": s, "target_ids": d}, lab))
-        return dataset.prefetch(4)
+        return without_autotuning(dataset.prefetch(4))

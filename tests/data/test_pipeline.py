@@ -316,3 +316,11 @@ def test_duplicate_rows_repeats_each_sentence_in_adjacent_rows(corpus, tokenizer
             assert b.shape == (2 * a.shape[0], a.shape[1])
             np.testing.assert_array_equal(b[0::2], a)
             np.testing.assert_array_equal(b[1::2], a)
+
+
+def test_training_datasets_run_without_tf_data_autotuning(corpus, tokenizer):
+    """Its thread sleeps up to a minute between optimizations, and an iterator's
+    destructor waits out that sleep (docs/distributed.md)."""
+    dataset, _ = batch_pairs(encode_pairs(*corpus, tokenizer, 64), 256)
+    assert dataset.options().autotune.enabled is False
+    assert duplicate_rows(dataset).options().autotune.enabled is False

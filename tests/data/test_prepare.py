@@ -242,3 +242,8 @@ def test_bad_input_is_refused_before_anything_is_written(text, tmp_path):
     (tmp_path / "full" / "x").write_text("x")
     with pytest.raises(DataError, match="not empty and holds no prepared dataset"):
         prepare(text[0], text[1], str(tmp_path / "full"), SETTINGS, verbose=0)
+
+
+def test_the_prepared_dataset_runs_without_tf_data_autotuning(prepared):
+    dataset = PreparedData(prepared).dataset(0, TOKENS_PER_BATCH)
+    assert dataset.options().autotune.enabled is False
