@@ -72,15 +72,14 @@ def glue(sentences, seed=0, shortest=3, longest=8):
     return runs
 
 
+OURS = "keras-transformer (sentencex and unmarked starts)"
+
+
 def splitters():
     """name -> `make(language) -> split(text) -> sentences`, for those installed."""
     from keras_transformer_runtime.documents import sentence_spans
 
-    found = {
-        "keras-transformer (sentencex and unmarked starts)": lambda lang: (
-            lambda t: [t[a:b] for a, b in sentence_spans(t, lang)]
-        )
-    }
+    found = {OURS: lambda lang: lambda t: [t[a:b] for a, b in sentence_spans(t, lang)]}
     try:
         import sentencex
 
@@ -132,7 +131,8 @@ def compare_splitters(args):
     german = harness.read_lines(os.path.join(args.data, "test_2016_flickr.de.gz"))
     paragraphs = [" ".join(german[i] for i in run) for run in glue(german)]
     rows = {}
-    for name, make in splitters().items():
+    found = splitters()
+    for name, make in found.items():
         row = {}
         for language in ("en", "de"):
             split = make(language)
@@ -150,7 +150,7 @@ def compare_splitters(args):
     # Our rules on top of sentencex split only where punctuation marks nothing: on
     # Multi30k's train and val lines (single sentences, some two), where they split
     # further than sentencex alone, each such line is a false split or a run-on.
-    ours, alone = (splitters()[name] for name in list(rows)[:2])
+    ours, alone = found[OURS], found["sentencex"]
     further = {}
     for language in ("de", "en", "fr"):
         lines = [
