@@ -140,15 +140,12 @@ def sentence_spans(text, language="en"):
         else:
             if covered != len(line) and line[covered:].strip():
                 found.append((covered, len(line)))
-        cut = []
-        for start, end in found:
-            inside = _unmarked_cuts(line, start, end, language)
-            cut.extend(zip([start, *inside], [*inside, end], strict=True))
-        found = cut
-        for start, end in found:
-            start, end = _stripped(line, start, end)
-            if start < end:
-                spans.append((offset + start, offset + end))
+        for piece_start, piece_end in found:
+            inside = _unmarked_cuts(line, piece_start, piece_end, language)
+            for start, end in zip([piece_start, *inside], [*inside, piece_end], strict=True):
+                start, end = _stripped(line, start, end)
+                if start < end:
+                    spans.append((offset + start, offset + end))
         offset += len(line) + 1
     return spans
 
