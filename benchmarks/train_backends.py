@@ -25,6 +25,8 @@ from benchmarks import harness
 # Run in the child: prints when the first update of this start ends.
 CHILD = r"""
 import sys, time
+sys.argv[0] = "keras-transformer"  # the command's start-up (keras_transformer.startup)
+from keras_transformer.cli import main
 import keras
 seen = []
 def on_train_batch_end(self, batch, logs=None):
@@ -32,7 +34,6 @@ def on_train_batch_end(self, batch, logs=None):
         seen.append(1)
         print("FIRST_UPDATE", time.time(), flush=True)
 keras.callbacks.BackupAndRestore.on_train_batch_end = on_train_batch_end
-from keras_transformer.cli import main
 sys.exit(main(sys.argv[1:]))
 """
 

@@ -1,6 +1,15 @@
 """keras-transformer: the Transformer of "Attention Is All You Need" for Keras 3."""
 
-from keras_transformer.startup import prefer_onednn, quiet_tensorflow_start
+import sys
+
+from keras_transformer.startup import (
+    prefer_onednn,
+    quiet_tensorflow_start,
+    relaunch_with_huge_pages,
+)
+
+if sys.platform.startswith("linux"):  # glibc: the command under JAX, before anything heavy loads
+    relaunch_with_huge_pages()
 
 with quiet_tensorflow_start():  # the command line only; importing keras imports TensorFlow
     prefer_onednn()  # before TensorFlow loads: it reads the variable once
