@@ -82,6 +82,17 @@ def test_masked_accuracy_counts_real_tokens_only():
     assert float(to_numpy(metric.result())) == 0.0
 
 
+def test_masked_accuracy_takes_the_first_of_tied_maxima_as_argmax_does():
+    metric = MaskedAccuracy()
+    labels = np.array([[3, 2, 4]], "int32")
+    logits = np.full((1, 3, 5), -np.inf, "float32")
+    logits[0, 0, [1, 3]] = 2.0  # the label ties with an earlier piece: argmax says 1, a miss
+    logits[0, 1, [2, 4]] = -1.0  # the label ties with a later piece: argmax says 2, a hit
+    logits[0, 2] = 0.5  # all tied: argmax says 0, a miss
+    metric.update_state(labels, logits)
+    assert float(to_numpy(metric.result())) == pytest.approx(1 / 3)
+
+
 def test_sentence_weights_combine_with_the_padding_mask():
     rng = np.random.default_rng(3)
     labels = np.array([[3, 1, 0], [2, 2, 4]], "int32")

@@ -181,7 +181,17 @@ class PositionalEmbedding(keras.layers.Layer):
     def call(self, inputs, start_index=0, reverse=False, training=None):
         if reverse:
             kernel = ops.cast(ops.transpose(self._embeddings), self.compute_dtype)
-            logits = ops.cast(ops.matmul(ops.cast(inputs, self.compute_dtype), kernel), "float32")
+            x = ops.cast(inputs, self.compute_dtype)
+            if keras.backend.backend() == "jax":
+                # On rows: XLA's CPU code for the kernel's gradient of the 3-D
+                # product first writes out the logits' gradient transposed,
+                # 2.3x the time of the projection and loss on rows
+                # (docs/performance.md, "JAX on a CPU").
+                rows = ops.matmul(ops.reshape(x, (-1, ops.shape(x)[-1])), kernel)
+                logits = ops.reshape(rows, (*ops.shape(x)[:-1], ops.shape(kernel)[-1]))
+            else:
+                logits = ops.matmul(x, kernel)
+            logits = ops.cast(logits, "float32")
             if self._output_bias is not None:
                 logits = logits + ops.cast(self._output_bias, "float32")
             return logits
