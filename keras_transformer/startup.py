@@ -49,16 +49,16 @@ def configured_backend(environ=os.environ) -> str:
         return "tensorflow"
 
 
-def huge_pages_environment(argv, environ, backend, thp_mode) -> dict | None:
+def huge_pages_environment(environ, backend, thp_mode) -> dict | None:
     """The environment to start the `keras-transformer` command again in, or None to go on.
 
-    See `relaunch_with_huge_pages`: only the command (`argv[0]`), under JAX,
-    where the kernel gives huge pages on request (`thp_mode`, the text of
-    `THP_MODE_FILE`, has `[madvise]` selected), JAX has no accelerator
-    plugin to prefer (or `JAX_PLATFORMS=cpu`), and neither `GLIBC_TUNABLES`
-    nor `KERAS_TRANSFORMER_MALLOC=system` is set.
+    See `relaunch_with_huge_pages`: only under JAX, where the kernel gives
+    huge pages on request (`thp_mode`, the text of `THP_MODE_FILE`, has
+    `[madvise]` selected), JAX has no accelerator plugin to prefer (or
+    `JAX_PLATFORMS=cpu`), and neither `GLIBC_TUNABLES` nor
+    `KERAS_TRANSFORMER_MALLOC=system` is set.
     """
-    if not argv or os.path.basename(argv[0]) != "keras-transformer" or backend != "jax":
+    if backend != "jax":
         return None
     if "GLIBC_TUNABLES" in environ or environ.get(MALLOC_VARIABLE) == "system":
         return None
@@ -89,14 +89,14 @@ def relaunch_with_huge_pages() -> None:
     for when). A program of one's own that trains under JAX on a CPU gets
     the same by setting that variable before Python starts.
     """
-    if platform.libc_ver()[0] != "glibc":
+    if not is_command() or platform.libc_ver()[0] != "glibc":
         return
     try:
         with open(THP_MODE_FILE, encoding="ascii") as f:
             thp_mode = f.read()
     except OSError:
         return
-    environ = huge_pages_environment(sys.argv, os.environ, configured_backend(), thp_mode)
+    environ = huge_pages_environment(os.environ, configured_backend(), thp_mode)
     if environ is None:
         return
     sys.stdout.flush()
@@ -122,9 +122,15 @@ def onednn_enabled() -> bool | None:
     return None if check is None else bool(check())
 
 
+def is_command(argv=None) -> bool:
+    """Whether this process (or `argv`) is the `keras-transformer` command."""
+    argv = sys.argv if argv is None else argv
+    return bool(argv) and os.path.basename(argv[0]) == "keras-transformer"
+
+
 def is_quiet_command() -> bool:
     """Whether this process is the `keras-transformer` command, run without `--verbose`."""
-    return os.path.basename(sys.argv[0]) == "keras-transformer" and "--verbose" not in sys.argv
+    return is_command() and "--verbose" not in sys.argv
 
 
 @contextlib.contextmanager

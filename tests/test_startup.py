@@ -12,6 +12,7 @@ from keras_transformer.startup import (
     THP_MODE_FILE,
     configured_backend,
     huge_pages_environment,
+    is_command,
 )
 
 PROBE = (
@@ -124,18 +125,20 @@ def test_the_command_starts_again_with_huge_pages_under_jax_only(tmp_path):
 
 def test_when_the_command_starts_again():
     madvise = "always [madvise] never\n"
-    command, jax = ["/venv/bin/keras-transformer", "train"], "jax"
-    again = huge_pages_environment(command, {"JAX_PLATFORMS": "cpu"}, jax, madvise)
+    assert is_command(["/venv/bin/keras-transformer", "train"])
+    assert not is_command(["train.py"]) and not is_command([])
+    again = huge_pages_environment({"JAX_PLATFORMS": "cpu"}, "jax", madvise)
     assert again == {"JAX_PLATFORMS": "cpu", "GLIBC_TUNABLES": HUGE_PAGES_TUNABLE}
-    # Not: another program, another backend, a kernel that decides alone or never,
-    # a user's own glibc settings, or the user's refusal.
-    assert huge_pages_environment(["train.py"], {"JAX_PLATFORMS": "cpu"}, jax, madvise) is None
-    assert huge_pages_environment(command, {}, "tensorflow", madvise) is None
-    assert huge_pages_environment(command, {}, jax, "[always] madvise never") is None
-    assert huge_pages_environment(command, {}, jax, "always madvise [never]") is None
-    tunables = {"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}
-    assert huge_pages_environment(command, tunables, jax, madvise) is None
-    assert huge_pages_environment(command, {MALLOC_VARIABLE: "system"}, jax, madvise) is None
+    # Not: another backend, a kernel that decides alone or never, a user's own
+    # glibc settings, or the user's refusal.
+    assert huge_pages_environment({}, "tensorflow", madvise) is None
+    assert huge_pages_environment({}, "jax", "[always] madvise never") is None
+    assert huge_pages_environment({}, "jax", "always madvise [never]") is None
+    assert (
+        huge_pages_environment({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}, "jax", madvise)
+        is None
+    )
+    assert huge_pages_environment({MALLOC_VARIABLE: "system"}, "jax", madvise) is None
 
 
 def test_the_backend_is_read_as_keras_reads_it(tmp_path):
