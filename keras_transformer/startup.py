@@ -97,11 +97,14 @@ def relaunch_with_huge_pages() -> None:
     except OSError:
         return
     environ = huge_pages_environment(os.environ, configured_backend(), thp_mode)
-    if environ is None:
+    if environ is None or not sys.executable:
         return
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], environ)
+    try:
+        os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], environ)
+    except OSError:  # the interpreter cannot be started again: go on as it is
+        return
 
 
 def onednn_enabled() -> bool | None:
