@@ -163,10 +163,10 @@ def compiled_steps(model) -> CompiledSteps:
 
 
 def compiled_length(n: int, limit: int) -> int:
-    """`n` positions rounded up to a length bucket of the `few` batch shapes (8, 10, 12, 15,
-    19, 24, ..., 25% apart) but not past `limit` (the model's positions), so that the
-    compiled steps see few distinct shapes."""
-    return next((b for b in BATCH_SHAPES["few"].boundaries(limit) if b >= n), n)
+    """`n` positions rounded up to a length bucket of the evaluated `few` batch shapes (8,
+    16, 32, 64, ...) but not past `limit` (the model's positions), so that the compiled
+    steps see few distinct shapes."""
+    return next((b for b in BATCH_SHAPES["few"].evaluated().boundaries(limit) if b >= n), n)
 
 
 def compiled_rows(n: int) -> int:
@@ -208,7 +208,7 @@ class KerasDecoder:
 
     def start(self, source, rows, steps):
         """Every sentence repeated `rows` times (row b * rows + j is hypothesis j of b);
-        the self-attention caches hold `steps` positions, rounded up to a multiple of 8."""
+        the self-attention caches hold `steps` positions, rounded up by `compiled_length`."""
         tiled = np.repeat(source, rows, axis=0)
         if self.use_cache:
             return _CachedState(self.steps, tiled, compiled_length(steps, self.max_length))

@@ -12,6 +12,7 @@ from keras_transformer.losses import LabelSmoothedCrossEntropy, MaskedAccuracy
 from keras_transformer.model import build_transformer
 from keras_transformer.precision import resolve_precision
 from keras_transformer.schedules import transformer_optimizer
+from keras_transformer.train.jax_step import split_optimizer_update
 
 
 def build_and_compile(
@@ -34,7 +35,7 @@ def build_and_compile(
     `MaskedAccuracy`; `mixed_float16` gets Keras' loss scaling; "auto"
     precision is resolved by `keras_transformer.precision.resolve_precision`.
     `jit_compile` compiles the train step with XLA on TensorFlow; JAX always
-    compiles it. `accumulate_steps` > 1 averages that many batches' gradients per update.
+    compiles it, as two programs (`keras_transformer.train.jax_step`). `accumulate_steps` > 1 averages that many batches' gradients per update.
     `cooldown_steps` of `total_steps` end the schedule with a linear fall to
     zero (`TransformerSchedule`). `rdrop_alpha` > 0 adds R-Drop's consistency
     term to the loss; the batches must then hold each sentence twice
@@ -79,4 +80,5 @@ def build_and_compile(
         # The optimizer's slots now, not on first use: built inside the first
         # trace of the training step, they make TensorFlow trace it twice.
         model.optimizer.build(model.trainable_variables)
+    split_optimizer_update(model)
     return model

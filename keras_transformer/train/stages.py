@@ -251,7 +251,7 @@ def _load_data(run, settings, src_train, tgt_train, src_valid, tgt_valid) -> _Da
             + "); validation keeps the best segmentation."
         )
     valid_data, valid_stats = batch_pairs(
-        encode_pairs(src_valid, tgt_valid, tokenizer, config.max_length, shapes),
+        encode_pairs(src_valid, tgt_valid, tokenizer, config.max_length, shapes.evaluated()),
         tokens_per_batch,
         shuffle=False,
     )

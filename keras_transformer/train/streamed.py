@@ -178,7 +178,7 @@ def streamed_inputs(run, settings, prepared: PreparedData, tokenizer, config, to
         src_valid, tgt_valid = copied
     valid_text = read_parallel(src_valid, tgt_valid)
     valid, valid_stats = batch_pairs(
-        encode_pairs(*valid_text, tokenizer, config.max_length, prepared.shapes),
+        encode_pairs(*valid_text, tokenizer, config.max_length, prepared.shapes.evaluated()),
         tokens_per_batch,
         shuffle=False,
     )

@@ -113,6 +113,16 @@ def test_few_shapes_give_one_shape_per_bucket_and_lose_no_pair(corpus, tokenizer
     assert fine_shapes and BATCH_SHAPES["fine"].bound(64) is None
 
 
+def test_evaluated_batches_take_fewer_shapes_under_few_and_the_same_under_fine():
+    """Validation and decoding batches of `few`: buckets twice as long as the one below
+    (fewer compiled programs), rows still fixed; `fine` is left as it is."""
+    few = BATCH_SHAPES["few"]
+    assert few.evaluated().boundaries(128) == [8, 16, 32, 64, 128]
+    assert few.evaluated().fixed_rows
+    assert few.evaluated().bound(128) < few.bound(128)
+    assert BATCH_SHAPES["fine"].evaluated() == BATCH_SHAPES["fine"]
+
+
 def test_one_encoding_counts_and_batches_every_batch_size(corpus, tokenizer):
     encoded = encode_pairs(corpus[0], corpus[1], tokenizer, max_length=64)
     counts = {}

@@ -82,3 +82,44 @@ def test_under_jax_the_train_step_compiles_once_per_batch_shape_and_a_second_epo
     # few small programs (15 on the machine this was written on). Op by op, every op of
     # a step would compile for every shape: hundreds.
     assert counts[0] <= len(shapes) + len(valid_shapes) + 8
+
+
+@pytest.mark.jax
+@pytest.mark.skipif(keras.backend.backend() != "jax", reason="the JAX trainer's step")
+def test_under_jax_the_two_program_train_step_trains_as_keras_own_step():
+    """`build_and_compile` splits the JAX train step into gradients and the optimizer's
+    update (`jax_step`). With this Keras it is installed, and three updates over two
+    batch shapes give Keras' own step's weights, optimizer slots and logs."""
+    from keras_transformer.config import TransformerConfig
+    from keras_transformer.train import build_and_compile
+
+    config = TransformerConfig.from_preset("tiny", vocabulary_size=40, num_layers=1)
+    rng = np.random.default_rng(0)
+    batches = []
+    for rows, width in ((4, 6), (3, 9), (4, 6)):
+        ids = rng.integers(3, 40, (rows, width)).astype("int32")
+        ids[0, -2:] = 0  # padding, masked out of the loss
+        batches.append(({"source_ids": ids, "target_ids": ids}, ids))
+
+    def train(split):
+        keras.utils.set_random_seed(0)
+        model = build_and_compile(config, precision="float32", warmup_steps=2)
+        if split:
+            assert "make_train_function" in vars(model)  # the two-program step
+        else:
+            del model.make_train_function  # Keras' own
+        before = to_numpy(model.trainable_variables[0])
+        logs = [model.train_on_batch(x, y, return_dict=True) for x, y in batches]
+        assert int(to_numpy(model.optimizer.iterations)) == 3
+        assert not np.allclose(to_numpy(model.trainable_variables[0]), before)
+        weights = [to_numpy(v) for v in model.trainable_variables + model.optimizer.variables]
+        return logs, weights
+
+    (keras_logs, keras_weights), (split_logs, split_weights) = train(False), train(True)
+    assert len(split_weights) == len(keras_weights)
+    for ours, theirs in zip(split_weights, keras_weights, strict=True):
+        np.testing.assert_allclose(ours, theirs, rtol=1e-5, atol=1e-6)
+    for ours, theirs in zip(split_logs, keras_logs, strict=True):
+        assert ours.keys() == theirs.keys()
+        for name in ours:
+            np.testing.assert_allclose(ours[name], theirs[name], rtol=1e-5)

@@ -1,0 +1,84 @@
+"""Under JAX, the train step as two compiled programs: the loss and its gradients, compiled
+once per batch shape, and the optimizer's update, compiled once.
+
+Keras compiles its JAX train step as one program, so every new batch shape compiles
+Adam's update of every variable again, although that update never changes shape. On
+the `small` preset on a CPU the update is about a third of a shape's compile time
+(docs/performance.md, "JAX on a CPU"). The two programs run one after the other on the
+same arrays, so the result is Keras' own step's.
+
+It needs three members of Keras' JAX trainer that are not public API (named in
+`TRAINER_MEMBERS`); where one is missing, the model keeps Keras' own step.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import keras
+
+TRAINER_MEMBERS = ("_make_function", "_update_metrics_variables", "_get_state_sharding_spec")
+
+
+def split_optimizer_update(model: keras.Model) -> bool:
+    """Makes `model.fit` (and `train_on_batch`) run the train step as two programs under
+    JAX. Returns whether it did: not under another backend, nor where the trainer lacks
+    one of `TRAINER_MEMBERS`."""
+    if keras.backend.backend() != "jax":
+        return False
+    if not all(hasattr(model, name) for name in TRAINER_MEMBERS):
+        return False
+    model.make_train_function = functools.partial(_make_train_function, model)
+    return True
+
+
+def _make_train_function(model, force=False):
+    if model.train_function is not None and not force:
+        return
+    if model.run_eagerly or not model.jit_compile:
+        type(model).make_train_function(model, force)
+        return
+    import jax
+
+    grads_out = update_out = None
+    if keras.distribution.distribution() is not None:
+        trainable, non_trainable, optimizer, metrics = model._get_state_sharding_spec()
+        grads_out = (None, trainable, non_trainable, metrics)
+        update_out = (trainable, optimizer)
+
+    def gradients(trainable, non_trainable, optimizer_variables, metrics, data):
+        x, y, sample_weight = keras.utils.unpack_x_y_sample_weight(data)
+        grad_fn = jax.value_and_grad(model.compute_loss_and_updates, has_aux=True)
+        (_, aux), grads = grad_fn(
+            trainable,
+            non_trainable,
+            metrics,
+            x,
+            y,
+            sample_weight,
+            training=True,
+            optimizer_variables=optimizer_variables,
+        )
+        unscaled_loss, y_pred, non_trainable, metrics = aux
+        logs, metrics = model._update_metrics_variables(
+            metrics, unscaled_loss, x, y, y_pred, sample_weight
+        )
+        return logs, grads, non_trainable, metrics
+
+    def update(optimizer_variables, grads, trainable):
+        return model.optimizer.stateless_apply(optimizer_variables, grads, trainable)
+
+    # The trainable variables and the optimizer's are read by both programs, so only
+    # the update may take their buffers over.
+    gradients = jax.jit(gradients, donate_argnums=(1, 3), out_shardings=grads_out)
+    update = jax.jit(update, donate_argnums=(0, 1, 2), out_shardings=update_out)
+
+    def train_step(state, data):
+        trainable, non_trainable, optimizer_variables, metrics = state
+        logs, grads, non_trainable, metrics = gradients(
+            trainable, non_trainable, optimizer_variables, metrics, data
+        )
+        trainable, optimizer_variables = update(optimizer_variables, grads, trainable)
+        return logs, (trainable, non_trainable, optimizer_variables, metrics)
+
+    model.train_function = model._make_function(train_step)
