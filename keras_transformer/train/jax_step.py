@@ -40,9 +40,11 @@ def _make_train_function(model, force=False):
         return
     import jax
 
-    grads_out = update_out = None
-    if keras.distribution.distribution() is not None:
-        trainable, non_trainable, optimizer, metrics = model._get_state_sharding_spec()
+    grads_out = update_out = state_shardings = None
+    distribution = keras.distribution.distribution()
+    if distribution is not None:
+        state_shardings = _on_the_mesh(model._get_state_sharding_spec(), distribution)
+        trainable, non_trainable, optimizer, metrics = state_shardings
         grads_out = (None, trainable, non_trainable, metrics)
         update_out = (trainable, optimizer)
 
@@ -74,6 +76,10 @@ def _make_train_function(model, force=False):
     update = jax.jit(update, donate_argnums=(0, 1, 2), out_shardings=update_out)
 
     def train_step(state, data):
+        if state_shardings is not None:
+            # The state as the programs return it, so the first step's types are the
+            # next steps' (one compile per shape, not two for the first).
+            state = jax.device_put(state, state_shardings)
         trainable, non_trainable, optimizer_variables, metrics = state
         logs, grads, non_trainable, metrics = gradients(
             trainable, non_trainable, optimizer_variables, metrics, data
@@ -82,3 +88,20 @@ def _make_train_function(model, force=False):
         return logs, (trainable, non_trainable, optimizer_variables, metrics)
 
     model.train_function = model._make_function(train_step)
+
+
+def _on_the_mesh(shardings, distribution):
+    """`shardings` with each one-device sharding as the same device replicated over the
+    distribution's mesh (a `DataParallel` of one device places the variables on that
+    device alone, but a step's outputs come back typed with the data's mesh)."""
+    import jax
+
+    mesh = distribution.get_data_layout((1,)).backend_layout.mesh
+    replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+    def one(sharding):
+        if isinstance(sharding, jax.sharding.SingleDeviceSharding) and mesh.size == 1:
+            return replicated
+        return sharding
+
+    return jax.tree.map(one, shardings)

@@ -123,3 +123,32 @@ def test_under_jax_the_two_program_train_step_trains_as_keras_own_step():
         assert ours.keys() == theirs.keys()
         for name in ours:
             np.testing.assert_allclose(ours[name], theirs[name], rtol=1e-5)
+
+
+@pytest.mark.jax
+@pytest.mark.skipif(keras.backend.backend() != "jax", reason="counts JAX's compilations")
+def test_under_a_one_device_distribution_each_shape_compiles_once(caplog):
+    """Under `keras.distribution.DataParallel` on one device, the first step's state is
+    put on the mesh as the programs return it: the first shape is not compiled twice,
+    and the optimizer's update compiles once in all."""
+    import jax
+
+    from keras_transformer.config import TransformerConfig
+    from keras_transformer.train import build_and_compile
+
+    config = TransformerConfig.from_preset("tiny", vocabulary_size=40, num_layers=1)
+    rng = np.random.default_rng(0)
+    ids = [rng.integers(3, 40, shape).astype("int32") for shape in ((4, 6), (3, 9)) * 2]
+    keras.distribution.set_distribution(keras.distribution.DataParallel())
+    jax.config.update("jax_log_compiles", True)
+    try:
+        model = build_and_compile(config, precision="float32", warmup_steps=2)
+        with caplog.at_level("WARNING", logger="jax"):
+            for x in ids:
+                model.train_on_batch({"source_ids": x, "target_ids": x}, x)
+    finally:
+        jax.config.update("jax_log_compiles", False)
+        keras.distribution.set_distribution(None)
+    compiled = [r.getMessage() for r in caplog.records if "XLA compilation of" in r.getMessage()]
+    assert sum("jit(gradients)" in m for m in compiled) == 2, compiled
+    assert sum("jit(update)" in m for m in compiled) == 1, compiled
