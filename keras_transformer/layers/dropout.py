@@ -1,4 +1,4 @@
-"""Dropout with a cheaper random mask on TensorFlow."""
+"""Dropout with a cheaper random mask on TensorFlow and JAX."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ from keras_transformer.ops.dropout import LEVELS, rate_levels, sixteen_bit_dropo
 
 @keras.saving.register_keras_serializable(package="keras_transformer")
 class Dropout(keras.layers.Dropout):
-    """`keras.layers.Dropout` that, on TensorFlow, draws one 32-bit word per two elements.
+    """`keras.layers.Dropout` that, on TensorFlow and JAX, draws one 32-bit word per two
+    elements.
 
-    In training, on the TensorFlow backend, the mask comes from
+    In training, on the TensorFlow and JAX backends, the mask comes from
     `keras_transformer.ops.dropout.sixteen_bit_dropout`: the applied rate is
     `quantized_rate(rate)` (within 2**-17 of `rate`), and the masks are not
     those that Keras would draw from the same seed. Other backends, a
@@ -28,7 +29,7 @@ class Dropout(keras.layers.Dropout):
         levels = rate_levels(self.rate)
         if (
             not training
-            or keras.backend.backend() != "tensorflow"
+            or keras.backend.backend() not in ("tensorflow", "jax")
             or self.noise_shape is not None
             or not 0 < levels < LEVELS
         ):
