@@ -81,6 +81,9 @@ class PipelineStats:
     source_tokens: int  # of kept pairs, EOS included
     target_tokens: int  # of kept pairs, EOS included
     batches: int = 0  # per pass over the kept pairs
+    # `(rows, positions)` of the batches of a pass, where they are fixed (`fixed_rows`, no
+    # subword sampling): one per length bucket that holds a pair.
+    batch_shapes: tuple = ()
 
     def describe(self, name: str = "data") -> str:
         return (
@@ -229,13 +232,26 @@ class EncodedPairs:
     target_texts: list | None = None
     shapes: BatchShapes = BATCH_SHAPES["fine"]
 
+    def _lengths(self) -> list[int]:
+        return [
+            max(len(s), len(t)) + 1 for s, t in zip(self.source_ids, self.target_ids, strict=True)
+        ]
+
     def batches(self, tokens_per_batch: int) -> int:
         """Batches of one pass at `tokens_per_batch` padded tokens per side."""
         boundaries = self.shapes.boundaries(self.max_length)
-        lengths = [
-            max(len(s), len(t)) + 1 for s, t in zip(self.source_ids, self.target_ids, strict=True)
-        ]
-        return _count_batches(lengths, boundaries, self.shapes.rows(boundaries, tokens_per_batch))
+        rows = self.shapes.rows(boundaries, tokens_per_batch)
+        return _count_batches(self._lengths(), boundaries, rows)
+
+    def batch_shapes(self, tokens_per_batch: int) -> tuple:
+        """The `(rows, positions)` of the batches of a pass under fixed rows: one per length
+        bucket that holds a pair; `()` where the rows are not fixed."""
+        if not self.shapes.fixed_rows:
+            return ()
+        boundaries = self.shapes.boundaries(self.max_length)
+        rows = self.shapes.rows(boundaries, tokens_per_batch)
+        present = np.unique(np.searchsorted(boundaries, self._lengths()))
+        return tuple((rows[b], boundaries[b]) for b in present)
 
 
 def bucket_rows(boundaries, tokens_per_batch) -> list[int]:
@@ -361,7 +377,13 @@ def batch_pairs(
         raise ValueError(
             "Subword sampling needs the tokenizer and the pairs' text (from encode_pairs)."
         )
-    stats = dataclasses.replace(encoded.stats, batches=encoded.batches(tokens_per_batch))
+    stats = dataclasses.replace(
+        encoded.stats,
+        batches=encoded.batches(tokens_per_batch),
+        batch_shapes=encoded.batch_shapes(tokens_per_batch)
+        if repeat_shapes and sampling is None
+        else (),
+    )
     shapes = encoded.shapes
     boundaries = shapes.boundaries(encoded.max_length)
     batch_sizes = shapes.rows(boundaries, tokens_per_batch)

@@ -14,6 +14,8 @@ It needs three members of Keras' JAX trainer that are not public API (named in
 from __future__ import annotations
 
 import functools
+import os
+import time
 
 import keras
 
@@ -71,9 +73,10 @@ def _make_train_function(model, force=False):
         return model.optimizer.stateless_apply(optimizer_variables, grads, trainable)
 
     # The trainable variables and the optimizer's are read by both programs, so only
-    # the update may take their buffers over.
+    # the update may take their buffers over (the gradients' would have no output to
+    # go to).
     gradients = jax.jit(gradients, donate_argnums=(1, 3), out_shardings=grads_out)
-    update = jax.jit(update, donate_argnums=(0, 1, 2), out_shardings=update_out)
+    update = jax.jit(update, donate_argnums=(0, 2), out_shardings=update_out)
 
     def train_step(state, data):
         if state_shardings is not None:
@@ -88,6 +91,84 @@ def _make_train_function(model, force=False):
         return logs, (trainable, non_trainable, optimizer_variables, metrics)
 
     model.train_function = model._make_function(train_step)
+    model._keras_transformer_programs = _Programs(gradients, update, state_shardings)
+
+
+class _Programs:
+    """The two jitted programs of a model's train step, and the state's shardings."""
+
+    def __init__(self, gradients, update, state_shardings):
+        self.gradients, self.update, self.state_shardings = gradients, update, state_shardings
+
+
+class CompileAhead(keras.callbacks.Callback):
+    """`compile_ahead` when `fit` begins (its metrics and optimizer built by then);
+    `log(message)` is told how long it took."""
+
+    def __init__(self, shapes, threads: int = 2, log=None):
+        super().__init__()
+        self.shapes, self.threads, self.log = list(shapes), threads, log
+
+    def on_train_begin(self, logs=None):
+        started = time.perf_counter()
+        count = compile_ahead(self.model, self.shapes, self.threads)
+        if count and self.log is not None:
+            self.log(
+                f"Compiled the train step for {count - 1} batch shapes ahead, "
+                f"{self.threads} at a time, in {time.perf_counter() - started:.0f} s."
+            )
+
+
+def compile_ahead(model: keras.Model, shapes, threads: int = 2) -> int:
+    """Compiles the train step for batches of each `(rows, length)` of `shapes` (inputs
+    `source_ids` and `target_ids` and int32 labels of that shape) before `fit` meets
+    them, on `threads` threads at once: XLA compiles the programs side by side, where
+    `fit` would compile each when its first batch comes. The compiled programs are the
+    ones `fit` then runs. The model's metrics and optimizer must be built (`fit` builds
+    them: call it from `CompileAhead`). Returns how many it compiled: 0 where the model
+    does not run the two-program step (`split_optimizer_update`)."""
+    if "make_train_function" not in vars(model):
+        return 0
+    model.make_train_function()
+    programs = getattr(model, "_keras_transformer_programs", None)
+    if programs is None:
+        return 0
+    import concurrent.futures
+
+    import jax
+
+    state = (
+        [v.value for v in model.trainable_variables],
+        [v.value for v in model.non_trainable_variables],
+        [v.value for v in model.optimizer.variables],
+        [v.value for v in model.metrics_variables],
+    )
+    if programs.state_shardings is not None:
+        state = jax.device_put(state, programs.state_shardings)
+    distribution = keras.distribution.distribution()
+
+    def batch(shape):
+        sharding = None
+        if distribution is not None:
+            sharding = distribution.get_data_layout(shape).backend_layout
+        ids = jax.ShapeDtypeStruct(shape, "int32", sharding=sharding)
+        return ({"source_ids": ids, "target_ids": ids}, ids)
+
+    trainable, non_trainable, optimizer_variables, metrics = state
+
+    def compile_one(shape):
+        if shape is None:
+            return programs.update.lower(optimizer_variables, trainable, trainable).compile()
+        data = batch(shape)
+        return programs.gradients.lower(
+            trainable, non_trainable, optimizer_variables, metrics, data
+        ).compile()
+
+    jobs = [None, *sorted(set(shapes))]
+    with concurrent.futures.ThreadPoolExecutor(max(1, threads)) as pool:
+        for _ in pool.map(compile_one, jobs):
+            pass
+    return len(jobs)
 
 
 def _on_the_mesh(shardings, distribution):
@@ -105,3 +186,13 @@ def _on_the_mesh(shardings, distribution):
         return sharding
 
     return jax.tree.map(one, shardings)
+
+
+def ahead_of_fit(stats, settings, log) -> list:
+    """`[CompileAhead]` for the training batches of `stats` (their `batch_shapes`, rows
+    doubled under R-Drop) under JAX, else `[]`."""
+    if keras.backend.backend() != "jax" or not stats.batch_shapes:
+        return []
+    twice = 2 if settings.rdrop_alpha else 1
+    shapes = [(rows * twice, positions) for rows, positions in stats.batch_shapes]
+    return [CompileAhead(shapes, threads=min(4, os.cpu_count() or 1), log=log)]

@@ -59,6 +59,7 @@ from keras_transformer.train.data_parallel import (
     start_data_parallel,
 )
 from keras_transformer.train.init_from import init_config
+from keras_transformer.train.jax_step import ahead_of_fit
 from keras_transformer.train.peers import lost_peer
 from keras_transformer.train.preemption import PreemptionStop, restore_validation, stopped_result
 from keras_transformer.train.run_dir import (
@@ -272,8 +273,7 @@ def _load_data(run, settings, src_train, tgt_train, src_valid, tgt_valid) -> _Da
             f"{settings.seed} and the {epochs_done} epochs done), not the first start's again."
         )
     if settings.rdrop_alpha:
-        # The validation batches too: the loss reads its pairs, and without
-        # dropout the two copies agree, so the validation loss is unchanged.
+        # Validation too: the loss reads pairs; without dropout the copies agree.
         train_data, valid_data = duplicate_rows(train_data), duplicate_rows(valid_data)
         run.log(
             f"R-Drop: every sentence twice per batch, consistency alpha {settings.rdrop_alpha:g}."
@@ -440,7 +440,7 @@ def _fit(run, settings, model, data, recipe) -> tuple[list, PreemptionStop]:
     every = 1
     if settings.validate_every_steps:
         every = settings.validate_every_steps // settings.save_every_steps
-    callbacks.append(stop)
+    callbacks += [stop, *ahead_of_fit(data.train_stats, settings, run.log)]
     if settings.select_by == "bleu":
         callbacks.insert(
             0, ValidationBleu(data.tokenizer, data.valid_pairs, every, run.processes, stop)

@@ -108,9 +108,11 @@ def test_few_shapes_give_one_shape_per_bucket_and_lose_no_pair(corpus, tokenizer
             assert not src[~real].any() and not dec[~real].any()  # empty rows are all padding
             pairs += int(real.sum())
     assert pairs == 2 * stats.kept_pairs == 600
+    assert set(stats.batch_shapes) == shapes  # known before a batch is made
     assert len(shapes) <= few.bound(64) == len(boundaries)
     assert len(shapes) < len(fine_shapes)  # the point of it
     assert fine_shapes and BATCH_SHAPES["fine"].bound(64) is None
+    assert batch_pairs(encode_pairs(*corpus, tokenizer, 64), 256)[1].batch_shapes == ()
 
 
 def test_evaluated_batches_take_fewer_shapes_under_few_and_the_same_under_fine():

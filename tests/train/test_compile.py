@@ -152,3 +152,51 @@ def test_under_a_one_device_distribution_each_shape_compiles_once(caplog):
     compiled = [r.getMessage() for r in caplog.records if "XLA compilation of" in r.getMessage()]
     assert sum("jit(gradients)" in m for m in compiled) == 2, compiled
     assert sum("jit(update)" in m for m in compiled) == 1, compiled
+
+
+@pytest.mark.jax
+@pytest.mark.skipif(keras.backend.backend() != "jax", reason="counts JAX's compilations")
+def test_compile_ahead_compiles_every_shape_before_fit_needs_it(caplog, recwarn):
+    """`CompileAhead` compiles the gradients for each given batch shape and the update, two
+    at a time, when `fit` begins; `fit` then compiles neither program again."""
+    import jax
+
+    from keras_transformer.config import TransformerConfig
+    from keras_transformer.train import build_and_compile
+    from keras_transformer.train.jax_step import CompileAhead
+
+    config = TransformerConfig.from_preset("tiny", vocabulary_size=40, num_layers=1)
+    shapes = [(4, 6), (2, 12), (8, 3)]
+    rng = np.random.default_rng(0)
+    x = [rng.integers(3, 40, shape).astype("int32") for shape in shapes * 2]
+    messages = []
+
+    class Listen(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            jax.config.update("jax_log_compiles", True)
+
+    def batches():
+        for ids in x:
+            yield {"source_ids": ids, "target_ids": ids}, ids
+
+    model = build_and_compile(config, precision="float32", warmup_steps=2)
+    ahead = CompileAhead(shapes, threads=2, log=messages.append)
+    try:
+        with caplog.at_level("WARNING", logger="jax"):
+            model.fit(_generated(batches), epochs=2, verbose=0, callbacks=[ahead, Listen()])
+    finally:
+        jax.config.update("jax_log_compiles", False)
+    assert messages and "for 3 batch shapes ahead" in messages[0]
+    compiled = [r.getMessage() for r in caplog.records if "XLA compilation of" in r.getMessage()]
+    assert not [m for m in compiled if "jit(gradients)" in m or "jit(update)" in m], compiled
+    assert int(to_numpy(model.optimizer.iterations)) == 12
+    assert not [w for w in recwarn if "donated" in str(w.message)]  # every buffer reused
+
+
+def _generated(batches):
+    import tensorflow as tf
+
+    ids = tf.TensorSpec((None, None), tf.int32)
+    return tf.data.Dataset.from_generator(
+        batches, output_signature=({"source_ids": ids, "target_ids": ids}, ids)
+    )
