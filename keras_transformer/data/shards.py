@@ -241,6 +241,21 @@ class PreparedData:
             self._steps[key] = np.max(batches, axis=0)
         return self._steps[key]
 
+    def batch_shapes(self, tokens_per_batch: int, count: int = 1, rows_multiple: int = 1) -> tuple:
+        """The global `(rows, positions)` of the batches of an epoch that `count` readers
+        read at `tokens_per_batch` tokens each (rows a multiple of `rows_multiple` per
+        reader), where those are fixed (`fixed_rows`, or several readers): one per length
+        bucket that has a step; `()` otherwise."""
+        if count == 1 and not self.shapes.fixed_rows:
+            return ()
+        boundaries = self.shapes.boundaries(self.max_length)
+        sizes = self.shapes.rows(boundaries, tokens_per_batch)
+        steps = self.bucket_steps(tokens_per_batch, count)
+        return tuple(
+            (-(-sizes[b] // rows_multiple) * rows_multiple * count, boundaries[b])
+            for b in np.flatnonzero(steps)
+        )
+
     def steps_per_epoch(self, tokens_per_batch: int, count: int = 1) -> int:
         """Global steps of one epoch read by `count` readers (`batches_per_epoch` for one)."""
         return int(self.bucket_steps(tokens_per_batch, count).sum())

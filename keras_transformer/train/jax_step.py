@@ -188,11 +188,12 @@ def _on_the_mesh(shardings, distribution):
     return jax.tree.map(one, shardings)
 
 
-def ahead_of_fit(stats, settings, log) -> list:
-    """`[CompileAhead]` for the training batches of `stats` (their `batch_shapes`, rows
-    doubled under R-Drop) under JAX, else `[]`."""
-    if keras.backend.backend() != "jax" or not stats.batch_shapes:
+def ahead_of_fit(data, settings, log) -> list:
+    """`[CompileAhead]` for a run's training batches under JAX (the `batch_shapes` of its
+    stream's plan, or of its text files' stats; rows doubled under R-Drop), else `[]`."""
+    known = data.stream.batch_shapes if data.stream is not None else data.train_stats.batch_shapes
+    if keras.backend.backend() != "jax" or not known:
         return []
     twice = 2 if settings.rdrop_alpha else 1
-    shapes = [(rows * twice, positions) for rows, positions in stats.batch_shapes]
+    shapes = [(rows * twice, positions) for rows, positions in known]
     return [CompileAhead(shapes, threads=min(4, os.cpu_count() or 1), log=log)]

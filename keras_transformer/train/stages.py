@@ -440,7 +440,7 @@ def _fit(run, settings, model, data, recipe) -> tuple[list, PreemptionStop]:
     every = 1
     if settings.validate_every_steps:
         every = settings.validate_every_steps // settings.save_every_steps
-    callbacks += [stop, *ahead_of_fit(data.train_stats, settings, run.log)]
+    callbacks += [stop, *ahead_of_fit(data, settings, run.log)]
     if settings.select_by == "bleu":
         callbacks.insert(
             0, ValidationBleu(data.tokenizer, data.valid_pairs, every, run.processes, stop)

@@ -44,6 +44,7 @@ class StreamPlan:
     start_batches: int  # batches consumed before this start
     max_batches: int | None  # the --epochs budget in batches
     readers: int = 1  # processes that each read their own part of the data
+    batch_shapes: tuple = ()  # the global batches' `(rows, positions)`, where fixed
 
     @property
     def start(self) -> tuple[int, int]:
@@ -151,7 +152,9 @@ def streamed_inputs(run, settings, prepared: PreparedData, tokenizer, config, to
     start = processes.first_value(consumed_batches(run.out_dir, spans_done) if run.chief else 0)
     max_batches = None if settings.epochs is None else settings.epochs * per_epoch
     keras_epochs = 10_000_000 if max_batches is None else math.ceil(max_batches / span)
-    plan = StreamPlan(per_epoch, span, keras_epochs, start, max_batches, readers)
+    rows_multiple = processes.devices // readers
+    shapes = prepared.batch_shapes(local_tokens, readers, rows_multiple)
+    plan = StreamPlan(per_epoch, span, keras_epochs, start, max_batches, readers, shapes)
     epoch, batch = plan.start
     # Each process reads its own part; its batches are its rows of the global batch.
     train = prepared.dataset(
@@ -160,7 +163,7 @@ def streamed_inputs(run, settings, prepared: PreparedData, tokenizer, config, to
         epoch,
         batch,
         part=(processes.index, readers),
-        rows_multiple=processes.devices // readers,
+        rows_multiple=rows_multiple,
     )
     if start:
         run.log(

@@ -165,6 +165,16 @@ def test_few_shapes_stream_one_shape_per_bucket_as_text_batches_do(text, prepare
         real += int((labels != PAD_ID).any(axis=1).sum())
     assert real == 2 * data.stats().kept_pairs
     assert len(shapes) <= few.bound(14)
+    # Known before a batch is read (compiled ahead under JAX), as the text pipeline's.
+    assert set(data.batch_shapes(TOKENS_PER_BATCH)) == shapes
+    assert set(data.batch_shapes(TOKENS_PER_BATCH)) == set(pairs.batch_shapes(TOKENS_PER_BATCH))
+    # Two readers at half the tokens each, rows a multiple of 2: each reads its rows of
+    # the global batch.
+    local = TOKENS_PER_BATCH // 2
+    two = data.batches(seed=0, tokens_per_batch=local, part=(1, 2), rows_multiple=2)
+    read = {(s.shape[0] * 2, s.shape[1]) for s, _, _ in itertools.islice(two, 2 * per_epoch)}
+    assert read == set(data.batch_shapes(local, 2, rows_multiple=2))
+    assert PreparedData(prepared).batch_shapes(TOKENS_PER_BATCH) == ()  # `fine`: not fixed
 
 
 def test_a_rerun_on_a_prepared_directory_does_nothing(text, prepared):
