@@ -35,7 +35,8 @@ def build_and_compile(
     `MaskedAccuracy`; `mixed_float16` gets Keras' loss scaling; "auto"
     precision is resolved by `keras_transformer.precision.resolve_precision`.
     `jit_compile` compiles the train step with XLA on TensorFlow; JAX always
-    compiles it, as two programs (`keras_transformer.train.jax_step`). `accumulate_steps` > 1 averages that many batches' gradients per update.
+    compiles it, as two programs (`keras_transformer.train.jax_step`).
+    `accumulate_steps` > 1 averages that many batches' gradients per update.
     `cooldown_steps` of `total_steps` end the schedule with a linear fall to
     zero (`TransformerSchedule`). `rdrop_alpha` > 0 adds R-Drop's consistency
     term to the loss; the batches must then hold each sentence twice

@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import os
 import time
+import typing
 
 import keras
 
@@ -80,9 +81,7 @@ def _make_train_function(model, force=False):
 
     def train_step(state, data):
         if state_shardings is not None:
-            # The state as the programs return it, so the first step's types are the
-            # next steps' (one compile per shape, not two for the first).
-            state = jax.device_put(state, state_shardings)
+            state = tuple(map(_placed, state, state_shardings))
         trainable, non_trainable, optimizer_variables, metrics = state
         logs, grads, non_trainable, metrics = gradients(
             trainable, non_trainable, optimizer_variables, metrics, data
@@ -94,11 +93,23 @@ def _make_train_function(model, force=False):
     model._keras_transformer_programs = _Programs(gradients, update, state_shardings)
 
 
-class _Programs:
+def _placed(arrays, shardings):
+    """`arrays` put on `shardings` where they come fresh from the variables (or from
+    `reset_metrics`): the first step's types are then the next steps' (one compile per
+    shape, not two). Those the programs returned are left as they are."""
+    import jax
+
+    if arrays and type(arrays[0].sharding) is not type(shardings[0]):
+        return jax.device_put(arrays, shardings)
+    return arrays
+
+
+class _Programs(typing.NamedTuple):
     """The two jitted programs of a model's train step, and the state's shardings."""
 
-    def __init__(self, gradients, update, state_shardings):
-        self.gradients, self.update, self.state_shardings = gradients, update, state_shardings
+    gradients: object
+    update: object
+    state_shardings: object
 
 
 class CompileAhead(keras.callbacks.Callback):
