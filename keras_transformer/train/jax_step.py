@@ -90,7 +90,10 @@ def _make_train_function(model, force=False):
         return logs, (trainable, non_trainable, optimizer_variables, metrics)
 
     model.train_function = model._make_function(train_step)
-    model._keras_transformer_programs = _Programs(gradients, update, state_shardings)
+    # Past Keras' attribute tracking, which would turn the tuple into a tracked list.
+    object.__setattr__(
+        model, "_keras_transformer_programs", _Programs(gradients, update, state_shardings)
+    )
 
 
 def _placed(arrays, shardings):
