@@ -163,10 +163,12 @@ def compiled_steps(model) -> CompiledSteps:
 
 
 def compiled_length(n: int, limit: int) -> int:
-    """`n` positions rounded up to a length bucket of the evaluated `few` batch shapes (8,
-    16, 32, 64, ...) but not past `limit` (the model's positions), so that the compiled
-    steps see few distinct shapes."""
-    return next((b for b in BATCH_SHAPES["few"].evaluated().boundaries(limit) if b >= n), n)
+    """`n` positions rounded up to a length bucket of the `few` batch shapes (8, 10, 12, 15,
+    19, 24, ..., 25% apart) but not past `limit` (the model's positions), so that the
+    compiled steps see few distinct shapes. Not the evaluated shapes' buckets twice
+    apart: their extra padding made every warm decode slower, while fewer compiles
+    help only the first (docs/performance.md, "JAX on a CPU")."""
+    return next((b for b in BATCH_SHAPES["few"].boundaries(limit) if b >= n), n)
 
 
 def compiled_rows(n: int) -> int:

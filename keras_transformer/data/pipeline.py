@@ -136,7 +136,7 @@ class BatchShapes:
         return bucket_rows(boundaries, tokens_per_batch)
 
     def evaluated(self) -> BatchShapes:
-        """The shapes of batches that are only evaluated (validation, decoding): with
+        """The shapes of batches that are only evaluated (the validation loss): with
         fixed rows, buckets twice as long as the one below, so that a program compiled
         per shape compiles three or four times instead of nine or ten. Evaluation is a
         small share of a run, so its extra padding costs less than the compiles."""
