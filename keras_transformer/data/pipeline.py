@@ -10,6 +10,7 @@ each epoch by sampling (`SubwordSampling`).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gzip
 import os
 import zlib
@@ -232,16 +233,18 @@ class EncodedPairs:
     target_texts: list | None = None
     shapes: BatchShapes = BATCH_SHAPES["fine"]
 
-    def _lengths(self) -> list[int]:
-        return [
-            max(len(s), len(t)) + 1 for s, t in zip(self.source_ids, self.target_ids, strict=True)
-        ]
+    @functools.cached_property
+    def _lengths(self) -> np.ndarray:
+        """Each pair's bucket key, EOS or BOS included: computed once for every batch size."""
+        return np.asarray(
+            [max(len(s), len(t)) + 1 for s, t in zip(self.source_ids, self.target_ids, strict=True)]
+        )
 
     def batches(self, tokens_per_batch: int) -> int:
         """Batches of one pass at `tokens_per_batch` padded tokens per side."""
         boundaries = self.shapes.boundaries(self.max_length)
         rows = self.shapes.rows(boundaries, tokens_per_batch)
-        return _count_batches(self._lengths(), boundaries, rows)
+        return _count_batches(self._lengths, boundaries, rows)
 
     def batch_shapes(self, tokens_per_batch: int) -> tuple:
         """The `(rows, positions)` of the batches of a pass under fixed rows: one per length
@@ -250,7 +253,7 @@ class EncodedPairs:
             return ()
         boundaries = self.shapes.boundaries(self.max_length)
         rows = self.shapes.rows(boundaries, tokens_per_batch)
-        present = np.unique(np.searchsorted(boundaries, self._lengths()))
+        present = np.unique(np.searchsorted(boundaries, self._lengths))
         return tuple((rows[b], boundaries[b]) for b in present)
 
 

@@ -157,8 +157,8 @@ def compile_ahead(model: keras.Model, shapes, threads: int = 2) -> int:
         [v.value for v in model.optimizer.variables],
         [v.value for v in model.metrics_variables],
     )
-    if programs.state_shardings is not None:
-        state = jax.device_put(state, programs.state_shardings)
+    if programs.state_shardings is not None:  # as `train_step` places it
+        state = tuple(map(_placed, state, programs.state_shardings))
     distribution = keras.distribution.distribution()
 
     def batch(shape):
