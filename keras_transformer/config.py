@@ -67,6 +67,8 @@ SHAPE_FIELDS = (
     "intermediate_dim",
     "num_heads",
 )
+# Those a run started from another (`train --init-from`) may still give: fewer layers.
+DEPTH_FIELDS = SHAPE_FIELDS[:3]
 
 
 @dataclasses.dataclass

@@ -173,7 +173,8 @@ class TrainSettings:
         group="model",
         metavar="RUN",
         help="start from RUN's weights and tokenizer (an imported Marian model, or any "
-        "run): no SentencePiece model is trained and the shape is RUN's",
+        "run): no SentencePiece model is trained and the shape is RUN's; fewer layers "
+        "(--num-*-layers) start from RUN's spread out (a student)",
     )
     # Optimisation: batches, the learning-rate schedule (TransformerSchedule), the seed.
     # Padded tokens per batch on each side; None: automatic (automatic_tokens_per_batch).
@@ -446,14 +447,9 @@ class TrainSettings:
         if self.learning_rate is not None and not self.learning_rate > 0:
             raise ValueError(f"learning_rate must be positive. Received: {self.learning_rate}")
         if self.init_from is not None:
-            given = [n for n in SHAPE_FIELDS if getattr(self, n) is not None]
-            if given or self.normalize_first is not None:
-                raise ValueError(
-                    "init_from takes the model's shape and tokenizer from its run: leave out "
-                    f"{', '.join(given) or 'normalize_first'}."
-                )
-            if not os.path.isfile(os.path.join(self.init_from, "model.keras")):
-                raise ValueError(f"init_from: no model.keras in {self.init_from}")
+            from keras_transformer.train.init_from import check_init_from
+
+            check_init_from(self)
         if self.learning_rate_scale is not None and not self.learning_rate_scale > 0:
             raise ValueError(
                 "learning_rate_scale must be positive. "

@@ -58,7 +58,7 @@ from keras_transformer.train.data_parallel import (
     share_of_each_batch,
     start_data_parallel,
 )
-from keras_transformer.train.init_from import init_config
+from keras_transformer.train.init_from import init_config, start_from
 from keras_transformer.train.jax_step import ahead_of_fit
 from keras_transformer.train.peers import lost_peer
 from keras_transformer.train.preemption import PreemptionStop, restore_validation, stopped_result
@@ -81,7 +81,6 @@ from keras_transformer.train.streamed import (
     check_prepared,
     streamed_inputs,
 )
-from keras_transformer.translation import load_run
 
 
 @dataclasses.dataclass
@@ -173,7 +172,7 @@ def _train_model(run, settings, data, recipe) -> dict:
     model = build_and_compile(data.config, run.strategy, **recipe.compile_args(settings))
     if settings.init_from is not None:
         # The starting weights; a resumed start then restores its own backup over them.
-        model.set_weights(load_run(settings.init_from)[0].get_weights())
+        run.log(start_from(model, settings.init_from))
     history, stop = _fit(run, settings, model, data, recipe)
     processes.leave()
     if not run.chief:

@@ -182,8 +182,10 @@ def test_init_from_takes_the_shape_and_tokenizer_of_its_run(tmp_path):
     (tmp_path / "model.keras").write_bytes(b"")
     settings = TrainSettings(*paths, *paths, init_from=str(tmp_path), learning_rate=5e-5)
     assert settings.init_from == str(tmp_path)
-    with pytest.raises(ValueError, match="leave out num_layers, hidden_dim"):
-        TrainSettings(*paths, *paths, init_from=str(tmp_path), num_layers=2, hidden_dim=64)
+    with pytest.raises(ValueError, match="leave out hidden_dim, num_heads"):
+        TrainSettings(
+            *paths, *paths, init_from=str(tmp_path), num_layers=2, hidden_dim=64, num_heads=2
+        )
     with pytest.raises(ValueError, match="learning_rate must be positive"):
         TrainSettings(*paths, *paths, learning_rate=0.0)
     keras.backend.clear_session()
