@@ -6,12 +6,14 @@
 #   3. students, each trained for EPOCHS epochs with a WARMUP-update warm-up, on the
 #      distilled targets and (the controls) on the original ones: 6-1 and 6-2 at
 #      d256 (presets student-6-1 and student-6-2) and a 6-1 at d192 (FFN 768);
+#      and, on the distilled targets, 3-1, 2-1 and 1-1 students started from the
+#      teacher's own layers (train --init-from, "-sft"), with a 500-update warm-up;
 #   4. every model exported in int8 with a shortlist counted from the original
 #      training pairs, then `benchmarks.students` on val and test_2016_flickr.
 #   usage: examples/students.sh [RUNS]      (default runs/students)
 # Rerunning resumes: finished steps are skipped, a killed training resumes.
 # Overridable: MULTI30K (data folder, default data/multi30k), EPOCHS (5), WARMUP
-# (1014: two epochs of updates), STUDENTS (which to train, default all six, as
+# (1014: two epochs of updates), STUDENTS (which to train, default all nine, as
 # NAME:DATA pairs), KT (the keras-transformer command), PYTHON.
 set -euo pipefail
 RUNS=${1:-runs/students}
@@ -20,7 +22,7 @@ KT=${KT:-.venv/bin/keras-transformer}
 PYTHON=${PYTHON:-.venv/bin/python}
 EPOCHS=${EPOCHS:-5}
 WARMUP=${WARMUP:-1014}
-STUDENTS=${STUDENTS:-"6-1:distilled 6-2:distilled 6-1-d192:distilled 6-1:original 6-2:original 6-1-d192:original"}
+STUDENTS=${STUDENTS:-"6-1:distilled 6-2:distilled 6-1-d192:distilled 6-1:original 6-2:original 6-1-d192:original 3-1-sft:distilled 2-1-sft:distilled 1-1-sft:distilled"}
 mkdir -p "$RUNS"
 
 [ -f "$RUNS/teacher/model.keras" ] || MULTI30K=$DATA KT=$KT examples/multi30k.sh de en "$RUNS/teacher"
@@ -31,6 +33,10 @@ shape() {  # the train flags of a student's name
     6-1) echo --preset student-6-1 ;;
     6-2) echo --preset student-6-2 ;;
     6-1-d192) echo --preset student-6-1 --hidden-dim 192 --intermediate-dim 768 ;;
+    # Started from the teacher's embeddings and layers (its last decoder layer).
+    3-1-sft) echo --init-from "$RUNS/teacher" --num-decoder-layers 1 --warmup-steps 500 ;;
+    2-1-sft) echo --init-from "$RUNS/teacher" --num-layers 2 --num-decoder-layers 1 --warmup-steps 500 ;;
+    1-1-sft) echo --init-from "$RUNS/teacher" --num-layers 1 --warmup-steps 500 ;;
     *) echo "unknown student $1" >&2; exit 2 ;;
   esac
 }
@@ -47,7 +53,7 @@ for STUDENT in $STUDENTS; do
   FLAGS=$(shape "$NAME")
   # shellcheck disable=SC2086
   "$KT" train "${TRAIN[@]}" --src-valid "$DATA/val.de.gz" --tgt-valid "$DATA/val.en.gz" \
-    --out "$RUN" $FLAGS --epochs "$EPOCHS" --warmup-steps "$WARMUP"
+    --out "$RUN" --epochs "$EPOCHS" --warmup-steps "$WARMUP" $FLAGS
   MODELS+=("$NAME-$SOURCE=$RUN")
 done
 
