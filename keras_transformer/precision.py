@@ -114,6 +114,23 @@ def training_device(found_gpus=None, cpu: str | None = None) -> str:
     return (cpu_name() if cpu is None else cpu) or "unknown CPU"
 
 
+def check_backend_precision(requested: str, backend=None, gpus=None) -> None:
+    """Raises ValueError for a precision the backend cannot train in here: `mixed_float16`
+    under JAX without a GPU (XLA's CPU backend has no float16 matrix product). `backend`
+    and `gpus` (`visible_gpus()`) default to what this process has."""
+    if requested != "mixed_float16":
+        return
+    if backend is None:
+        import keras
+
+        backend = keras.backend.backend()
+    if backend == "jax" and not (visible_gpus() if gpus is None else gpus):
+        raise ValueError(
+            "precision mixed_float16 under JAX needs a GPU: XLA's CPU backend has no float16 "
+            "matrix product. Use mixed_bfloat16, float32 or auto."
+        )
+
+
 def resolve_precision(requested: str, flags=None, gpus=None, backend=None) -> tuple[str, str]:
     """The Keras dtype policy for `requested`, and why.
 

@@ -2,7 +2,13 @@
 
 import pytest
 
-from keras_transformer.precision import cpu_flags, cpu_name, resolve_precision, training_device
+from keras_transformer.precision import (
+    check_backend_precision,
+    cpu_flags,
+    cpu_name,
+    resolve_precision,
+    training_device,
+)
 
 
 @pytest.mark.parametrize(
@@ -74,3 +80,12 @@ def test_training_device_names_the_gpus_before_the_cpu():
     assert training_device([("NVIDIA H200", (9, 0))], cpu="x") == "NVIDIA H200"
     two = [("NVIDIA H100", (9, 0)), ("NVIDIA A100", (8, 0))]
     assert training_device(two, cpu="x") == "2 x NVIDIA A100 + NVIDIA H100"
+
+
+def test_float16_under_jax_without_a_gpu_is_refused_by_name():
+    with pytest.raises(ValueError, match="mixed_float16 under JAX needs a GPU"):
+        check_backend_precision("mixed_float16", backend="jax", gpus=[])
+    check_backend_precision("mixed_float16", backend="jax", gpus=[("H100", (9, 0))])
+    check_backend_precision("mixed_float16", backend="tensorflow", gpus=[])
+    for precision in ("auto", "float32", "mixed_bfloat16"):
+        check_backend_precision(precision, backend="jax", gpus=[])

@@ -25,7 +25,7 @@ from keras_transformer.data.pipeline import (
     SubwordSampling,
     check_batch_fits,
 )
-from keras_transformer.data.tokenizer import DEFAULT_VOCABULARY_SIZE
+from keras_transformer.data.tokenizer import DEFAULT_VOCABULARY_SIZE, MIN_VOCABULARY_SIZE
 from keras_transformer.distribute import STRATEGIES, check_strategy
 from keras_transformer.precision import CHOICES as PRECISION_CHOICES
 from keras_transformer.train.batch_size import automatic_batch_rule
@@ -472,6 +472,11 @@ class TrainSettings:
                 "rdrop_alpha pairs the two copies of a sentence within one device's batch; "
                 "tf.distribute splits them over replicas. Use strategy='default', or "
                 "'data-parallel', where the loss sees the whole global batch."
+            )
+        if self.init_from is None and self.data is None and self.vocab_size < MIN_VOCABULARY_SIZE:
+            raise ValueError(  # checked before the run directory is written, not at training
+                f"vocab_size must be at least {MIN_VOCABULARY_SIZE} (256 byte pieces and the "
+                f"special tokens). Received: vocab_size={self.vocab_size}"
             )
         config = self.model_config(self.vocab_size)  # the preset and shape build, or say why not
         if self.tokens_per_batch is not None:

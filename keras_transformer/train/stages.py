@@ -25,6 +25,7 @@ from keras_transformer.data.tokenizer import SentencePieceTokenizer
 from keras_transformer.distribute import make_strategy
 from keras_transformer.io_utils import atomic_save_model, atomic_write_json
 from keras_transformer.precision import (
+    check_backend_precision,
     gpu_compute_capabilities,
     resolve_precision,
     training_device,
@@ -145,6 +146,7 @@ def train(settings: TrainSettings, out_dir: str, verbose: int = 1, strategy=None
     folder and return `{}`.
     """
     strategy, processes = _strategy(settings, strategy)
+    check_backend_precision(settings.precision)  # after JAX's runtime joined its group
     if settings.data is not None:
         # Checked before anything is written: complete, and its inputs unchanged.
         prepared = PreparedData(
@@ -194,8 +196,7 @@ def _train_model(run, settings, data, recipe) -> dict:
 
 
 def _strategy(settings, strategy):
-    """`(strategy, processes)`: the given `tf.distribute` strategy, or the one `settings` names
-    (None: Keras' default, off TensorFlow), or a data-parallel run's distribution and place."""
+    """`(strategy, processes)`: the given one, the one `settings` names, or data parallel's."""
     if strategy is not None:
         return strategy, SINGLE_PROCESS
     if settings.strategy == "data-parallel":

@@ -157,7 +157,11 @@ def test_a_shape_that_cannot_be_built_is_refused_before_training(corpus_files, t
     args[args.index("--tokens-per-batch") + 1] = "40"  # below tiny's max_length, 48
     with pytest.raises(SystemExit, match=r"tokens_per_batch \(40\) must be at least"):
         cli.main(args)
-    for run in ("run", "run2", "run3"):
+    args = _train_args(paths, tmp_path / "run4")
+    args[args.index("--vocab-size") + 1] = "200"  # SentencePiece needs the 256 byte pieces
+    with pytest.raises(SystemExit, match="vocab_size must be at least 300"):
+        cli.main(args)
+    for run in ("run", "run2", "run3", "run4"):
         assert not (tmp_path / run).exists()
 
 
