@@ -12,7 +12,7 @@
 #      training pairs, then `benchmarks.students` on val and test_2016_flickr.
 #   usage: examples/students.sh [RUNS]      (default runs/students)
 # Rerunning resumes: finished steps are skipped, a killed training resumes.
-# Overridable: MULTI30K (data folder, default data/multi30k), EPOCHS (5), WARMUP
+# Overridable: MULTI30K (data folder, default data/multi30k), EPOCHS (10: the teacher's), WARMUP
 # (1014: two epochs of updates), STUDENTS (which to train, default all nine, as
 # NAME:DATA pairs), KT (the keras-transformer command), PYTHON.
 set -euo pipefail
@@ -20,7 +20,7 @@ RUNS=${1:-runs/students}
 DATA=${MULTI30K:-data/multi30k}
 KT=${KT:-.venv/bin/keras-transformer}
 PYTHON=${PYTHON:-.venv/bin/python}
-EPOCHS=${EPOCHS:-5}
+EPOCHS=${EPOCHS:-10}
 WARMUP=${WARMUP:-1014}
 STUDENTS=${STUDENTS:-"6-1:distilled 6-2:distilled 6-1-d192:distilled 6-1:original 6-2:original 6-1-d192:original 3-1-sft:distilled 2-1-sft:distilled 1-1-sft:distilled"}
 mkdir -p "$RUNS"
