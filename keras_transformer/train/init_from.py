@@ -78,14 +78,15 @@ def init_config(settings) -> TransformerConfig:
     return dataclasses.replace(config, **changes)
 
 
-def kept_layers(have: int, keep: int) -> list[int]:
+def kept_layers(have: int, keep: int, side: str = "decoder") -> list[int]:
     """Which of a stack's `have` layers a stack of `keep` starts from: spread evenly,
-    the first and the last kept (`keep` >= 2); one alone is the last, whose output
-    the final norm and the output layer were trained on."""
+    the first and the last kept (`keep` >= 2). One alone: of the decoder, the last,
+    whose output the output layer was trained on; of the encoder, the first, which
+    was trained on the embeddings (each measured the better start, docs/data.md)."""
     if not 1 <= keep <= have:
         raise ValueError(f"cannot keep {keep} of {have} layers")
     if keep == 1:
-        return [have - 1]
+        return [have - 1 if side == "decoder" else 0]
     return [round(i * (have - 1) / (keep - 1)) for i in range(keep)]
 
 
@@ -102,7 +103,7 @@ def start_from(model, run_dir) -> str:
     kept = []
     for side in ("encoder", "decoder"):
         mine, others = getattr(ours, f"{side}_layers"), getattr(theirs, f"{side}_layers")
-        chosen = kept_layers(len(others), len(mine))
+        chosen = kept_layers(len(others), len(mine), side)
         source.update({a.name: others[i] for a, i in zip(mine, chosen, strict=True)})
         kept.append(f"{side} layers {chosen} of {len(others)}")
     for layer in model.layers:
