@@ -78,11 +78,12 @@ def init_config(settings) -> TransformerConfig:
     return dataclasses.replace(config, **changes)
 
 
-def kept_layers(have: int, keep: int, side: str = "decoder") -> list[int]:
-    """Which of a stack's `have` layers a stack of `keep` starts from: spread evenly,
-    the first and the last kept (`keep` >= 2). One alone: of the decoder, the last,
-    whose output the output layer was trained on; of the encoder, the first, which
-    was trained on the embeddings (each measured the better start, docs/data.md)."""
+def kept_layers(have: int, keep: int, side: str) -> list[int]:
+    """Which of the `have` layers of a stack (`side`: "encoder" or "decoder") a stack of
+    `keep` starts from: spread evenly, the first and the last kept (`keep` >= 2). One
+    alone: of the decoder, the last, whose output the output layer was trained on; of
+    the encoder, the first, which was trained on the embeddings (each measured the
+    better start, docs/data.md)."""
     if not 1 <= keep <= have:
         raise ValueError(f"cannot keep {keep} of {have} layers")
     if keep == 1:

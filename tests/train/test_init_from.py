@@ -12,19 +12,19 @@ from tests.conftest import train_args
 
 
 def test_kept_layers_are_spread_out_and_one_alone_is_the_decoders_last_the_encoders_first():
-    assert kept_layers(3, 3) == [0, 1, 2]
-    assert kept_layers(3, 1) == [2]
+    assert kept_layers(3, 3, "decoder") == [0, 1, 2]
+    assert kept_layers(3, 1, "decoder") == [2]
     assert kept_layers(3, 1, "encoder") == [0]
-    assert kept_layers(3, 2) == kept_layers(3, 2, "encoder") == [0, 2]
-    assert kept_layers(6, 3) == [0, 2, 5]
-    assert kept_layers(6, 4) == [0, 2, 3, 5]
+    assert kept_layers(3, 2, "decoder") == kept_layers(3, 2, "encoder") == [0, 2]
+    assert kept_layers(6, 3, "decoder") == [0, 2, 5]
+    assert kept_layers(6, 4, "encoder") == [0, 2, 3, 5]
     for have in range(1, 9):
         for keep in range(2 if have > 1 else 1, have + 1):
-            chosen = kept_layers(have, keep)
+            chosen = kept_layers(have, keep, "decoder")
             assert len(set(chosen)) == keep and chosen == sorted(chosen)
             assert chosen[0] == 0 and chosen[-1] == have - 1 and all(0 <= i < have for i in chosen)
     with pytest.raises(ValueError, match="cannot keep 3 of 2 layers"):
-        kept_layers(2, 3)
+        kept_layers(2, 3, "encoder")
 
 
 def test_a_shallower_model_starts_from_the_runs_kept_layers(trained_run):
