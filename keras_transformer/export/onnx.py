@@ -70,14 +70,14 @@ from keras_transformer.export.beam_graph import build_beam_batch_search, build_b
 from keras_transformer.export.encoder_graph import build_encoder
 from keras_transformer.export.forced_graph import FORCED_GRAPHS, build_teacher_forced
 from keras_transformer.export.greedy_graph import build_greedy_batch_search, build_greedy_search
+from keras_transformer.export.loop_step import search_graph
 from keras_transformer.export.quantize import float16_graph, int8_graph, int8_listed_output
-from keras_transformer.export.shortlisted import hoisted
 from keras_transformer.export.step_graph import (
     LISTED_OUTPUT,
     build_decoder_step,
     selection_top_k_limit,
 )
-from keras_transformer.export.weights import ExportError, drop_unused_initializers, share_weights
+from keras_transformer.export.weights import ExportError, share_weights
 
 GRAPHS = ("encoder", "decoder_step", *FORCED_GRAPHS)
 # `format_version` in the manifest is the one the runtime reads: one number,
@@ -428,16 +428,10 @@ def _write_search(folder, step_files, name, file_name=None):
     entry = {}
     for precision in (p for p in PRECISIONS if p in step_files):
         step = onnx.load(os.path.join(folder, step_files[precision]))
-        # A shortlisted step's listed output rows are gathered once, before the loop.
-        step, before_loop, outer_weights = hoisted(step)
+        steps = None
         if name == "greedy_batch_search":
-            search = build(step, BATCH_STEPS_PER_ITERATION.get(precision, 1))
-        else:
-            search = build(step)
-        for i, node in enumerate(before_loop):
-            search.graph.node.insert(i, node)
-        search.graph.initializer.extend(outer_weights)
-        drop_unused_initializers(search.graph)
+            steps = BATCH_STEPS_PER_ITERATION.get(precision, 1)
+        search = search_graph(build, step, steps)
         onnx.checker.check_model(search, full_check=True)
         entry[precision] = f"{file_name or name}{SUFFIXES.get(precision, '')}.onnx"
         onnx.save(search, os.path.join(folder, entry[precision]))

@@ -398,7 +398,8 @@ def build_decoder_step(parts, opset=17, shortlist=False):
 
     # Embedding of the new token at position past_len (read off the first cache).
     tokens = g.node("Reshape", ["token_ids", g.const("shape_flat", np.array([-1], np.int64))])
-    position = g.node("Shape", ["self_key_0"], start=2, end=3)  # (1,) int64
+    # (1,) int64; a search graph reads its sinusoids off a table (`loop_step.POSITION`)
+    position = g.node("Shape", ["self_key_0"], "position", start=2, end=3)
     x, encoding = target_embedding(g, parts, tokens, position)
     x = g.node("Add", [x, encoding])
 

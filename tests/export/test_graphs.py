@@ -27,6 +27,7 @@ from keras_transformer.model import transformer_parts  # noqa: E402
 from tests.onnx_helpers import (  # noqa: E402
     SPEC_SCORE_TOLERANCE,
     held_out_lines,
+    op_types,
     source_ids,
     spec_view,
     subgraphs,
@@ -106,12 +107,16 @@ def test_the_greedy_batch_graph_finds_the_same_at_any_steps_per_iteration(export
     """The float32 greedy_batch_search makes one decoder step per loop
     iteration (int8's make two, `BATCH_STEPS_PER_ITERATION`); built with 2 or 3
     steps and one compaction after them it gives the same tokens and scores,
-    a batch's steps after its last sentence ended dropped."""
+    a batch's steps after its last sentence ended dropped; so do those graphs
+    with the step's sinusoids read off a table made before the loop
+    (`loop_step.search_graph`, as the export builds them), whose steps past
+    the largest limit still find their rows."""
     import shutil
 
     import onnxruntime as ort
 
     from keras_transformer.export.greedy_graph import build_greedy_batch_search
+    from keras_transformer.export.loop_step import search_graph
 
     _, tokenizer, _, out = exported("float32")
     translator = OnnxTranslator(out)
@@ -123,6 +128,12 @@ def test_the_greedy_batch_graph_finds_the_same_at_any_steps_per_iteration(export
         path = str(tmp_path / f"greedy_batch_k{k}.onnx")  # beside its weights
         onnx.save(build_greedy_batch_search(step, k), path)
         sessions[k] = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
+        hoisted = search_graph(build_greedy_batch_search, step, k)
+        (loop,) = [node for node in hoisted.graph.node if node.op_type == "Loop"]
+        assert "Sin" not in op_types(loop.attribute[0].g) and "Sin" in {node.op_type for node in hoisted.graph.node}
+        path = str(tmp_path / f"greedy_batch_k{k}_hoisted.onnx")
+        onnx.save(hoisted, path)
+        sessions[f"{k} hoisted"] = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
     batches = [
         (sources, None),
         (sources, 3),
@@ -141,7 +152,7 @@ def test_the_greedy_batch_graph_finds_the_same_at_any_steps_per_iteration(export
         assert len(tokens) == max(int((column >= 0).sum()) for column in tokens.T)
         assert aligns.shape == (*tokens.shape, source.shape[1])
         made = tokens >= 0
-        for k in (2, 3):
+        for k in (2, 3, "2 hoisted", "3 hoisted"):
             k_tokens, k_scores, k_aligns = sessions[k].run(None, feeds)
             np.testing.assert_array_equal(k_tokens, tokens)
             np.testing.assert_allclose(k_scores, scores, rtol=0, atol=1e-6)
