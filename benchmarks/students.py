@@ -8,7 +8,9 @@ without, and CTranslate2 on the same weights (with the same list as its vmap).
     python -m benchmarks.students --table JSON [JSON ...] [--plot PNG]
 
 Each RUN is a run directory (`keras-transformer train`) holding, in its
-`--export` folder, an export made with `--precision int8 --shortlist-data`.
+`--export` folder, an export made with `--precision int8 --shortlist-data`,
+or another such export folder inside a run (the same model with another
+list, say).
 The first model is the reference (the teacher) of the speed ratios. Per
 model, precision, thread count, beam and batch size, the same translator
 settings run with the shortlist (`OnnxTranslator(..., shortlist=None)`, the
@@ -86,7 +88,7 @@ def measure_cell(translators, sources, beam, batch, args):
     return found
 
 
-def measure_model(name, run_dir, data, args):
+def measure_model(name, path, data, args):
     """The rows of one model: per precision, thread count, beam, batch and split."""
     import tempfile
 
@@ -95,7 +97,7 @@ def measure_model(name, run_dir, data, args):
 
     from keras_transformer.evaluation import score_translations
 
-    export = os.path.join(run_dir, args.export)
+    run_dir, export = model_paths(path, args)
     rows = []
     for precision in args.precisions:
         for threads in args.threads:
@@ -173,12 +175,20 @@ def measure(args):
     }
     models, rows = {}, []
     for spec in args.models:
-        name, _, run_dir = spec.partition("=")
-        if not run_dir:
+        name, _, path = spec.partition("=")
+        if not path:
             raise SystemExit(f"{spec!r}: models are given as NAME=RUN_DIR.")
-        models[name] = {"run": run_dir, **describe(os.path.join(run_dir, args.export))}
-        rows += measure_model(name, run_dir, data, args)
+        models[name] = {"run": path, **describe(model_paths(path, args)[1])}
+        rows += measure_model(name, path, data, args)
     return models, rows
+
+
+def model_paths(path, args):
+    """`(run directory, export folder)` of a model given as a run directory or as an
+    export folder inside one (CTranslate2 converts the run's Keras model)."""
+    if os.path.isfile(os.path.join(path, "manifest.json")):
+        return os.path.dirname(os.path.normpath(path)), path
+    return path, os.path.join(path, args.export)
 
 
 def _batch_ids(translator, sentences):

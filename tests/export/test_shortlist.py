@@ -194,9 +194,9 @@ def test_the_listed_rows_are_gathered_before_the_loop_and_multiplied_in_int8(lis
 def test_the_students_benchmark_measures_each_model_and_draws_its_table(
     trained_run, listed_exports, tmp_path, capsys
 ):
-    """`benchmarks.students` end to end on the toy run and its tight list: a row per
-    cell, CTranslate2 with and without the list as its vmap beside ours, the table and
-    the PNG."""
+    """`benchmarks.students` end to end on the toy run and its tight list (given once
+    as the run, once as the export folder): a row per cell, CTranslate2 with and
+    without the list as its vmap beside ours, the table and the PNG."""
     import gzip
 
     pytest.importorskip("ctranslate2")
@@ -209,7 +209,15 @@ def test_the_students_benchmark_measures_each_model_and_draws_its_table(
         with gzip.open(tmp_path / f"test.{side}.gz", "wt", encoding="utf-8") as f:
             f.write(text)
     out = tmp_path / "students.json"
-    argv = [f"teacher={trained_run}", f"again={trained_run}", "--export", tight]
+    # A model is a run (with its --export folder, here a path from the run) or an
+    # export folder inside a run.
+    import shutil
+
+    again = tmp_path / "again"
+    shutil.copytree(trained_run, again)
+    shutil.copytree(tight, again / "another-list")
+    from_run = os.path.relpath(tight, trained_run)
+    argv = [f"teacher={trained_run}", f"again={again / 'another-list'}", "--export", from_run]
     argv += ["--data", str(tmp_path), "--src", "src", "--tgt", "tgt", "--splits", "test"]
     argv += ["--precisions", "float32", "--beams", "1", "--batches", "8", "1", "--threads", "1"]
     argv += ["--lines", "12", "--batch1-lines", "3", "--repeats", "1", "--ctranslate2"]
