@@ -130,7 +130,8 @@ def test_the_greedy_batch_graph_finds_the_same_at_any_steps_per_iteration(export
         sessions[k] = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
         hoisted = search_graph(build_greedy_batch_search, step, k)
         (loop,) = [node for node in hoisted.graph.node if node.op_type == "Loop"]
-        assert "Sin" not in op_types(loop.attribute[0].g) and "Sin" in {node.op_type for node in hoisted.graph.node}
+        outer_ops = {node.op_type for node in hoisted.graph.node}
+        assert "Sin" not in op_types(loop.attribute[0].g) and "Sin" in outer_ops
         path = str(tmp_path / f"greedy_batch_k{k}_hoisted.onnx")
         onnx.save(hoisted, path)
         sessions[f"{k} hoisted"] = ort.InferenceSession(path, providers=["CPUExecutionProvider"])
