@@ -126,9 +126,19 @@ def onednn_enabled() -> bool | None:
 
 
 def is_command(argv=None) -> bool:
-    """Whether this process (or `argv`) is the `keras-transformer` command."""
-    argv = sys.argv if argv is None else argv
-    return bool(argv) and os.path.basename(argv[0]) == "keras-transformer"
+    """Whether this process (or `argv`) is the `keras-transformer` command, or the
+    same run as `python -m keras_transformer.cli` (`argv[0]` is "-m" while the
+    package is imported, cli.py's path after)."""
+    if argv is None:
+        if sys.orig_argv[1:3] == ["-m", "keras_transformer.cli"]:
+            return True
+        argv = sys.argv
+    if not argv:
+        return False
+    path = os.path.normpath(argv[0])
+    return os.path.basename(path) == "keras-transformer" or path.endswith(
+        os.path.join("keras_transformer", "cli.py")
+    )
 
 
 def is_quiet_command() -> bool:

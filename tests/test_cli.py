@@ -178,15 +178,19 @@ def test_over_long_lines_are_translated_with_a_warning(toy_run, tmp_path, capsys
         assert len(f.read().splitlines()) == len(lines)
 
 
-def test_the_command_prints_only_its_own_error(tmp_path):
-    """The real console script: no TensorFlow start-up lines on stderr, just the message."""
+@pytest.mark.parametrize("how", ["console script", "python -m"])
+def test_the_command_prints_only_its_own_error(how, tmp_path):
+    """The real command, as its console script or as `python -m keras_transformer.cli`:
+    no TensorFlow start-up lines on stderr, just the message."""
     import subprocess
     import sys
 
-    command = os.path.join(os.path.dirname(sys.executable), "keras-transformer")
+    command = [os.path.join(os.path.dirname(sys.executable), "keras-transformer")]
+    if how == "python -m":
+        command = [sys.executable, "-m", "keras_transformer.cli"]
     env = {k: v for k, v in os.environ.items() if k != "TF_CPP_MIN_LOG_LEVEL"}
     done = subprocess.run(
-        [command, "translate", str(tmp_path / "missing")],
+        [*command, "translate", str(tmp_path / "missing")],
         input="",
         capture_output=True,
         text=True,
