@@ -10,7 +10,7 @@ step are moved before the loop (`hoisted`):
   fifteen nodes): computed once for every position the loop can reach, the
   body then reads its row with one `Gather`. The values are those of the same
   nodes, run on all positions at once. Measured on a one-layer student
-  (docs/performance.md, "Position table"): 1.03x at batch 1, nothing at 32.
+  (docs/performance.md, "Position table"): 1.02-1.03x at batch 1, nothing at 32.
 """
 
 from __future__ import annotations
