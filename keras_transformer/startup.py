@@ -135,9 +135,9 @@ def is_command(argv=None) -> bool:
         argv = sys.argv
     if not argv:
         return False
-    path = os.path.normpath(argv[0])
-    return os.path.basename(path) == "keras-transformer" or path.endswith(
-        os.path.join("keras_transformer", "cli.py")
+    folder, name = os.path.split(os.path.normpath(argv[0]))
+    return name == "keras-transformer" or (
+        name == "cli.py" and os.path.basename(folder) == "keras_transformer"
     )
 
 

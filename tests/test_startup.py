@@ -130,6 +130,7 @@ def test_when_the_command_starts_again():
     assert is_command(["/repo/keras_transformer/cli.py", "train"])
     assert not is_command(["train.py"]) and not is_command([])
     assert not is_command(["/repo/other/cli.py"])
+    assert not is_command(["/repo/my_keras_transformer/cli.py"])
     again = huge_pages_environment({"JAX_PLATFORMS": "cpu"}, "jax", madvise)
     assert again == {"JAX_PLATFORMS": "cpu", "GLIBC_TUNABLES": HUGE_PAGES_TUNABLE}
     # Not: another backend, a kernel that decides alone or never, a user's own
