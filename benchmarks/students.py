@@ -88,7 +88,7 @@ def measure_cell(translators, sources, beam, batch, args):
     return found
 
 
-def measure_model(name, path, data, args):
+def measure_model(name, run_dir, export, data, args):
     """The rows of one model: per precision, thread count, beam, batch and split."""
     import tempfile
 
@@ -97,7 +97,6 @@ def measure_model(name, path, data, args):
 
     from keras_transformer.evaluation import score_translations
 
-    run_dir, export = model_paths(path, args)
     rows = []
     for precision in args.precisions:
         for threads in args.threads:
@@ -178,8 +177,9 @@ def measure(args):
         name, _, path = spec.partition("=")
         if not path:
             raise SystemExit(f"{spec!r}: models are given as NAME=RUN_DIR.")
-        models[name] = {"run": path, **describe(model_paths(path, args)[1])}
-        rows += measure_model(name, path, data, args)
+        run_dir, export = model_paths(path, args)
+        models[name] = {"run": path, **describe(export)}
+        rows += measure_model(name, run_dir, export, data, args)
     return models, rows
 
 
