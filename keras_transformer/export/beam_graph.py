@@ -24,7 +24,9 @@ step runs one row per sentence, its beams all starting from BOS):
   the length penalty `((5 + length) / 6) ** alpha` (GNMT's), or with
   `length_penalty_form` 1, `length ** alpha` (transformers' average form);
   the `n_best` best are kept, best first (the first found among equals, as a stable
-  sort does), with the count of those finished;
+  sort does), with the count of those finished; this booking runs inside an
+  `If`, only at the steps where some hypothesis finishes (most steps have
+  none: at batch 1 and beam 4 that measured 1.08-1.09x the whole search);
 - a sentence is done when no live beam can beat its `n_best`-th best
   finished hypothesis even at its maximum length, or when `k` have
   finished and no live beam beats it at its current length (GNMT's form
@@ -78,6 +80,7 @@ from keras_transformer.export.greedy_graph import (
     mask_inputs,
     masked_top,
     shortlist_input_values,
+    step_alignment,
     step_interface,
 )
 from keras_transformer.export.step_graph import blocked_selection
@@ -101,8 +104,8 @@ def build_beam_batch_search(step, blocked=True):
     Its loop carries only the sentences still being searched: a sentence that
     is done leaves the state at that step (its beams, their caches, its
     source mask, cross keys and values), as in the Python loop, so that later
-    steps compute only the sentences left; each step writes the best
-    hypotheses of its sentences into the outputs. That costs a copy of the
+    steps compute only the sentences left; each step that books finished
+    hypotheses writes the best ones of its sentences into the outputs. That costs a copy of the
     state at every step (`GraphBuilder.keep_rows`), which one sentence, the last of its
     batch, never needs: `build_beam_search` serves it. `blocked`: as in
     `build_beam_search`.
@@ -169,9 +172,6 @@ def _first_state(o, step, heads, head_dim, cache_type):
     best_empty = o.node("Concat", [best_shape, o.int64s([0])], "best_empty_shape", axis=0)
     o.filled(best_empty, 0, np.int64, "no_best_tokens")  # (S, n, 0)
     o.filled(best_empty, 0.0, np.float64, "no_best_steps")  # (S, n, 0)
-    best_column = o.node("Concat", [best_shape, o.int64s([1])], "best_column_shape", axis=0)
-    o.filled(best_column, -1, np.int64, "best_pad_column")  # (S, n, 1)
-    o.filled(best_column, 0.0, np.float64, "best_pad_step_column")  # (S, n, 1)
     o.filled(best_shape, 0, np.int64, "best_zeros")  # (S, n)
     # Alignments: each step's row is `align_width` wide, the source length when
     # the `alignment` input asks for them, else 0 (all their arrays are empty).
@@ -181,8 +181,6 @@ def _first_state(o, step, heads, head_dim, cache_type):
     o.filled(no_align, 0.0, np.float32, "no_align")  # (S, 0, W)
     no_best_align = o.node("Concat", [best_empty, width], "no_best_align_shape", axis=0)
     o.filled(no_best_align, 0.0, np.float32, "no_best_align")  # (S, n, 0, W)
-    pad_align = o.node("Concat", [best_column, width], "best_pad_align_shape", axis=0)
-    o.filled(pad_align, 0.0, np.float32, "best_pad_align")  # (S, n, 1, W)
     o.node("Sub", ["n_best", one], "last_best")  # the n-th best's index
     first_done = o.node("Equal", ["limits", zero], "first_done")  # an empty source
     # An empty source's one hypothesis (empty, score 0) is found at once.
@@ -194,16 +192,18 @@ def _first_state(o, step, heads, head_dim, cache_type):
     o.node("ReduceMax", ["limits"], "max_steps", keepdims=0)
 
 
-def _beam_step_rules(b, self_names):
+def _beam_step_rules(b, self_names, write_results=None):
     """`spec.beam`'s rules after one decoder step, in the loop body `b`.
 
     Reads the step's `top_ids` and `top_log_probs` ((rows, 2k), rows = S * n:
     n rows per sentence, 1 at the first step and k after) and the state;
-    writes the next state (`*_next`) and `keep_going`.
+    writes the next state (`*_next`) and `keep_going`. `write_results(f,
+    booked, pads)`: more of what the booking of finished hypotheses changes
+    (`_compacted`'s outputs), added to its branch `f`.
     """
     from onnx import TensorProto
 
-    DOUBLE, INT64 = TensorProto.DOUBLE, TensorProto.INT64
+    DOUBLE = TensorProto.DOUBLE
     v = b.name  # a value made outside this function
     zero, one, axis0, axis1 = b.int64s(0), b.int64s(1), b.int64s([0]), b.int64s([1])
     neg_inf, eos = b.const("neg_inf", -np.inf, np.float64), b.int64s(EOS_ID)
@@ -254,62 +254,30 @@ def _beam_step_rules(b, self_names):
     at_limit_2d = b.unsqueeze(at_limit, [1], "at_limit_2d")
     penalty = _length_penalty(b, made, "penalty")  # ()
     # Hypotheses finished at this step: EOS ones in rank order, then (at the
-    # limit) the new beams; the best is the first of the highest.
-    ranked_normalized = b.node("Div", [ranked, penalty], "ranked_normalized")
-    eos_normalized = b.node("Where", [eos_finishes, ranked_normalized, neg_inf], "eos_normalized")
-    limit_finishes = b.node("And", [slot_ok, at_limit_2d], "limit_finishes")
-    slot_normalized = b.node("Div", [slot_score, penalty], "slot_normalized")
-    limit_normalized = b.node(
-        "Where", [limit_finishes, slot_normalized, neg_inf], "limit_normalized"
-    )
+    # limit) the new beams; a done sentence's count for nothing.
     live = b.node("Not", [v("done")], "live")
-    finish_scores = b.node("Concat", [eos_normalized, limit_normalized], axis=1)  # (S, 3k)
-    finish_scores = b.node(
-        "Where", [b.unsqueeze(live, [1]), finish_scores, neg_inf], "finish_scores"
-    )
-    finishes = b.node(
-        "Concat", [b.cast(eos_finishes, INT64), b.cast(limit_finishes, INT64)], axis=1
-    )  # (S, 2k + k)
-    finished_now = b.node("ReduceSum", [finishes, axis1], "finished_now", keepdims=0)
-    finished_counted = b.node("Where", [live, finished_now, zero], "finished_counted")
-    count_next = b.node("Add", [v("count"), finished_counted], "count_next")
-    # The n best of the kept ones and this step's, best first; among equal
-    # scores the first found (the kept ones, then this step's in order).
-    merged = b.node("Concat", [v("best_score"), finish_scores], "merged_scores", axis=1)
-    n_best_1d = v("n_best_1d")
-    best_score_next, chosen = b.node(
-        "TopK", [merged, n_best_1d], ["best_score_next", "chosen"], axis=1
-    )  # (S, n)
-    chosen_3d = b.unsqueeze(chosen, [2], "chosen_3d")
-    # A finished hypothesis's tokens: its beam's, plus the new token when it
-    # finished at the limit (EOS is not kept); its steps, the last one's too.
-    no_token = b.filled(b.node("Shape", [ranked_token]), -1, np.int64, "no_token")
-    finish_beams = b.node("Concat", [ranked_beam, slot_beam], "finish_beams", axis=1)
-    finish_last = b.node("Concat", [no_token, slot_token], "finish_last", axis=1)  # (S, 3k)
+    limit_finishes = b.node("And", [slot_ok, at_limit_2d], "limit_finishes")
+    finishing = b.node("Concat", [eos_finishes, limit_finishes], axis=1)  # (S, 2k + k)
+    finishing = b.node("And", [finishing, b.unsqueeze(live, [1])], "finishing")
     first_rows = b.node("Mul", [v("sentence_index"), n], "first_rows")  # (S,)
-    finish_rows = b.node("Add", [b.unsqueeze(first_rows, [1]), finish_beams], "finish_rows")
-    finish_steps = b.node("Concat", [ranked_step, slot_step], "finish_steps", axis=1)
     # Each row's alignment weights at this step, `align_width` wide: (rows, W).
-    ends, axis1_1d = v("align_width"), b.int64s([1])
-    step_align = b.cast(ALIGNMENT_WEIGHTS, TensorProto.FLOAT, "step_align_weights")
-    step_align = b.node("Slice", [step_align, b.int64s([0]), ends, axis1_1d], "step_align")
-    finish_align = b.node("Gather", [step_align, finish_rows], "finish_align", axis=0)
-    for kind, last, pad in (
-        ("tokens", finish_last, "best_pad_column"),
-        ("steps", finish_steps, "best_pad_step_column"),
-        ("align", finish_align, "best_pad_align"),
-    ):
-        prefixes = b.node("Gather", [v(f"alive_{kind}"), finish_rows], axis=0)  # (S, 3k, t)
-        new = b.node("Concat", [prefixes, b.unsqueeze(last, [2])], axis=2)  # (S, 3k, t + 1)
-        kept = b.node("Concat", [v(f"best_{kind}"), v(pad)], axis=2)  # (S, n, t + 1)
-        candidates = b.node("Concat", [kept, new], axis=1)
-        b.node("GatherND", [candidates, chosen_3d], f"best_{kind}_next", batch_dims=1)
-    appended = b.node("GreaterOrEqual", [finish_last, zero], "appended")
-    finish_length = b.node("Add", [v("iteration"), b.cast(appended, INT64)], "finish_length")
-    lengths = b.node("Concat", [v("best_length"), finish_length], "merged_lengths", axis=1)
-    b.node("GatherElements", [lengths, chosen], "best_length_next", axis=1)
+    step_align = step_alignment(b, ALIGNMENT_WEIGHTS, "step_align")
+    # Booking them runs only at the steps where some finish (`GraphBuilder.when`).
+    f = b.body()
+    finish = dict(ranked=ranked, slot_score=slot_score, penalty=penalty, finishing=finishing)
+    finish.update(ranked_token=ranked_token, ranked_beam=ranked_beam, ranked_step=ranked_step)
+    finish.update(slot_token=slot_token, slot_beam=slot_beam, slot_step=slot_step)
+    finish.update(first_rows=first_rows, step_align=step_align, made=made)
+    booked, pads = _book_finished(f, **finish)
+    changes = [
+        (f"{kind}_next", name, v(kind), _tensor_type(_BOOKED[kind]))
+        for kind, name in booked.items()
+    ]
+    if write_results is not None:
+        changes += write_results(f, booked, pads)
+    b.when(b.any_true(finishing, "any_finish"), f, changes)
     # The bar a live beam must beat: the n-th best finished score.
-    bar = b.node("Gather", [best_score_next, v("last_best")], "bar", axis=1)  # (S,)
+    bar = b.node("Gather", [v("best_score_next"), v("last_best")], "bar", axis=1)  # (S,)
     # Done: no live beam can win, or k finished and none wins at this length.
     top_slot = b.squeeze(b.node("Slice", [slot_score, axis0, axis1, axis1]), [1], "top_slot")
     top_live = b.node("Where", [at_limit, neg_inf, top_slot], "top_live")  # (S,)
@@ -317,7 +285,7 @@ def _beam_step_rules(b, self_names):
     hopeless = b.node("Not", [b.node("Greater", [top_bound, bar])], "hopeless")
     top_now = b.node("Div", [top_live, penalty], "top_now")
     none_better = b.node("LessOrEqual", [top_now, bar], "none_better")
-    enough = b.node("GreaterOrEqual", [count_next, "beam_size"], "enough")
+    enough = b.node("GreaterOrEqual", [v("count_next"), "beam_size"], "enough")
     settled = b.node("And", [enough, none_better])
     settled = b.node("And", [settled, v("gnmt_stop")], "settled")  # GNMT's form only
     stops = b.node("Or", [settled, hopeless], "stops")
@@ -342,6 +310,85 @@ def _beam_step_rules(b, self_names):
         b.node("Gather", [f"new_{name}", origin], f"next_{name}", axis=0)
 
 
+# What booking finished hypotheses changes, with its element types.
+_BOOKED = {
+    "best_score": np.float64,
+    "best_tokens": np.int64,
+    "best_steps": np.float64,
+    "best_align": np.float32,
+    "best_length": np.int64,
+    "count": np.int64,
+}
+# The filler of the kinds whose arrays grow by a step: (constant name, value, type).
+_FILLERS = {
+    "tokens": ("no_token_id", -1, np.int64),
+    "steps": ("zero_d", 0.0, np.float64),
+    "align": ("zero_f", 0.0, np.float32),
+}
+
+
+def _tensor_type(dtype):
+    from onnx import helper
+
+    return helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+
+
+def _book_finished(f, finishing, penalty, made, first_rows, step_align, **found):
+    """Books this step's finished hypotheses (`finishing` (S, 2k + k), the
+    ranked EOS candidates', then at the limit the new beams') into the kept
+    `n_best`, in the branch `f`. Returns `(the names f made, by the state each
+    replaces; the pads that widen a kept (S, n, w) array of tokens or steps to
+    this step's width, and an alignment array's)`.
+
+    The kept arrays are as wide as they were at the last booking; each is
+    padded to this step's width, then merged with the finished ones, the n
+    best first (among equal scores the first found: the kept ones, then this
+    step's in order)."""
+    from onnx import TensorProto
+
+    v = f.name
+    neg_inf = f.const("neg_inf", -np.inf, np.float64)
+    scores = f.node("Concat", [found["ranked"], found["slot_score"]], axis=1)  # (S, 3k)
+    scores = f.node("Div", [scores, penalty])
+    finish_scores = f.node("Where", [finishing, scores, neg_inf], "finish_scores")
+    finished_now = f.cast(finishing, TensorProto.INT64)
+    finished_now = f.node("ReduceSum", [finished_now, f.int64s([1])], keepdims=0)
+    booked = {"count": f.node("Add", [v("count"), finished_now], "booked_count")}
+    merged = f.node("Concat", [v("best_score"), finish_scores], "merged_scores", axis=1)
+    best, chosen = f.node("TopK", [merged, v("n_best_1d")], ["booked_score", "chosen"], axis=1)
+    booked["best_score"] = best  # (S, n)
+    chosen_3d = f.unsqueeze(chosen, [2], "chosen_3d")
+    # A finished hypothesis's tokens: its beam's, plus the new token when it
+    # finished at the limit (EOS is not kept); its steps, the last one's too.
+    no_token = f.filled(f.node("Shape", [found["ranked_token"]]), -1, np.int64, "no_token")
+    finish_beams = f.node("Concat", [found["ranked_beam"], found["slot_beam"]], axis=1)
+    last = {"tokens": f.node("Concat", [no_token, found["slot_token"]], axis=1)}  # (S, 3k)
+    finish_rows = f.node("Add", [f.unsqueeze(first_rows, [1]), finish_beams], "finish_rows")
+    last["steps"] = f.node("Concat", [found["ranked_step"], found["slot_step"]], axis=1)
+    last["align"] = f.node("Gather", [step_align, finish_rows], "finish_align", axis=0)
+    width = f.node("Shape", [v("best_tokens")], "kept_width", start=2, end=3)
+    grow = f.node("Sub", [f.reshape(made, [1]), width], "grow")  # (1,)
+    pads = {
+        "tokens": f.node("Concat", [f.int64s([0] * 5), grow], "pads_3d", axis=0),
+        "align": f.node("Concat", [f.int64s([0] * 6), grow, f.int64s([0])], "pads_4d", axis=0),
+    }
+    pads["steps"] = pads["tokens"]
+    for kind in ("tokens", "steps", "align"):
+        prefixes = f.node("Gather", [v(f"alive_{kind}"), finish_rows], axis=0)  # (S, 3k, t)
+        new = f.node("Concat", [prefixes, f.unsqueeze(last[kind], [2])], axis=2)  # (S, 3k, t + 1)
+        filler = f.const(*_FILLERS[kind])
+        kept = f.node("Pad", [v(f"best_{kind}"), pads[kind], filler])  # (S, n, t + 1)
+        candidates = f.node("Concat", [kept, new], axis=1)
+        booked[f"best_{kind}"] = f.node(
+            "GatherND", [candidates, chosen_3d], f"booked_{kind}", batch_dims=1
+        )
+    appended = f.node("GreaterOrEqual", [last["tokens"], f.int64s(0)], "appended")
+    finish_length = f.node("Add", [v("iteration"), f.cast(appended, TensorProto.INT64)])
+    lengths = f.node("Concat", [v("best_length"), finish_length], "merged_lengths", axis=1)
+    booked["best_length"] = f.node("GatherElements", [lengths, chosen], "booked_length", axis=1)
+    return booked, pads
+
+
 # The loop's state: (name in the body, its next value, element type, first value).
 def _carried_state(self_names, cache_type):
     from onnx import TensorProto
@@ -364,12 +411,34 @@ def _carried_state(self_names, cache_type):
     return carried + [(name, f"next_{name}", cache_type, "empty_cache") for name in self_names]
 
 
+def _write_results(f, booked, pads):
+    """`_compacted`'s outputs where a step books finished hypotheses: its live
+    sentences' (`sentence_ids`) best ones written at their rows, the arrays
+    that grow by a step padded as the kept ones are (`_book_finished`); the
+    `GraphBuilder.when` changes that make them."""
+    v = f.name
+    at = f.unsqueeze(v("sentence_ids"), [1], "live_at")  # (S', 1)
+    changes = []
+    for kind, array in (("score", "score"), ("length", "length")):
+        made = f.node("ScatterND", [v(f"result_{array}"), at, booked[f"best_{kind}"]])
+        changes.append(
+            (f"result_{array}_next", made, v(f"result_{array}"), _BOOKED[f"best_{kind}"])
+        )
+    for kind in ("tokens", "steps", "align"):
+        filler = f.const(*_FILLERS[kind])
+        grown = f.node("Pad", [v(f"result_{kind}"), pads[kind], filler])
+        made = f.node("ScatterND", [grown, at, booked[f"best_{kind}"]])
+        changes.append((f"result_{kind}_next", made, v(f"result_{kind}"), _BOOKED[f"best_{kind}"]))
+    return [(out, made, kept, _tensor_type(dtype)) for out, made, kept, dtype in changes]
+
+
 def _compacted(o, b, step_nodes, carried, sentence_inputs, input_types):
     """Makes the loop carry only the sentences not yet done (`sentence_ids`:
     their indices among the inputs'): the body's nodes read the live
-    sentences' values where they read every sentence's, each step writes its
-    sentences' best hypotheses into the outputs, and then the sentences done
-    at this step leave the state with their beams. Returns the step's nodes
+    sentences' values where they read every sentence's (the rules were built
+    with `_write_results`: a step that books finished hypotheses writes its
+    sentences' best into the outputs), and then the sentences done at this
+    step leave the state with their beams. Returns the step's nodes
     (renamed), the carried state and the outputs' states."""
     from onnx import TensorProto
 
@@ -383,9 +452,6 @@ def _compacted(o, b, step_nodes, carried, sentence_inputs, input_types):
             v("sentences_1d"): v("live_count_1d"),
             v("sentence_index"): v("live_index"),
             v("limit_penalty"): v("live_limit_penalty"),
-            v("best_pad_column"): v("live_best_pad_column"),
-            v("best_pad_step_column"): v("live_best_pad_step_column"),
-            v("best_pad_align"): v("live_best_pad_align"),
         }
     )
     step_nodes = copied_nodes(step_nodes, names=live_name)
@@ -396,27 +462,7 @@ def _compacted(o, b, step_nodes, carried, sentence_inputs, input_types):
     live_count_1d = b.node("Shape", [sentence_ids], "live_count_1d")  # (1,): S'
     live_count = b.squeeze(live_count_1d, [0], "live_count")
     b.node("Range", [b.int64s(0), live_count, b.int64s(1)], "live_index")
-    column_shape = b.node(
-        "Concat", [live_count_1d, v("n_best_1d"), b.int64s([1])], "live_column_shape", axis=0
-    )
-    b.filled(column_shape, -1, np.int64, "live_best_pad_column")  # (S', n, 1)
-    b.filled(column_shape, 0.0, np.float64, "live_best_pad_step_column")  # (S', n, 1)
-    align_column = b.node("Concat", [column_shape, v("align_width")], "live_align_column", axis=0)
-    b.filled(align_column, 0.0, np.float32, "live_best_pad_align")  # (S', n, 1, W)
     b.extend(rules)
-    # Each step writes its sentences' best hypotheses into the outputs.
-    at = b.unsqueeze(sentence_ids, [1], "live_at")  # (S', 1)
-    for kind in ("score", "length"):
-        b.node(
-            "ScatterND", [v(f"result_{kind}"), at, v(f"best_{kind}_next")], f"result_{kind}_next"
-        )
-    for kind, pad in (
-        ("tokens", "best_pad_column"),
-        ("steps", "best_pad_step_column"),
-        ("align", "best_pad_align"),
-    ):
-        grown = b.node("Concat", [v(f"result_{kind}"), v(pad)], axis=2)
-        b.node("ScatterND", [grown, at, v(f"best_{kind}_next")], f"result_{kind}_next")
     # Then the sentences done at this step leave the state, with their beams.
     keep = b.node("Not", [v("done_next")], "keep")  # (S',)
     beams_shape = b.node("Concat", [live_count_1d, v("k_1d")], "live_beams_shape", axis=0)
@@ -471,7 +517,7 @@ def _build(step, compact, blocked):
     o = GraphBuilder(PREFIX)
     _first_state(o, step, heads, head_dim, cache_type)
     b = o.body()
-    _beam_step_rules(b, self_names)
+    _beam_step_rules(b, self_names, _write_results if compact else None)
     step_nodes = list(graph.node)
     carried = _carried_state(self_names, cache_type)
     outputs = {"tokens": "best_tokens", "lengths": "best_length", "scores": "best_score"}

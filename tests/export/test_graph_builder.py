@@ -145,6 +145,47 @@ def test_copied_nodes_rename_what_they_make_and_keep_what_they_share():
     assert [list(n.input) for n in g.nodes][1] == ["hidden", "scale"]  # the originals untouched
 
 
+def test_when_runs_its_branch_only_where_the_condition_holds():
+    """`when`: an If whose branch gives each change's value where the condition
+    holds, and a copy of the unchanged value where not; the branch reads the
+    outer graph's values and constants. `copied_nodes` renames inside it too."""
+    g = GraphBuilder("w.")
+    f = g.body()
+    scaled = f.node("Mul", ["x", f.const("three", 3.0, np.float32)], "scaled")
+    counted = f.node("Add", ["count", f.int64s(1)], "counted")
+    positive = g.node(
+        "Greater", [g.node("ReduceSum", ["x"], keepdims=0), g.const("zero", 0.0, np.float32)]
+    )
+    changes = [
+        ("x_next", scaled, "x", TensorProto.FLOAT),
+        ("count_next", counted, "count", TensorProto.INT64),
+    ]
+    made = g.when(positive, f, changes)
+    assert made == ["w.x_next", "w.count_next"]
+    for name, out in zip(made, ("y", "n"), strict=True):
+        g.output("Identity", [name], out)
+    value = g.value_info
+    model = g.model(
+        "when",
+        [value("x", TensorProto.FLOAT, [2]), value("count", TensorProto.INT64, [])],
+        [value("y", TensorProto.FLOAT, [2]), value("n", TensorProto.INT64, [])],
+        opset=17,
+    )
+    count = np.array(5, np.int64)
+    y, n = _run(model, {"x": np.array([1, 2], np.float32), "count": count})
+    np.testing.assert_array_equal(y, [3, 6])
+    assert n == 6
+    y, n = _run(model, {"x": np.array([-1, -2], np.float32), "count": count})
+    np.testing.assert_array_equal(y, [-1, -2])
+    assert n == 5
+    # Renaming an input reaches the nodes inside the branches.
+    (renamed,) = [
+        n for n in copied_nodes(g.nodes, names={"count": "live_count"}) if n.op_type == "If"
+    ]
+    branch_inputs = {i for a in renamed.attribute for n in a.g.node for i in n.input}
+    assert "live_count" in branch_inputs and "count" not in branch_inputs
+
+
 def test_a_model_like_another_takes_its_opsets_and_ir_version():
     g = GraphBuilder()
     g.output("Identity", ["x"], "y")

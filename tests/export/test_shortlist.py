@@ -172,7 +172,6 @@ def test_the_listed_rows_are_gathered_before_the_loop_and_multiplied_in_int8(lis
     import onnx
 
     from keras_transformer.export.step_graph import LISTED_OUTPUT
-    from keras_transformer.export.weights import subgraphs
 
     whole = listed_exports[0]
     for name in ("greedy_batch_search_shortlist", "beam_search_shortlist"):
@@ -181,7 +180,8 @@ def test_the_listed_rows_are_gathered_before_the_loop_and_multiplied_in_int8(lis
             graph = onnx.load(path, load_external_data=False).graph
             outer = [n for n in graph.node if "shortlist" in n.input]
             assert outer and all(n.op_type == "Gather" for n in outer)
-            (body,) = [g for g in subgraphs(graph) if g is not graph]
+            (loop,) = [n for n in graph.node if n.op_type == "Loop"]
+            (body,) = [a.g for a in loop.attribute if a.name == "body"]
             # Per step the body only maps the selected positions back to ids.
             readers = [n for n in body.node if "shortlist" in n.input]
             assert all(n.op_type == "Gather" and n.input[0] == "shortlist" for n in readers)
