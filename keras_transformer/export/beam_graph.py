@@ -208,17 +208,14 @@ def _beam_step_rules(b, self_names, write_results=None):
     zero, one, axis0, axis1 = b.int64s(0), b.int64s(1), b.int64s([0]), b.int64s([1])
     neg_inf, eos = b.const("neg_inf", -np.inf, np.float64), b.int64s(EOS_ID)
 
-    rows = b.node("Gather", [b.node("Shape", ["token_ids"]), zero], "rows")
-    n = b.node("Div", [rows, v("sentences")], "n")  # rows per sentence: 1, then k
+    rows = b.node("Shape", ["token_ids"], "rows", start=0, end=1)  # (1,)
+    n_1d = b.node("Div", [rows, v("sentences_1d")], "n_1d")  # rows per sentence: 1, then k
     # The step's best 2k tokens once the stateless masks drop theirs.
     top_ids, top_log_probs = masked_top(
         b, "top_ids", "top_log_probs", v("two_k_1d"), v("iteration")
     )
-    w = b.node("Gather", [b.node("Shape", [top_ids]), one], "w")  # 2k
-    n_1d, w_1d = b.reshape(n, [1], "n_1d"), b.reshape(w, [1], "w_1d")
-    nw_1d = b.reshape(b.node("Mul", [n, w]), [1], "nw_1d")
-    s_n_w = b.node("Concat", [v("sentences_1d"), n_1d, w_1d], "s_n_w", axis=0)
-    s_nw = b.node("Concat", [v("sentences_1d"), nw_1d], "s_nw", axis=0)
+    s_n_w = b.node("Concat", [v("sentences_1d"), n_1d, v("two_k_1d")], "s_n_w", axis=0)
+    s_nw = b.node("Concat", [v("sentences_1d"), b.int64s([-1])], "s_nw", axis=0)  # (S, n * 2k)
     # Candidates: live beam scores plus each row's best tokens, in double.
     step_scores = b.reshape(b.cast(top_log_probs, DOUBLE), s_n_w)  # (S, n, 2k)
     row_scores = b.node("Slice", [v("alive_scores"), axis0, n_1d, axis1], "row_scores")  # (S, n)
@@ -230,7 +227,7 @@ def _beam_step_rules(b, self_names, write_results=None):
     ranked_step = b.node(
         "GatherElements", [b.reshape(step_scores, s_nw), ranked_at], "ranked_step", axis=1
     )
-    ranked_beam = b.node("Div", [ranked_at, w], "ranked_beam")  # (S, 2k)
+    ranked_beam = b.node("Div", [ranked_at, v("two_k")], "ranked_beam")  # (S, 2k)
     ranked_token = b.node("GatherElements", [candidate_ids, ranked_at], "ranked_token", axis=1)
     finite = b.node("Greater", [ranked, neg_inf], "finite")
     is_eos = b.node("Equal", [ranked_token, eos], "is_eos")
@@ -259,7 +256,7 @@ def _beam_step_rules(b, self_names, write_results=None):
     limit_finishes = b.node("And", [slot_ok, at_limit_2d], "limit_finishes")
     finishing = b.node("Concat", [eos_finishes, limit_finishes], axis=1)  # (S, 2k + k)
     finishing = b.node("And", [finishing, b.unsqueeze(live, [1])], "finishing")
-    first_rows = b.node("Mul", [v("sentence_index"), n], "first_rows")  # (S,)
+    first_rows = b.node("Mul", [v("sentence_index"), n_1d], "first_rows")  # (S,)
     # Each row's alignment weights at this step, `align_width` wide: (rows, W).
     step_align = step_alignment(b, ALIGNMENT_WEIGHTS, "step_align")
     # Booking them runs only at the steps where some finish (`GraphBuilder.when`).

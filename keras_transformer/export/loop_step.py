@@ -1,7 +1,7 @@
 """A decoder-step graph split for a search loop: what need not run at every step.
 
 The search graphs run the decoder step inside an ONNX `Loop`, where each node
-runs, and costs ONNX Runtime's per-node time, at every step. Two parts of the
+runs, and costs ONNX Runtime's per-node time, at every step. Parts of the
 step are moved before the loop (`hoisted`):
 
 - a shortlisted step's gather of the listed rows of the output matrix (and
@@ -10,7 +10,10 @@ step are moved before the loop (`hoisted`):
   fifteen nodes): computed once for every position the loop can reach, the
   body then reads its row with one `Gather`. The values are those of the same
   nodes, run on all positions at once. Measured on a one-layer student
-  (docs/performance.md, "Position table"): 1.02-1.03x at batch 1, nothing at 32.
+  (docs/performance.md, "Position table"): 1.02-1.03x at batch 1, nothing at 32;
+- in the graphs that keep their sentences to the end (`greedy_search`,
+  `beam_search`), what the step makes of the sentences' inputs alone (the
+  attention mask's bias, shapes read off the source): done once.
 """
 
 from __future__ import annotations
@@ -23,11 +26,15 @@ from keras_transformer.export.weights import drop_unused_initializers
 POSITION = "position"
 
 
-def search_graph(build, step, steps_per_iteration=None):
+def search_graph(build, step, steps_per_iteration=None, fixed_sentences=False):
     """The search graph `build(step)` (or `build(step, steps_per_iteration)`) over
-    `step` split by `hoisted`, the moved nodes run before its loop."""
+    `step` split by `hoisted`, the moved nodes run before its loop.
+    `fixed_sentences`: the loop body reads the search graph's own `source_mask`
+    and cross keys and values at every step (a graph that keeps every sentence
+    to the end, not one that drops finished ones): what the step makes of those
+    alone moves before the loop too."""
     steps = steps_per_iteration or 1
-    step, before_loop, outer_weights = hoisted(step, steps)
+    step, before_loop, outer_weights = hoisted(step, steps, fixed_sentences)
     search = build(step) if steps_per_iteration is None else build(step, steps)
     for i, node in enumerate(before_loop):
         search.graph.node.insert(i, node)
@@ -36,7 +43,7 @@ def search_graph(build, step, steps_per_iteration=None):
     return search
 
 
-def hoisted(step, steps_per_iteration=1):
+def hoisted(step, steps_per_iteration=1, fixed_sentences=False):
     """`step` split for a search loop: `(the step without the nodes moved out of it,
     the nodes the search graph runs before its loop, the weights only those read)`.
 
@@ -44,9 +51,12 @@ def hoisted(step, steps_per_iteration=1):
     maximum output lengths; a loop making `steps_per_iteration` steps per
     iteration may reach that many positions past the largest. The body reads
     what the moved nodes make, and weights it shares with them, from the
-    outer graph."""
+    outer graph. `fixed_sentences`: as in `search_graph`."""
     weights = {t.name for t in step.graph.initializer}  # wherever they end up
     step, moved, outer = _listed_rows(step, weights)
+    if fixed_sentences:
+        step, of_sentences, read = _sentence_values(step, weights)
+        moved, outer = moved + of_sentences, outer + read
     step, before, tables = _position_table(step, weights, steps_per_iteration)
     return step, moved + before, outer + tables
 
@@ -90,6 +100,18 @@ def _listed_rows(step, weights):
         return step, [], []
     step = mark_vocabulary_size(step)
     moved, kept, read, _ = _split(step, ["shortlist"], weights)
+    step, outer = _rebuilt(step, kept, read)
+    return step, moved, outer
+
+
+def _sentence_values(step, weights):
+    """The step's nodes that read only its sentences' inputs (`source_mask`, the
+    cross keys and values) and weights, moved out: the attention mask's bias
+    and the shapes taken from the source, the same at every step of a loop
+    whose sentences stay (about six nodes per step)."""
+    seeds = [v.name for v in step.graph.input if v.name == "source_mask"]
+    seeds += [v.name for v in step.graph.input if v.name.startswith("cross_")]
+    moved, kept, read, _ = _split(step, seeds, weights)
     step, outer = _rebuilt(step, kept, read)
     return step, moved, outer
 

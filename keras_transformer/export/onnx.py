@@ -431,7 +431,8 @@ def _write_search(folder, step_files, name, file_name=None):
         steps = None
         if name == "greedy_batch_search":
             steps = BATCH_STEPS_PER_ITERATION.get(precision, 1)
-        search = search_graph(build, step, steps)
+        fixed = name in ("greedy_search", "beam_search")  # their sentences stay
+        search = search_graph(build, step, steps, fixed_sentences=fixed)
         onnx.checker.check_model(search, full_check=True)
         entry[precision] = f"{file_name or name}{SUFFIXES.get(precision, '')}.onnx"
         onnx.save(search, os.path.join(folder, entry[precision]))

@@ -195,6 +195,31 @@ def _selection_step(vocabulary_size, opset):
     return model
 
 
+def test_the_graphs_that_keep_their_sentences_read_the_mask_bias_from_before_the_loop(exported):
+    """In greedy_search and beam_search (every sentence stays to the end) no loop
+    node reads only the sentences' inputs and weights: the mask's bias and the
+    shapes read off the source are made once, before the loop (the batch graphs
+    carry the mask of the sentences left, which shrinks). The search
+    specification tests hold the graphs to the same tokens."""
+    _, _, _, out = exported("float32")
+    for name in ("greedy_search", "beam_search"):
+        graph = onnx.load(os.path.join(out, f"{name}.onnx"), load_external_data=False).graph
+        (loop,) = [node for node in graph.node if node.op_type == "Loop"]
+        body = loop.attribute[0].g
+        weights = {t.name for t in graph.initializer} | {t.name for t in body.initializer}
+        sentence_values = {"source_mask"} | {v.name for v in graph.input if "cross_" in v.name}
+        of_sentences = [
+            node.op_type
+            for node in body.node
+            if any(i in sentence_values for i in node.input)
+            and all(i in sentence_values or i in weights for i in node.input if i)
+        ]
+        assert of_sentences == [], name
+        assert any(n.op_type == "Where" for n in body.node)  # the rules' own
+        outer_mask_readers = [n.op_type for n in graph.node if "source_mask" in n.input]
+        assert "Unsqueeze" in outer_mask_readers, name  # the mask's bias, once
+
+
 @pytest.mark.parametrize("opset", [17, 18])
 def test_the_blocked_selection_picks_the_tokens_topk_picks(opset):
     """`blocked_selection` finds each row's k best tokens block by block: the
