@@ -209,20 +209,7 @@ class SearchOptions:
         penalty, no-repeat n-grams and longer suppressed sequences depend on
         each hypothesis's tokens: the loop runs those.
         """
-        single = [s[0] for s in self.suppress_sequences if len(s) == 1]
-        rest = dataclasses.replace(
-            self,
-            n_best=1,
-            token_scores=False,
-            disable_unk=False,
-            min_length=0,
-            suppress_sequences=tuple(s for s in self.suppress_sequences if len(s) > 1),
-            length_penalty_form="gnmt",
-        )
-        if not rest.is_plain():
-            return None
-        suppressed = set(single) | ({UNK_ID} if self.disable_unk else set())
-        return Masks(tuple(sorted(int(i) for i in suppressed)), int(self.min_length))
+        return _graph_masks(self)
 
     def check_ids(self, vocabulary_size, prefixes=()):
         """Refuses suppressed ids and prefix ids outside the vocabulary, naming them."""
@@ -272,3 +259,23 @@ def option_fields():
             )
         )
     return tuple(found)
+
+
+@functools.lru_cache(maxsize=256)
+def _graph_masks(options):
+    """`SearchOptions.graph_masks`, once per distinct options (they are frozen and
+    hashable): a search at batch 1 asks at every sentence."""
+    single = [s[0] for s in options.suppress_sequences if len(s) == 1]
+    rest = dataclasses.replace(
+        options,
+        n_best=1,
+        token_scores=False,
+        disable_unk=False,
+        min_length=0,
+        suppress_sequences=tuple(s for s in options.suppress_sequences if len(s) > 1),
+        length_penalty_form="gnmt",
+    )
+    if not rest.is_plain():
+        return None
+    suppressed = set(single) | ({UNK_ID} if options.disable_unk else set())
+    return Masks(tuple(sorted(int(i) for i in suppressed)), int(options.min_length))
