@@ -192,12 +192,13 @@ def _first_state(o, step, heads, head_dim, cache_type):
     o.node("ReduceMax", ["limits"], "max_steps", keepdims=0)
 
 
-def _beam_step_rules(b, self_names, write_results=None):
+def _beam_step_rules(b, self_names, float_type, write_results=None):
     """`spec.beam`'s rules after one decoder step, in the loop body `b`.
 
     Reads the step's `top_ids` and `top_log_probs` ((rows, 2k), rows = S * n:
     n rows per sentence, 1 at the first step and k after) and the state;
-    writes the next state (`*_next`) and `keep_going`. `write_results(f,
+    writes the next state (`*_next`) and `keep_going`. `float_type`: the
+    element type of the step's log-probabilities. `write_results(f,
     booked, pads)`: more of what the booking of finished hypotheses changes
     (`_compacted`'s outputs), added to its branch `f`.
     """
@@ -212,7 +213,7 @@ def _beam_step_rules(b, self_names, write_results=None):
     n_1d = b.node("Div", [rows, v("sentences_1d")], "n_1d")  # rows per sentence: 1, then k
     # The step's best 2k tokens once the stateless masks drop theirs.
     top_ids, top_log_probs = masked_top(
-        b, "top_ids", "top_log_probs", v("two_k_1d"), v("iteration")
+        b, "top_ids", "top_log_probs", v("two_k_1d"), v("iteration"), float_type
     )
     s_n_w = b.node("Concat", [v("sentences_1d"), n_1d, v("two_k_1d")], "s_n_w", axis=0)
     s_nw = b.node("Concat", [v("sentences_1d"), b.int64s([-1])], "s_nw", axis=0)  # (S, n * 2k)
@@ -514,7 +515,8 @@ def _build(step, compact, blocked):
     o = GraphBuilder(PREFIX)
     _first_state(o, step, heads, head_dim, cache_type)
     b = o.body()
-    _beam_step_rules(b, self_names, _write_results if compact else None)
+    float_type = {v.name: v for v in graph.output}["top_log_probs"].type.tensor_type.elem_type
+    _beam_step_rules(b, self_names, float_type, _write_results if compact else None)
     step_nodes = list(graph.node)
     carried = _carried_state(self_names, cache_type)
     outputs = {"tokens": "best_tokens", "lengths": "best_length", "scores": "best_score"}

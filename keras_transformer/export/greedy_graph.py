@@ -107,6 +107,7 @@ def mask_inputs(g, width, step):
     g.node("Where", [is_eos, never, late], "mask_early")
     early = g.cast(g.node("Greater", ["min_length", g.int64s(0)]), TensorProto.INT64)
     extra = g.node("Add", [g.node("Size", ["suppressed"]), early], "mask_extra")
+    g.node("Greater", [extra, g.int64s(0)], "masking")  # () bool: any mask set
     return g.node("Add", [width, g.reshape(extra, [1])], "wide_top_k")
 
 
@@ -144,19 +145,30 @@ def mask_input_values(g):
     ]
 
 
-def masked_top(b, top_ids, top_log_probs, width, made, prefix=""):
+def masked_top(b, top_ids, top_log_probs, width, made, float_type, prefix=""):
     """The best `width` of a step's `wide_top_k` selected tokens `(rows, wide)` once
     the stateless masks are applied, as `spec.step_scores` applies them: a
     suppressed id, and EOS while fewer than `min_length` tokens are made (`made`,
     a scalar), take -inf (`mask_inputs`' biases); the order is kept (best first,
-    ties to the lower id). Returns `(ids, log_probs)`, `(rows, width)` each."""
+    ties to the lower id). Returns `(ids, log_probs)`, `(rows, width)` each
+    (`float_type`: the log-probabilities' element type). Without a mask set
+    (`masking`), the step selected `width` tokens and they are the answer: the
+    masking nodes then do not run (`GraphBuilder.when`)."""
+    from onnx import TensorProto
+
     v = b.name
-    early = b.node("Less", [made, "min_length"], prefix + "early")
-    bias = b.node("Where", [early, v("mask_early"), v("mask_late")], prefix + "mask_bias")
-    picked = b.node("Gather", [bias, top_ids], prefix + "picked_bias", axis=0)
-    allowed = b.node("Add", [top_log_probs, picked], prefix + "allowed")
-    values, at = b.node("TopK", [allowed, width], [prefix + "masked_log_probs", prefix + "at"])
-    return b.node("GatherElements", [top_ids, at], prefix + "masked_ids", axis=1), values
+    f = b.body()
+    early = f.node("Less", [made, "min_length"], prefix + "early")
+    bias = f.node("Where", [early, v("mask_early"), v("mask_late")], prefix + "mask_bias")
+    picked = f.node("Gather", [bias, top_ids], prefix + "picked_bias", axis=0)
+    allowed = f.node("Add", [top_log_probs, picked], prefix + "allowed")
+    values, at = f.node("TopK", [allowed, width], [prefix + "masked_log_probs", prefix + "at"])
+    ids = f.node("GatherElements", [top_ids, at], prefix + "masked_ids", axis=1)
+    changes = [
+        (prefix + "allowed_ids", ids, top_ids, TensorProto.INT64),
+        (prefix + "allowed_log_probs", values, top_log_probs, float_type),
+    ]
+    return tuple(b.when(v("masking"), f, changes))
 
 
 def _greedy_choice(b, top_ids, top_log_probs, steps_made, limits, prefix=""):
@@ -187,7 +199,9 @@ def build_greedy_search(step):
     b.extend(step.graph.node)
     done = b.name("done")  # (B,) bool: a row that ended, fed EOS since
     steps_made = b.node("Add", [b.name("iteration"), b.int64s(1)], "steps_made")
-    ids, log_probs = masked_top(b, "top_ids", "top_log_probs", g.int64s([1]), b.name("iteration"))
+    ids, log_probs = masked_top(
+        b, "top_ids", "top_log_probs", g.int64s([1]), b.name("iteration"), float_type
+    )
     next_id, chosen, ended, at_limit = _greedy_choice(b, ids, log_probs, steps_made, "limits")
     live = b.node("Not", [done], "live")
     zero_score = b.const("zero_score", 0.0, helper.tensor_dtype_to_np_dtype(float_type))
@@ -314,7 +328,7 @@ def build_greedy_batch_search(step, steps_per_iteration=1, blocked=True):
         steps_made = b.node("Add", [steps_before, b.int64s(j + 1)], x + "steps_made")
         made_before = b.node("Add", [steps_before, b.int64s(j)], x + "made_before")
         ids, log_probs = masked_top(
-            b, made["top_ids"], made["top_log_probs"], g.int64s([1]), made_before, x
+            b, made["top_ids"], made["top_log_probs"], g.int64s([1]), made_before, float_type, x
         )
         next_id, chosen, ended, at_limit = _greedy_choice(
             b, ids, log_probs, steps_made, row_limits, x
