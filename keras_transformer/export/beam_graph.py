@@ -26,7 +26,7 @@ step runs one row per sentence, its beams all starting from BOS):
   the `n_best` best are kept, best first (the first found among equals, as a stable
   sort does), with the count of those finished; this booking runs inside an
   `If`, only at the steps where some hypothesis finishes (most steps have
-  none: at batch 1 and beam 4 that measured 1.08-1.09x the whole search);
+  none: at batch 1 and beam 4 that measured 1.08-1.10x the whole search);
 - a sentence is done when no live beam can beat its `n_best`-th best
   finished hypothesis even at its maximum length, or when `k` have
   finished and no live beam beats it at its current length (GNMT's form
@@ -105,10 +105,10 @@ def build_beam_batch_search(step, blocked=True):
     is done leaves the state at that step (its beams, their caches, its
     source mask, cross keys and values), as in the Python loop, so that later
     steps compute only the sentences left; each step that books finished
-    hypotheses writes the best ones of its sentences into the outputs. That costs a copy of the
-    state at every step (`GraphBuilder.keep_rows`), which one sentence, the last of its
-    batch, never needs: `build_beam_search` serves it. `blocked`: as in
-    `build_beam_search`.
+    hypotheses writes the best ones of its sentences into the outputs. That
+    costs a copy of the state at every step (`GraphBuilder.keep_rows`), which
+    one sentence, the last of its batch, never needs: `build_beam_search`
+    serves it. `blocked`: as in `build_beam_search`.
     """
     return _build(step, compact=True, blocked=blocked)
 
@@ -252,7 +252,7 @@ def _beam_step_rules(b, self_names, float_type, write_results=None):
     at_limit_2d = b.unsqueeze(at_limit, [1], "at_limit_2d")
     penalty = _length_penalty(b, made, "penalty")  # ()
     # Hypotheses finished at this step: EOS ones in rank order, then (at the
-    # limit) the new beams; a done sentence's count for nothing.
+    # limit) the new beams; a done sentence's do not count.
     live = b.node("Not", [v("done")], "live")
     limit_finishes = b.node("And", [slot_ok, at_limit_2d], "limit_finishes")
     finishing = b.node("Concat", [eos_finishes, limit_finishes], axis=1)  # (S, 2k + k)
