@@ -178,8 +178,7 @@ class GraphBuilder:
 
         infos = [self.value_info(made, elem_type) for _, made, _, elem_type in changes]
         then_graph = helper.make_graph(branch.nodes, f"{self.prefix}then", [], infos)
-        skip = GraphBuilder(self.prefix)
-        skip._owner = self._owner
+        skip = self.body()
         kept = [skip.node("Identity", [unchanged]) for _, _, unchanged, _ in changes]
         kept_infos = [self.value_info(k, c[3]) for k, c in zip(kept, changes, strict=True)]
         else_graph = helper.make_graph(skip.nodes, f"{self.prefix}else", [], kept_infos)
