@@ -417,17 +417,15 @@ def _write_results(f, booked, pads):
     v = f.name
     at = f.unsqueeze(v("sentence_ids"), [1], "live_at")  # (S', 1)
     changes = []
-    for kind, array in (("score", "score"), ("length", "length")):
-        made = f.node("ScatterND", [v(f"result_{array}"), at, booked[f"best_{kind}"]])
-        changes.append(
-            (f"result_{array}_next", made, v(f"result_{array}"), _BOOKED[f"best_{kind}"])
-        )
-    for kind in ("tokens", "steps", "align"):
-        filler = f.const(*_FILLERS[kind])
-        grown = f.node("Pad", [v(f"result_{kind}"), pads[kind], filler])
-        made = f.node("ScatterND", [grown, at, booked[f"best_{kind}"]])
-        changes.append((f"result_{kind}_next", made, v(f"result_{kind}"), _BOOKED[f"best_{kind}"]))
-    return [(out, made, kept, _tensor_type(dtype)) for out, made, kept, dtype in changes]
+    for kind in ("score", "length", "tokens", "steps", "align"):
+        result = v(f"result_{kind}")
+        written = result
+        if kind in pads:  # an array that grows by a step
+            written = f.node("Pad", [result, pads[kind], f.const(*_FILLERS[kind])])
+        made = f.node("ScatterND", [written, at, booked[f"best_{kind}"]])
+        dtype = _tensor_type(_BOOKED[f"best_{kind}"])
+        changes.append((f"result_{kind}_next", made, result, dtype))
+    return changes
 
 
 def _compacted(o, b, step_nodes, carried, sentence_inputs, input_types):
