@@ -451,7 +451,14 @@ def _compacted(o, b, step_nodes, carried, sentence_inputs, input_types):
         }
     )
     step_nodes = copied_nodes(step_nodes, names=live_name)
-    rules, b.nodes = copied_nodes(b.nodes, names=live_name), []
+    # Each cache goes to the new beams and loses the done sentences' rows in one
+    # `Gather`, by the kept rows' origins (below): one copy a step, not two.
+    caches = [n for _, n, *_ in carried if n.startswith("next_")]
+    reorders = {v(name) for name in caches}
+    rules = [
+        node for node in copied_nodes(b.nodes, names=live_name) if node.output[0] not in reorders
+    ]
+    b.nodes = []
     sentence_ids = v("sentence_ids")
     b.node("Gather", ["limits", sentence_ids], "live_limits", axis=0)
     b.node("Gather", [v("limit_penalty"), sentence_ids], "live_limit_penalty", axis=0)
@@ -464,12 +471,14 @@ def _compacted(o, b, step_nodes, carried, sentence_inputs, input_types):
     beams_shape = b.node("Concat", [live_count_1d, v("k_1d")], "live_beams_shape", axis=0)
     keep_beams = b.node("Expand", [b.unsqueeze(keep, [1]), beams_shape], "keep_beams")
     keep_rows = b.reshape(keep_beams, [-1], "keep_rows")  # (S' * k,)
+    kept_origin = b.keep_rows(keep_rows, [v("origin")], ["kept_origin"])[0]
+    for name in caches:  # `next_x`, the step's `new_x` reordered
+        b.node("Gather", [name.replace("next_", "new_", 1), kept_origin], "kept_" + name, axis=0)
     per_row = {"token_ids_next", "alive_tokens_next", "alive_steps_next", "alive_align_next"}
-    per_row |= {n for _, n, *_ in carried if n.startswith("next_")}  # the caches
     for _, next_name, *_ in carried:
-        b.keep_rows(
-            keep_rows if next_name in per_row else keep, [v(next_name)], ["kept_" + next_name]
-        )
+        if next_name not in caches:
+            kept = keep_rows if next_name in per_row else keep
+            b.keep_rows(kept, [v(next_name)], ["kept_" + next_name])
     live_inputs = [live_name[name][len(v("")) :] for name in sentence_inputs]
     for name in ["sentence_ids", *live_inputs]:
         b.keep_rows(keep, [v(name)], ["kept_" + name])

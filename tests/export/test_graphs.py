@@ -220,6 +220,25 @@ def test_the_graphs_that_keep_their_sentences_read_the_mask_bias_from_before_the
         assert "Unsqueeze" in outer_mask_readers, name  # the mask's bias, once
 
 
+def test_the_batch_beam_graph_copies_each_cache_once_a_step(exported):
+    """beam_batch_search takes each self-attention cache to the new beams and
+    drops the done sentences' rows in one `Gather`, by the kept rows' origins,
+    not a `Gather` then a `Compress`. The search specification tests hold the
+    graph to the same tokens."""
+    _, _, _, out = exported("float32")
+    graph = onnx.load(os.path.join(out, "beam_batch_search.onnx"), load_external_data=False).graph
+    (loop,) = [node for node in graph.node if node.op_type == "Loop"]
+    body = loop.attribute[0].g
+    made = {name: node for node in body.node for name in node.output}
+    caches = [value.name for value in body.output if "_self_" in value.name]
+    assert caches and len(caches) % 2 == 0  # each layer's keys and values
+    for name in caches:
+        node = made[name]
+        step_output = "new_" + name.split("kept_next_")[1]  # the step's grown cache
+        assert (node.op_type, node.input[0]) == ("Gather", step_output)
+        assert made[node.input[1]].op_type == "Compress"  # the kept rows' origins
+
+
 @pytest.mark.parametrize("opset", [17, 18])
 def test_the_blocked_selection_picks_the_tokens_topk_picks(opset):
     """`blocked_selection` finds each row's k best tokens block by block: the
