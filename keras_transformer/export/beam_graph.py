@@ -192,7 +192,7 @@ def _first_state(o, step, heads, head_dim, cache_type):
     o.node("ReduceMax", ["limits"], "max_steps", keepdims=0)
 
 
-def _beam_step_rules(b, self_names, float_type, write_results=None):
+def _beam_step_rules(b, self_names, float_type, write_results=None, reorder_caches=True):
     """`spec.beam`'s rules after one decoder step, in the loop body `b`.
 
     Reads the step's `top_ids` and `top_log_probs` ((rows, 2k), rows = S * n:
@@ -200,7 +200,9 @@ def _beam_step_rules(b, self_names, float_type, write_results=None):
     writes the next state (`*_next`) and `keep_going`. `float_type`: the
     element type of the step's log-probabilities. `write_results(f,
     booked, pads)`: more of what the booking of finished hypotheses changes
-    (`_compacted`'s outputs), added to its branch `f`.
+    (`_compacted`'s outputs), added to its branch `f`. Without
+    `reorder_caches`, the caches' `next_*` are left to the caller (`_compacted`
+    reorders and compacts them in one `Gather`).
     """
     from onnx import TensorProto
 
@@ -304,7 +306,7 @@ def _beam_step_rules(b, self_names, float_type, write_results=None):
     b.node("Concat", [alive_align, b.unsqueeze(origin_align, [1])], "alive_align_next", axis=1)
     fed = b.node("Where", [slot_ok, slot_token, eos], "fed")
     b.reshape(b.cast(fed, TensorProto.INT32), [-1, 1], "token_ids_next")  # (S * k, 1)
-    for name in self_names:
+    for name in self_names if reorder_caches else ():
         b.node("Gather", [f"new_{name}", origin], f"next_{name}", axis=0)
 
 
@@ -454,11 +456,7 @@ def _compacted(o, b, step_nodes, carried, sentence_inputs, input_types):
     # Each cache goes to the new beams and loses the done sentences' rows in one
     # `Gather`, by the kept rows' origins (below): one copy a step, not two.
     caches = [n for _, n, *_ in carried if n.startswith("next_")]
-    reorders = {v(name) for name in caches}
-    rules = [
-        node for node in copied_nodes(b.nodes, names=live_name) if node.output[0] not in reorders
-    ]
-    b.nodes = []
+    rules, b.nodes = copied_nodes(b.nodes, names=live_name), []
     sentence_ids = v("sentence_ids")
     b.node("Gather", ["limits", sentence_ids], "live_limits", axis=0)
     b.node("Gather", [v("limit_penalty"), sentence_ids], "live_limit_penalty", axis=0)
@@ -523,7 +521,9 @@ def _build(step, compact, blocked):
     _first_state(o, step, heads, head_dim, cache_type)
     b = o.body()
     float_type = {v.name: v for v in graph.output}["top_log_probs"].type.tensor_type.elem_type
-    _beam_step_rules(b, self_names, float_type, _write_results if compact else None)
+    _beam_step_rules(
+        b, self_names, float_type, _write_results if compact else None, reorder_caches=not compact
+    )
     step_nodes = list(graph.node)
     carried = _carried_state(self_names, cache_type)
     outputs = {"tokens": "best_tokens", "lengths": "best_length", "scores": "best_score"}
