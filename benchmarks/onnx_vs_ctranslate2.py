@@ -5,40 +5,16 @@
     python -m benchmarks.onnx_vs_ctranslate2 combine A.json B.json C.json
     python -m benchmarks.onnx_vs_ctranslate2 RUN_DIR --marian-hf HF_DIR --src ... --cells beam4-32
 
-The run is exported afresh to ONNX with its int8 graphs (RUN_DIR/onnx-int8) and
-converted to CTranslate2 float32 and int8 folders (RUN_DIR/ct2-*) from the
-same Keras weights (`benchmarks.ctranslate2_peer`). Each cell (search x batch
-size) translates the same sentences with every system; repetitions are
-interleaved across systems and the median is kept. Reported per cell and
-system: sentences/s, the ratio to CTranslate2 at the same precision, the
-outputs identical to ONNX Runtime float32, and BLEU. Writes JSON to
-benchmarks/results/onnx_vs_ctranslate2.json (or --out).
-
-`--threads T --parallel-batches P` gives both systems the same cores: P
-batches at once (ONNX Runtime's `parallel_batches`, CTranslate2's
-`inter_threads`), each on T threads. The default is one search on 2 threads.
-With T > 1, ONNX Runtime float32 searches a batch of 32 as T parts at once,
-one thread each (`OnnxTranslator`'s `split_batches`); `--whole-batches`
-keeps each batch one search on T threads, as CTranslate2 does.
-
-`--marian-hf HF_DIR` compares on a Marian model: RUN_DIR is its import
-(`keras-transformer import marian HF_DIR`), and CTranslate2 converts HF_DIR
-itself with its `TransformersConverter` (needs transformers and torch), as
-a user of both would (docs/pretrained.md).
-
-`--output-length N` makes every output exactly N tokens long in both systems
-(minimum and maximum decoding length): the same work per sentence for a
-model whose own outputs have no sensible lengths (random weights at a
-pretrained model's shape, docs/pretrained.md).
-
-`--options` measures the output options instead of the cells: beam 4 on
-batches of 32, the plain search and then each option asked for, with the
-same request to both systems (`OPTIONS`), side by side in each repetition.
-Reported per option and system: sentences/s, the cost beside the same
-system's plain search, ours / CTranslate2's, and checks on the outputs (the
-first hypothesis against the plain translation; forced scores against the
-other system's). Writes benchmarks/results/onnx_vs_ctranslate2-options.json
-(or --out).
+The run is exported afresh (RUN_DIR/onnx-int8) and converted to CTranslate2
+float32 and int8 (RUN_DIR/ct2-*, `benchmarks.ctranslate2_peer`; with
+`--marian-hf`, CTranslate2 converts the Hugging Face checkpoint itself).
+Each cell (search x batch size), or with `--options` each output option
+beside the plain beam-4 search at batch 32, runs on every system with the
+repetitions interleaved; medians, ratios to CTranslate2 at the same
+precision, outputs identical to ONNX Runtime float32, BLEU. The options
+(`--threads`, `--parallel-batches`, `--whole-batches`, `--output-length`)
+give both systems the same cores and work: see their help and
+benchmarks/README.md.
 """
 
 from __future__ import annotations
