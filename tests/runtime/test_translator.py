@@ -41,8 +41,22 @@ def test_same_translations_as_keras_on_held_out_sentences(kind, exported):
     sources = source_ids(tokenizer, lines)
     keras_greedy, keras_greedy_scores = greedy_search(model, sources)
     onnx_greedy, onnx_greedy_scores = translator.greedy_search(sources)
-    assert onnx_greedy == keras_greedy  # every one of the 200
-    np.testing.assert_allclose(onnx_greedy_scores, keras_greedy_scores, atol=1e-3)
+    # Every one of the 200 alike, but where float32 rounding decides a tie (the
+    # engines sum in other orders, and a CPU's kernels choose theirs): there,
+    # Keras' own log-probabilities of the two first different tokens agree.
+    differ = [
+        i
+        for i, pair in enumerate(zip(onnx_greedy, keras_greedy, strict=True))
+        if pair[0] != pair[1]
+    ]
+    assert len(differ) <= 2, differ
+    for i in differ:
+        gap = first_difference_gap(model, sources[i], onnx_greedy[i], keras_greedy[i])
+        assert gap < 1e-4, (i, gap)
+    same = [i for i in range(len(sources)) if i not in differ]
+    np.testing.assert_allclose(
+        np.asarray(onnx_greedy_scores)[same], np.asarray(keras_greedy_scores)[same], atol=1e-3
+    )
 
     keras_beam, keras_scores = beam_search(model, sources, beam_size=4)
     onnx_beam, onnx_scores = translator.beam_search(sources, beam_size=4)
@@ -55,6 +69,25 @@ def test_same_translations_as_keras_on_held_out_sentences(kind, exported):
     assert translator.translate(texts, beam_size=1) == translate_lines(
         model, tokenizer, texts, beam_size=1
     )
+
+
+def first_difference_gap(model, source, a, b):
+    """|log p(x | prefix) - log p(y | prefix)| under `model`, where outputs `a` and
+    `b` (EOS excluded) first differ, x in `a` and y in `b` (EOS where one ends)."""
+    from keras_transformer_runtime.specials import EOS_ID
+
+    from keras_transformer.decoding import sequence_log_probs
+
+    ended_a, ended_b = [*a, EOS_ID], [*b, EOS_ID]
+    at = next(p for p, (x, y) in enumerate(zip(ended_a, ended_b, strict=False)) if x != y)
+    prefix = list(a[:at])
+    scored = [
+        sequence_log_probs(model, [source], [prefix], ended=True)[0]
+        if token == EOS_ID
+        else sequence_log_probs(model, [source], [[*prefix, token]], ended=False)[0]
+        for token in (ended_a[at], ended_b[at])
+    ]
+    return abs(scored[0] - scored[1])
 
 
 def test_runtime_imports_neither_tensorflow_nor_keras(exported):
