@@ -54,6 +54,7 @@ def int8_graph(path, out_path, vocabulary_size, nodes_to_exclude=()):
 
     model = onnx.load(out_path)
     if int8_embeddings(model.graph, vocabulary_size):
+        int8_tied_output(model)
         onnx.save(model, out_path)
 
 
@@ -103,6 +104,59 @@ def int8_embeddings(graph, vocabulary_size):
     graph.initializer.extend(kept)
     del graph.node[:]
     graph.node.extend(nodes)
+    return True
+
+
+def int8_tied_output(model):
+    """The tied output product of a graph whose embedding table `int8_embeddings`
+    stored in int8, on that table: the hidden rows quantized dynamically
+    (`DynamicQuantizeLinear`), times the int8 table transposed, one scale per
+    row (`com.microsoft.QGemm` with `transB`), in place of the float32 `MatMul`
+    by the transposed float32 table (whose `B` is no constant, so the quantizer
+    leaves it). The table is then stored once, in int8. Returns whether it was
+    replaced."""
+    import numpy as np
+    from onnx import helper, numpy_helper
+
+    from keras_transformer.export.step_graph import TIED_OUTPUT
+
+    graph = model.graph
+    made = {out: node for node in graph.node for out in node.output}
+    found = [n for n in graph.node if n.name == TIED_OUTPUT and n.op_type == "MatMul"]
+    transpose = made.get(found[0].input[1]) if len(found) == 1 else None
+    tables = {t.name: t for t in graph.initializer}
+    if transpose is None or f"{transpose.input[0]}_int8" not in tables:
+        return False
+    (product,), table, out = found, transpose.input[0], found[0].output[0]
+    scale = numpy_helper.to_array(tables[f"{table}_scale"]).reshape(-1)  # (V, 1): a lookup's
+    graph.initializer.extend([
+        numpy_helper.from_array(scale, f"{out}_row_scales"),
+        numpy_helper.from_array(np.zeros(scale.shape, np.int8), f"{out}_row_zero_points"),
+    ])  # fmt: skip
+    quantized = [f"{out}_x_int8", f"{out}_x_scale", f"{out}_x_zero_point"]
+    nodes = [
+        helper.make_node("DynamicQuantizeLinear", [product.input[0]], quantized),
+        helper.make_node(
+            "QGemm",
+            [*quantized, f"{table}_int8", f"{out}_row_scales", f"{out}_row_zero_points"],
+            [out],
+            name=TIED_OUTPUT,
+            domain="com.microsoft",
+            transB=1,
+        ),
+    ]
+    at = list(graph.node).index(product)
+    graph.node.remove(product)
+    for i, node in enumerate(nodes):
+        graph.node.insert(at + i, node)
+    if not any(transpose.output[0] in n.input for n in graph.node):
+        graph.node.remove(transpose)
+    if not any(table in n.input for n in graph.node):  # the float32 table, now unread
+        kept = [t for t in graph.initializer if t.name != table]
+        del graph.initializer[:]
+        graph.initializer.extend(kept)
+    if not any(o.domain == "com.microsoft" for o in model.opset_import):
+        model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
     return True
 
 

@@ -295,8 +295,9 @@ def decoder_layers(
     return x
 
 
-# The node name of a shortlisted step's output product.
+# The node names of a shortlisted step's output product, and of the tied one.
 LISTED_OUTPUT = "listed_output"
+TIED_OUTPUT = "tied_output"
 
 
 def output_logits(g, parts, x, shortlist=None):
@@ -324,8 +325,12 @@ def output_logits(g, parts, x, shortlist=None):
             logits = g.node("Add", [logits, g.node("Gather", [bias, shortlist], axis=0)])
         return logits
     if parts.output_projection is None:
-        kernel = np.ascontiguousarray(output_embeddings(parts).T)
-        logits = g.node("MatMul", [x, g.const("output_kernel", kernel)])
+        # The lookups' own table, transposed in the graph (ONNX Runtime folds the
+        # `Transpose` of a constant when it loads it): the tied embeddings are
+        # stored once, in int8 too (`quantize.int8_tied_output`).
+        table = g.const("embeddings", output_embeddings(parts))
+        logits = g.node("MatMul", [x, g.node("Transpose", [table], perm=[1, 0])])
+        g.nodes[-1].name = TIED_OUTPUT
         if parts.target_embedding.logits_bias is not None:
             bias = weight_array(parts.target_embedding.logits_bias)
             logits = g.node("Add", [logits, g.const("output_bias", bias)])

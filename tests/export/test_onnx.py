@@ -318,8 +318,11 @@ def test_other_model_shapes_graphs_match_keras(shape, tmp_path):
     if parts.target_embedding.logits_bias is not None:
         parts.target_embedding.logits_bias.assign(np.linspace(-2, 2, 50).astype("float32"))
     out = str(tmp_path / "onnx")
-    export_onnx(model, out)
+    tied = parts.output_projection is None
+    export_onnx(model, out, precision="int8" if tied else "float32")
     translator = OnnxTranslator(out)
+    if tied:  # the output product reads the lookups' table: it is held once
+        check_tied_table_held_once(out, config.vocabulary_size, config.hidden_dim)
     # Positions past the table (16) are computed, in both layouts.
     source = np.array([[5, 6, 7, 8] * 5 + [2], [9, 2] + [0] * 19, [0] * 21], np.int32)
     target = np.array([[1, 5, 9], [1, 7, 0], [1, 4, 4]], np.int32)
@@ -341,6 +344,27 @@ def test_other_model_shapes_graphs_match_keras(shape, tmp_path):
     forced = translator.decoder.log_probs(source, target)
     rows = (target != 0) & mask.any(axis=1)[:, None]
     np.testing.assert_allclose(forced[rows], log_probs[rows], atol=1e-4)
+    if tied:  # and in int8, near enough for the rows and scales to be the right ones
+        int8 = OnnxTranslator(out, precision="int8").decoder.log_probs(source, target)
+        np.testing.assert_allclose(int8[rows], log_probs[rows], atol=0.05)
+
+
+def check_tied_table_held_once(out, vocabulary_size, hidden_dim):
+    """Each graph of each precision in `out` holds the tied `(vocabulary, hidden)`
+    table at most once, in either layout (the decoder step exactly once)."""
+    with open(os.path.join(out, "manifest.json")) as f:
+        graphs = json.load(f)["graphs"]
+    shape = sorted([vocabulary_size, hidden_dim])
+    for name, graph in graphs.items():
+        for precision in ("float32", "int8"):
+            proto = onnx.load(os.path.join(out, graph[precision]), load_external_data=False)
+            held = [
+                t.name
+                for g in subgraphs(proto.graph)
+                for t in g.initializer
+                if sorted(t.dims) == shape
+            ]
+            assert len(held) <= 1 and (name != "decoder_step" or held), (name, precision, held)
 
 
 def test_step_rows_of_a_sentence_share_its_cross_caches(exported):
