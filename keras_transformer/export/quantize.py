@@ -29,9 +29,12 @@ def int8_graph(path, out_path, vocabulary_size, nodes_to_exclude=()):
     """
     import logging
 
+    import onnx
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
     from keras_transformer.startup import DropMessages
+
+    source = tied_kernel_constant(onnx.load(path)) or path
 
     # The quantizer advises, on the root logger and once per graph, an optional
     # pre-processing pass; the int8 graphs are judged by their translations
@@ -40,7 +43,7 @@ def int8_graph(path, out_path, vocabulary_size, nodes_to_exclude=()):
     logging.getLogger().addFilter(hush)
     try:
         quantize_dynamic(
-            path,
+            source,
             out_path,
             op_types_to_quantize=["MatMul", "Gemm"],
             per_channel=False,
@@ -50,11 +53,8 @@ def int8_graph(path, out_path, vocabulary_size, nodes_to_exclude=()):
         )
     finally:
         logging.getLogger().removeFilter(hush)
-    import onnx
-
     model = onnx.load(out_path)
     if int8_embeddings(model.graph, vocabulary_size):
-        int8_tied_output(model)
         onnx.save(model, out_path)
 
 
@@ -107,16 +107,19 @@ def int8_embeddings(graph, vocabulary_size):
     return True
 
 
-def int8_tied_output(model):
-    """The tied output product of a graph whose embedding table `int8_embeddings`
-    stored in int8, on that table: the hidden rows quantized dynamically
-    (`DynamicQuantizeLinear`), times the int8 table transposed, one scale per
-    row (`com.microsoft.QGemm` with `transB`), in place of the float32 `MatMul`
-    by the transposed float32 table (whose `B` is no constant, so the quantizer
-    leaves it). The table is then stored once, in int8. Returns whether it was
-    replaced."""
-    import numpy as np
-    from onnx import helper, numpy_helper
+def tied_kernel_constant(model):
+    """`model` with the tied output product's `B`, a `Transpose` of the lookups'
+    float32 table (`step_graph.TIED_OUTPUT`), made a constant of its own, so
+    that the quantizer quantizes it like any other weight: one scale for the
+    whole matrix, in the product's layout. Returns None when there is none.
+
+    The int8 graph thus holds the table twice (the lookups' copy has one scale
+    per row). A single int8 copy, the product reading the row-scaled table
+    through a folded `Transpose`, made the output product slower: ONNX Runtime's
+    int8 product with one scale per output column is 0.65x one scale at batch
+    1 and 0.9x at batch 32 (docs/performance.md, "The tied table in int8").
+    """
+    from onnx import numpy_helper
 
     from keras_transformer.export.step_graph import TIED_OUTPUT
 
@@ -125,39 +128,15 @@ def int8_tied_output(model):
     found = [n for n in graph.node if n.name == TIED_OUTPUT and n.op_type == "MatMul"]
     transpose = made.get(found[0].input[1]) if len(found) == 1 else None
     tables = {t.name: t for t in graph.initializer}
-    if transpose is None or f"{transpose.input[0]}_int8" not in tables:
-        return False
-    (product,), table, out = found, transpose.input[0], found[0].output[0]
-    scale = numpy_helper.to_array(tables[f"{table}_scale"]).reshape(-1)  # (V, 1): a lookup's
-    graph.initializer.extend([
-        numpy_helper.from_array(scale, f"{out}_row_scales"),
-        numpy_helper.from_array(np.zeros(scale.shape, np.int8), f"{out}_row_zero_points"),
-    ])  # fmt: skip
-    quantized = [f"{out}_x_int8", f"{out}_x_scale", f"{out}_x_zero_point"]
-    nodes = [
-        helper.make_node("DynamicQuantizeLinear", [product.input[0]], quantized),
-        helper.make_node(
-            "QGemm",
-            [*quantized, f"{table}_int8", f"{out}_row_scales", f"{out}_row_zero_points"],
-            [out],
-            name=TIED_OUTPUT,
-            domain="com.microsoft",
-            transB=1,
-        ),
-    ]
-    at = list(graph.node).index(product)
-    graph.node.remove(product)
-    for i, node in enumerate(nodes):
-        graph.node.insert(at + i, node)
+    if transpose is None or transpose.op_type != "Transpose" or transpose.input[0] not in tables:
+        return None
+    kernel = numpy_helper.to_array(tables[transpose.input[0]]).T.copy()
+    name = f"{found[0].output[0]}_kernel"
+    graph.initializer.append(numpy_helper.from_array(kernel, name))
+    found[0].input[1] = name
     if not any(transpose.output[0] in n.input for n in graph.node):
         graph.node.remove(transpose)
-    if not any(table in n.input for n in graph.node):  # the float32 table, now unread
-        kept = [t for t in graph.initializer if t.name != table]
-        del graph.initializer[:]
-        graph.initializer.extend(kept)
-    if not any(o.domain == "com.microsoft" for o in model.opset_import):
-        model.opset_import.append(helper.make_opsetid("com.microsoft", 1))
-    return True
+    return model
 
 
 def sort_topologically(graph):
