@@ -123,7 +123,7 @@ class BatchShapes:
     shapes to one per bucket, for a train step compiled per shape (JAX, or
     XLA on TensorFlow). On Multi30k de-en at 1,024 tokens a batch: `fine`
     gives at most 42 shapes at 91.8% real tokens, `few` at most 9 at 84.9%
-    (`benchmarks.train_backends`, docs/distributed.md). Empty rows change neither the loss nor the
+    (docs/distributed.md). Empty rows change neither the loss nor the
     gradients.
     """
 
