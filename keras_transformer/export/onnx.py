@@ -75,6 +75,7 @@ from keras_transformer.export.quantize import float16_graph, int8_graph, int8_li
 from keras_transformer.export.step_graph import (
     LISTED_OUTPUT,
     build_decoder_step,
+    output_embeddings,
     selection_top_k_limit,
 )
 from keras_transformer.export.weights import ExportError, share_weights
@@ -287,7 +288,8 @@ def _write_graphs(model, folder, opset, precision, shortlist=None):
                 onnx.checker.check_model(half, full_check=True)
                 onnx.save(half, os.path.join(folder, extra))
             else:
-                int8_graph(path, os.path.join(folder, extra), config.vocabulary_size)
+                table = shared_int8_table(parts)
+                int8_graph(path, os.path.join(folder, extra), config.vocabulary_size, (), table)
             graphs[name][precision] = extra
         graphs[name]["inputs"] = _describe(proto.graph.input)
         graphs[name]["outputs"] = _describe(proto.graph.output)
@@ -390,7 +392,11 @@ def _write_shortlisted(parts, folder, opset, precision, shortlist):
     elif precision == "int8":
         steps[precision] = os.path.join(folder, "decoder_step_shortlist_int8.onnx")
         int8_graph(
-            steps["float32"], steps[precision], parts.config.vocabulary_size, [LISTED_OUTPUT]
+            steps["float32"],
+            steps[precision],
+            parts.config.vocabulary_size,
+            [LISTED_OUTPUT],
+            shared_int8_table(parts),
         )
         quantized = onnx.load(steps[precision])
         if int8_listed_output(quantized):
@@ -403,6 +409,13 @@ def _write_shortlisted(parts, folder, opset, precision, shortlist):
         os.remove(path)
     shortlist.save(os.path.join(folder, SHORTLIST_FILE))
     return entries
+
+
+def shared_int8_table(parts):
+    """The embedding table that the int8 graphs store once, for the lookups and
+    the tied output product (`quantize.int8_graph`); None where the output
+    layer has a matrix of its own."""
+    return output_embeddings(parts) if parts.output_projection is None else None
 
 
 # Decoder steps per loop iteration of greedy_batch_search, by precision

@@ -327,7 +327,7 @@ def output_logits(g, parts, x, shortlist=None):
     if parts.output_projection is None:
         # The lookups' own table, transposed in the graph (ONNX Runtime folds the
         # `Transpose` of a constant when it loads it): the tied embeddings are
-        # stored once (int8 keeps the product a copy: `quantize.tied_kernel_constant`).
+        # stored once (in int8 too: `quantize.int8_tied_output`).
         table = g.const("embeddings", output_embeddings(parts))
         logits = g.node("MatMul", [x, g.node("Transpose", [table], perm=[1, 0])])
         g.nodes[-1].name = TIED_OUTPUT

@@ -321,7 +321,7 @@ def test_other_model_shapes_graphs_match_keras(shape, tmp_path):
     tied = parts.output_projection is None
     export_onnx(model, out, precision="int8" if tied else "float32")
     translator = OnnxTranslator(out)
-    if tied:  # the output product reads the lookups' table: in float32 it is held once
+    if tied:  # the output product reads the lookups' table: held once in each precision
         check_tied_table_held_once(out, config.vocabulary_size, config.hidden_dim)
     # Positions past the table (16) are computed, in both layouts.
     source = np.array([[5, 6, 7, 8] * 5 + [2], [9, 2] + [0] * 19, [0] * 21], np.int32)
@@ -350,9 +350,9 @@ def test_other_model_shapes_graphs_match_keras(shape, tmp_path):
 
 
 def check_tied_table_held_once(out, vocabulary_size, hidden_dim):
-    """Each float32 graph in `out` holds the tied `(vocabulary, hidden)` table at
-    most once, in either layout (the decoder step exactly once); the int8 graphs
-    hold it in int8 only: the lookups' copy and the product's."""
+    """Each graph in `out` holds the tied `(vocabulary, hidden)` table at most
+    once, in either layout (the decoder step exactly once): the int8 graphs in
+    int8, one table for the lookups and the product."""
     with open(os.path.join(out, "manifest.json")) as f:
         graphs = json.load(f)["graphs"]
     shape = sorted([vocabulary_size, hidden_dim])
@@ -365,11 +365,9 @@ def check_tied_table_held_once(out, vocabulary_size, hidden_dim):
                 for t in g.initializer
                 if sorted(t.dims) == shape
             ]
-            if precision == "float32":
-                assert len(held) <= 1 and (name != "decoder_step" or held), (name, held)
-            else:
+            assert len(held) <= 1 and (name != "decoder_step" or held), (precision, name, held)
+            if precision == "int8":
                 assert all(kind == onnx.TensorProto.INT8 for _, kind in held), (name, held)
-                assert len(held) <= 2 and (name != "decoder_step" or len(held) == 2), (name, held)
 
 
 def test_step_rows_of_a_sentence_share_its_cross_caches(exported):
