@@ -275,6 +275,7 @@ def _write_graphs(model, folder, opset, precision, shortlist=None):
     for name, output in FORCED_GRAPHS.items():
         converted[name] = build_teacher_forced(parts, output, opset)
     graphs = {}
+    table = shared_int8_table(parts) if precision == "int8" else None  # read once
     for name in GRAPHS:
         proto = converted[name]
         onnx.checker.check_model(proto, full_check=True)
@@ -288,7 +289,6 @@ def _write_graphs(model, folder, opset, precision, shortlist=None):
                 onnx.checker.check_model(half, full_check=True)
                 onnx.save(half, os.path.join(folder, extra))
             else:
-                table = shared_int8_table(parts)
                 int8_graph(path, os.path.join(folder, extra), config.vocabulary_size, (), table)
             graphs[name][precision] = extra
         graphs[name]["inputs"] = _describe(proto.graph.input)
